@@ -1,0 +1,180 @@
+"""Tests for jaxgrpo.rewards: hand-written cases for each reward and combiner."""
+
+import threading
+
+import pytest
+
+from jaxgrpo import rewards
+
+ODD_TEXT = ["", "   ", "}}}{{", "\\boxed{", "\\boxed{}}}{{", "####", "#### }}{",
+            "\x00\ufffd\U0001f600 ∑∫√", "9" * 100_000, "\\boxed{" * 20_000,
+            "{" * 50_000 + "}" * 49_999, None]
+
+
+def test_registry_has_builtins():
+  assert {"exact_match", "math", "format"} <= set(rewards.REGISTRY)
+  assert rewards.get("math") is rewards.math_reward
+  assert rewards.get("format") is rewards.format_reward
+
+
+def test_get_unknown_names_the_name_and_the_allowed_ones():
+  with pytest.raises(ValueError) as info:
+    rewards.get("bogus")
+  message = str(info.value)
+  assert "'bogus'" in message and "exact_match" in message and "math" in message
+  assert "\n" not in message
+  assert isinstance(info.value, KeyError)  # callers may catch either
+
+
+def test_register_rejects_duplicates():
+  with pytest.raises(ValueError, match="already registered"):
+    rewards.register("math")(lambda c, a, **k: [0.0] * len(c))
+
+
+def test_exact_match():
+  completions = ["0579", " 0579 \n", "0579\nthen more", "0579 extra", "579",
+                 "0578", "", None]
+  answers = ["0579", "0579", "0579", "0579", "0579", "0579", "0579", "0579"]
+  assert rewards.exact_match(completions, answers) == [
+      1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_exact_match_empty_answer_matches_nothing():
+  assert rewards.exact_match(["", "x"], ["", " "]) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("completion,answer", [
+    ("so \\boxed{\\frac{1}{2}}", "0.5"),
+    ("so \\boxed{0.5}", "\\frac{1}{2}"),
+    ("The answer is \\boxed{\\frac{\\sqrt{2}}{2}}.", "\\frac{1}{\\sqrt{2}}"),
+    ("first \\boxed{3}, no wait \\boxed{4}", "4"),
+    ("\\boxed{\\left\\{1, 2\\right\\}}", "\\{1,2\\}"),
+    ("She pays 500 + 734 = 1,234 dollars.\n#### 1,234", "1234"),
+    ("#### 72", "Natalia sold 48/2 = 24 clips.\n48+24 = 72\n#### 72"),
+    ("so the answer is 7.50", "7.5"),
+    ("it drops by 3 to -12 degrees", "-12"),
+    ("total: $1,234,567.", "1234567"),
+    ("x = 10", 10),  # a non-string reference column reads as its text
+])
+def test_math_correct(completion, answer):
+  assert rewards.math_reward([completion], [answer]) == [1.0]
+
+
+@pytest.mark.parametrize("completion,answer", [
+    ("\\boxed{\\frac{1}{3}}", "0.5"),
+    ("#### 1,235", "1234"),
+    ("the answer is 12 and then 13", "12"),  # last number counts
+    ("\\boxed{4} but 3", "3"),  # a box beats a later number
+    ("no number here", "5"),
+    ("\\boxed{5}", ""),
+    ("\\boxed{5}", None),
+    ("pages 3-5", "-5"),
+])
+def test_math_wrong(completion, answer):
+  assert rewards.math_reward([completion], [answer]) == [0.0]
+
+
+def test_math_fast_path_skips_math_verify(monkeypatch):
+  import math_verify  # pylint: disable=g-import-not-at-top
+
+  def boom(*args, **kwargs):
+    raise AssertionError("math_verify called on plain numbers")
+
+  monkeypatch.setattr(math_verify, "parse", boom)
+  monkeypatch.setattr(math_verify, "verify", boom)
+  scores = rewards.math_reward(
+      ["\\boxed{1,234}", "#### 72", "2.0000000001", "7"],
+      ["1234", "#### 72", "2", "8"])
+  assert scores == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_math_never_raises_on_odd_text():
+  n = len(ODD_TEXT)
+  assert rewards.math_reward(ODD_TEXT, ["5"] * n) == [0.0] * n
+  assert rewards.math_reward(["5"] * n, ODD_TEXT) == [0.0] * n
+
+
+def test_math_bounded_on_huge_powers():
+  # sympy would evaluate this forever; the timeout turns it into a plain 0.
+  scores = rewards.math_reward(["\\boxed{9^{9^{9^{9}}}}"], ["9^{9^{9^{8}}}"])
+  assert scores == [0.0]
+
+
+def test_math_off_main_thread():
+  # No signal-based timeout there: tame answers still go through math-verify,
+  # explosive ones fall back to string comparison instead of hanging.
+  out = {}
+
+  def work():
+    out["scores"] = rewards.math_reward(
+        ["\\boxed{\\frac{1}{2}}", "\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{10}}",
+         "#### 42"],
+        ["0.5", "9^{9^{9^{8}}}", "2^{10}", "42"])
+
+  thread = threading.Thread(target=work)
+  thread.start()
+  thread.join()
+  assert out["scores"] == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_format():
+  completions = ["so \\boxed{3}", "\\boxed{\\frac{1}{2}}", "work\n#### 72",
+                 "the answer is 3", "\\boxed{}", "\\boxed{3", "####  \n", None]
+  assert rewards.format_reward(completions, [""] * len(completions)) == [
+      1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_format_never_raises_on_odd_text():
+  scores = rewards.format_reward(ODD_TEXT, [""] * len(ODD_TEXT))
+  assert scores[:2] == [0.0, 0.0] and len(scores) == len(ODD_TEXT)
+
+
+def test_combine_weighted_sum():
+  fn = rewards.combine({"exact_match": 1.0, "format": 0.5, "math": 0.0})
+  completions = ["42", "\\boxed{42}", "41", "\\boxed{41}"]
+  answers = ["42"] * 4
+  assert fn(completions, answers) == [1.0, 0.5, 0.0, 0.5]
+
+
+def test_compute_breakdown():
+  total, breakdown = rewards.compute(
+      {"math": 2.0, "format": -0.5, "exact_match": 0},
+      ["#### 42", "42", "#### 7"], ["42", "42", "42"])
+  assert total == [1.5, 2.0, -0.5]
+  assert breakdown == {"math": [1.0, 1.0, 0.0], "format": [1.0, 0.0, 1.0]}
+
+
+def test_columns_pass_through_to_custom_reward():
+  seen = {}
+
+  def custom(completions, answers, **columns):
+    seen.update(columns)
+    return [float(len(c)) for c in completions]
+
+  rewards.REGISTRY["_test_len"] = custom
+  try:
+    total, _ = rewards.compute({"_test_len": 0.5}, ["ab", "abcd"], ["", ""],
+                               difficulty=[1, 2])
+  finally:
+    del rewards.REGISTRY["_test_len"]
+  assert total == [1.0, 2.0] and seen == {"difficulty": [1, 2]}
+
+
+def test_combine_unknown_name():
+  with pytest.raises(ValueError, match="'nope'.*allowed: .*exact_match"):
+    rewards.combine({"exact_match": 1.0, "nope": 1.0})
+
+
+def test_combine_rejects_non_finite_weight():
+  with pytest.raises(ValueError, match="not finite"):
+    rewards.combine({"math": float("nan")})
+
+
+@pytest.mark.parametrize("name", ["exact_match", "math", "format"])
+def test_length_mismatch(name):
+  with pytest.raises(ValueError, match="lengths"):
+    rewards.get(name)(["a", "b"], ["a"])
+  with pytest.raises(ValueError, match="lengths"):
+    rewards.get(name)(["a"], ["a"], extra=[1, 2])
+  with pytest.raises(ValueError, match="lengths"):
+    rewards.combine({name: 1.0})(["a"], [])
