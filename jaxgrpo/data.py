@@ -1,0 +1,349 @@
+"""Prompt data: tasks (arithmetic generator, JSONL files) and grain pipelines.
+
+Everything here runs on the host and reads its whole source eagerly, so that a bad file or
+a prompt too long for the compiled sampler fails in seconds, before any compilation.
+
+Rows are plain dicts `{"question": str, "answer": str, ...}`. A run turns them into:
+- `PromptBatches`: shuffled, repeated, per-process batches for training, whose position
+  `get_state()` returns for the checkpoint and `set_state()` restores on resume;
+- `validation_batches`: a fixed, ordered list of batches, padded to equal counts on every
+  process, with a `valid_B` flag on each row.
+
+On a pod each process reads rows `process_index::process_count` of the same list, so hosts
+never feed the same prompt twice within an epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from jaxgrpo.tokenizer import Tokenizer
+
+# A path starting with this prefix names a file packaged with jaxgrpo (GSM8K, MIT licence),
+# so configs can say train_path='@gsm8k/train.jsonl' without knowing the install location.
+GSM8K_PREFIX = "@gsm8k/"
+_ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+SOURCES = ("arithmetic", "jsonl")
+
+
+class DataError(ValueError):
+  """A data problem, explained in one line that names the file (and line) at fault."""
+
+
+def resolve_path(path: str) -> str:
+  """Maps `@gsm8k/NAME` to the packaged `jaxgrpo/assets/gsm8k/NAME`; other paths unchanged."""
+  if path.startswith(GSM8K_PREFIX):
+    return os.path.join(_ASSETS_DIR, "gsm8k", path[len(GSM8K_PREFIX):])
+  return path
+
+
+def load_jsonl(path: str, question_key: str = "question",
+               answer_key: str = "answer") -> list[dict[str, Any]]:
+  """Reads every row of a JSONL file.
+
+  Blank lines are skipped. Each row becomes `{"question": str, "answer": str}` plus its other
+  columns unchanged; numeric answers are turned into strings.
+
+  Raises:
+    DataError: missing file, a line that is not a JSON object, a missing or non-text field,
+      or no rows at all. The message names `path` and the 1-based line number.
+  """
+  if not os.path.isfile(resolve_path(path)):
+    raise DataError(f"{path}: no such file")
+  rows = []
+  # Bytes, decoded line by line, so that a bad byte is reported with its line number.
+  with open(resolve_path(path), "rb") as f:
+    for line_no, raw in enumerate(f, start=1):
+      where = f"{path}:{line_no}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e})") from None
+      if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+      row = {k: v for k, v in obj.items() if k not in (question_key, answer_key)}
+      row["question"] = _text_field(obj, question_key, where)
+      row["answer"] = _text_field(obj, answer_key, where)
+      rows.append(row)
+  if not rows:
+    raise DataError(f"{path}: empty dataset (0 usable rows)")
+  return rows
+
+
+def _text_field(obj: dict[str, Any], key: str, where: str) -> str:
+  if key not in obj:
+    raise DataError(f"{where}: missing field {key!r} (fields: {', '.join(obj)})")
+  value = obj[key]
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return str(value)
+  if not isinstance(value, str):
+    raise DataError(f"{where}: field {key!r} is {type(value).__name__}, expected text")
+  return value
+
+
+def is_val_pair(a: int, b: int, num_digits: int) -> bool:
+  """The held-out rule: `a+b` is a validation problem iff crc32("a+b=") % 10 == 0.
+
+  The rule depends only on the operands (zero-padded to `num_digits`), not on any seed, so
+  no training run of any seed or size ever trains on a validation problem.
+  """
+  question = f"{a:0{num_digits}d}+{b:0{num_digits}d}="
+  return zlib.crc32(question.encode()) % 10 == 0
+
+
+def arithmetic_examples(num_examples: int, num_digits: int = 3, seed: int = 0,
+                        split: str = "train") -> list[dict[str, str]]:
+  """Returns distinct addition problems `{"question": "123+456=", "answer": "0579"}`.
+
+  Operands are zero-padded to `num_digits`, the answer to `num_digits + 1` digits, so every
+  problem has the same token length. Train and val are disjoint by `is_val_pair` (about a
+  tenth of all pairs are val). The list is a deterministic function of the arguments.
+  """
+  if split not in ("train", "val"):
+    raise DataError(f"arithmetic: unknown split {split!r} (allowed: train, val)")
+  if not 1 <= num_digits <= 9:
+    raise DataError(f"arithmetic: num_digits={num_digits}, expected 1..9")
+  want_val, base = split == "val", 10**num_digits
+  rng = np.random.default_rng([seed, int(want_val)])
+  # Small spaces (up to 3 digits) are scanned as one permutation, so a request is met
+  # exactly or refused; larger ones are sampled at random and duplicates rejected.
+  candidates = rng.permutation(base * base) if base <= 1000 else None
+  rows, seen, cursor = [], set(), 0
+  while len(rows) < num_examples:
+    if candidates is None:
+      chunk = rng.integers(0, base * base, size=4096)
+    elif cursor < len(candidates):
+      chunk, cursor = candidates[cursor:cursor + 4096], cursor + 4096
+    else:
+      raise DataError(f"arithmetic: only {len(rows)} distinct {split} problems with "
+                      f"num_digits={num_digits}, asked for {num_examples}")
+    for key in chunk.tolist():
+      a, b = divmod(key, base)
+      if key in seen or is_val_pair(a, b, num_digits) != want_val:
+        continue
+      seen.add(key)
+      rows.append({"question": f"{a:0{num_digits}d}+{b:0{num_digits}d}=",
+                   "answer": f"{a + b:0{num_digits + 1}d}"})
+      if len(rows) == num_examples:
+        break
+  return rows
+
+
+def render_prompt(template: str, row: dict[str, Any]) -> str:
+  """Fills `template` from the row's fields, e.g. "Question: {question}\\nAnswer:"."""
+  try:
+    return template.format(**row)
+  except (KeyError, IndexError) as e:
+    raise DataError(f"prompt template {template!r} names {e} but the row has fields: "
+                    f"{', '.join(row)}") from None
+  except ValueError as e:  # Unbalanced braces and similar format-string mistakes.
+    raise DataError(f"prompt template {template!r} is malformed ({e})") from None
+
+
+def tokenize_prompts(tokenizer: Tokenizer, prompts: Sequence[str],
+                     max_prompt_length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Returns (`prompt_tokens_BxL` int32, `prompt_mask_BxL` bool), left-padded to L.
+
+  Left padding puts every prompt's last token in the same column, where the sampler starts
+  generating. A prompt longer than `max_prompt_length` is an error, never truncated: a cut
+  question has a different answer.
+  """
+  ids_list = tokenizer.encode_batch(prompts)
+  _check_lengths(ids_list, prompts, range(len(prompts)), max_prompt_length)
+  return _pad_left(ids_list, tokenizer.pad_id, max_prompt_length)
+
+
+def _pad_left(ids_list: Sequence[Sequence[int]], pad_id: int,
+              max_prompt_length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads id lists already checked to fit in `max_prompt_length`."""
+  tokens_BxL = np.full((len(ids_list), max_prompt_length), pad_id, dtype=np.int32)
+  mask_BxL = np.zeros((len(ids_list), max_prompt_length), dtype=bool)
+  for i, ids in enumerate(ids_list):
+    if ids:
+      tokens_BxL[i, -len(ids):] = ids
+      mask_BxL[i, -len(ids):] = True
+  return tokens_BxL, mask_BxL
+
+
+def _check_lengths(ids_list: Sequence[Sequence[int]], prompts: Sequence[str],
+                   row_ids: Sequence[int], max_prompt_length: int) -> None:
+  """Raises a DataError naming the first prompt that does not fit, and how many do not."""
+  too_long = [k for k, ids in enumerate(ids_list) if len(ids) > max_prompt_length]
+  if too_long:
+    k = too_long[0]
+    longest = max(len(ids_list[j]) for j in too_long)
+    raise DataError(
+        f"prompt {row_ids[k]} ({prompts[k][:40]!r}...) is {len(ids_list[k])} tokens, longer "
+        f"than max_prompt_length={max_prompt_length} ({len(too_long)} of {len(ids_list)} "
+        f"prompts are too long, the longest {longest}); raise the limit or drop long rows")
+
+
+def _shard(rows: Sequence[Any], process_index: int | None,
+           process_count: int | None) -> tuple[list[int], int, int]:
+  """Returns the indices `process_index::process_count` of `rows` and the two numbers."""
+  # Imported here so that data can be loaded and checked without starting jax.
+  import jax  # pylint: disable=g-import-not-at-top
+  index = jax.process_index() if process_index is None else process_index
+  count = jax.process_count() if process_count is None else process_count
+  if not 0 <= index < count:
+    raise DataError(f"process_index={index} is outside 0..{count - 1}")
+  return list(range(index, len(rows), count)), index, count
+
+
+def _prepare(rows: Sequence[dict[str, Any]], row_ids: Sequence[int], tokenizer: Tokenizer,
+             template: str, max_prompt_length: int) -> list[dict[str, Any]]:
+  """Renders and tokenizes rows `row_ids` once, so a too-long prompt fails at startup."""
+  prompts = [render_prompt(template, rows[i]) for i in row_ids]
+  ids_list = tokenizer.encode_batch(prompts)
+  _check_lengths(ids_list, prompts, row_ids, max_prompt_length)
+  return [{"prompt": p, "ids": ids, "row_id": i, "question": rows[i]["question"],
+           "answer": rows[i]["answer"]} for p, ids, i in zip(prompts, ids_list, row_ids)]
+
+
+def _collate(records: Sequence[dict[str, Any]], pad_id: int,
+             max_prompt_length: int) -> dict[str, Any]:
+  tokens_BxL, mask_BxL = _pad_left([r["ids"] for r in records], pad_id, max_prompt_length)
+  return {"prompt_tokens_BxL": tokens_BxL, "prompt_mask_BxL": mask_BxL,
+          "row_ids_B": np.array([r["row_id"] for r in records], dtype=np.int32),
+          "prompts": [r["prompt"] for r in records],
+          "questions": [r["question"] for r in records],
+          "answers": [r["answer"] for r in records]}
+
+
+class PromptBatches:
+  """Infinite, shuffled training batches of this process's share of the rows.
+
+  Each epoch is a fresh permutation (grain's `repeat` reseeds the shuffle per epoch from
+  `seed`); a batch may span two epochs. Each batch is a dict with `prompt_tokens_BxL`
+  (int32), `prompt_mask_BxL` (bool), `row_ids_B` (int32, indices into `rows`), and
+  `prompts`, `questions`, `answers` (lists of str), where B = `batch_size` per process.
+  """
+
+  def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, batch_size: int,
+               max_prompt_length: int, template: str = "{question}", seed: int = 0,
+               process_index: int | None = None, process_count: int | None = None):
+    shard, self.process_index, self.process_count = _shard(rows, process_index,
+                                                           process_count)
+    if batch_size < 1:
+      raise DataError(f"batch_size={batch_size}, expected at least 1")
+    if not shard:
+      raise DataError(f"{len(rows)} rows cannot feed {self.process_count} processes")
+    records = _prepare(rows, shard, tokenizer, template, max_prompt_length)
+    self.num_rows, self.batch_size, self.seed = len(records), batch_size, seed
+    pad_id = tokenizer.pad_id
+    dataset = (grain.MapDataset.source(records).seed(seed).shuffle().repeat(None)
+               .batch(batch_size, drop_remainder=True,
+                      batch_fn=lambda rs: _collate(rs, pad_id, max_prompt_length)))
+    # num_threads=0: the rows are in memory, and reader threads would only contend for
+    # the GIL with the training loop.
+    self._iterator = iter(dataset.to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+  def __iter__(self) -> PromptBatches:
+    return self
+
+  def __next__(self) -> dict[str, Any]:
+    return next(self._iterator)
+
+  def _fingerprint(self) -> dict[str, int]:
+    return {"seed": self.seed, "num_rows": self.num_rows, "batch_size": self.batch_size,
+            "process_index": self.process_index, "process_count": self.process_count}
+
+  def get_state(self) -> dict[str, Any]:
+    """Returns the position to checkpoint: grain's iterator state plus what it depends on."""
+    return {"iterator": self._iterator.get_state(), **self._fingerprint()}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Resumes at `state`; refuses one saved with other data, seed, batch size or hosts."""
+    saved = {k: state.get(k) for k in self._fingerprint()}
+    if saved != self._fingerprint():
+      raise DataError(f"data iterator state was saved for {saved}, but this run has "
+                      f"{self._fingerprint()}; the resumed data order would differ")
+    self._iterator.set_state(state["iterator"])
+
+
+def validation_batches(rows: Sequence[dict[str, Any]], tokenizer: Tokenizer,
+                       batch_size: int, max_prompt_length: int,
+                       template: str = "{question}", process_index: int | None = None,
+                       process_count: int | None = None) -> list[dict[str, Any]]:
+  """Returns this process's validation batches, in row order, unshuffled.
+
+  Every process gets the same number of batches, ceil(ceil(n / processes) / batch_size),
+  because the validation step is a collective. Rows beyond this process's share repeat its
+  last row (or the last row overall if its share is empty) with `valid_B` False, so they
+  fill the shape and must be left out of every metric. Batches have the keys of
+  `PromptBatches` plus `valid_B` (bool).
+  """
+  if not rows:
+    raise DataError("validation: empty dataset (0 usable rows)")
+  if batch_size < 1:
+    raise DataError(f"validation batch_size={batch_size}, expected at least 1")
+  shard, _, count = _shard(rows, process_index, process_count)
+  num_batches = math.ceil(math.ceil(len(rows) / count) / batch_size)
+  filler = shard[-1] if shard else len(rows) - 1
+  valid = [True] * len(shard) + [False] * (num_batches * batch_size - len(shard))
+  padded = shard + [filler] * (len(valid) - len(shard))
+  records = _prepare(rows, padded, tokenizer, template, max_prompt_length)
+  batches = []
+  for start in range(0, len(records), batch_size):
+    batch = _collate(records[start:start + batch_size], tokenizer.pad_id, max_prompt_length)
+    batch["valid_B"] = np.array(valid[start:start + batch_size], dtype=bool)
+    batches.append(batch)
+  return batches
+
+
+def make_sources(data_config: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+  """Returns (train_rows, val_rows) for a data config (a ConfigDict or any object).
+
+  Fields: `source` is 'arithmetic' or 'jsonl'.
+  - arithmetic: `num_train_examples` and `num_val_examples` problems of `num_digits`
+    digits from `arithmetic_examples` (disjoint splits), drawn with `seed` (default 0).
+  - jsonl: rows of `train_path` and `val_path`, read with `question_key`/`answer_key`.
+    A path `@gsm8k/train.jsonl` or `@gsm8k/test.jsonl` names the packaged GSM8K files.
+    `num_train_examples` > 0 keeps the first that many train rows (0: all). With a
+    `val_path`, `num_val_examples` > 0 keeps its first that many rows (0: all). With an
+    empty `val_path`, the last `num_val_examples` rows of train are held out as val and
+    are not trained on.
+  """
+  source = getattr(data_config, "source", None)
+  num_train = int(getattr(data_config, "num_train_examples", 0) or 0)
+  num_val = int(getattr(data_config, "num_val_examples", 0) or 0)
+  if source == "arithmetic":
+    num_digits = int(getattr(data_config, "num_digits", 3))
+    seed = int(getattr(data_config, "seed", 0))
+    return (arithmetic_examples(num_train, num_digits, seed, "train"),
+            arithmetic_examples(num_val, num_digits, seed, "val"))
+  if source != "jsonl":
+    raise DataError(f"data.source={source!r} is unknown (allowed: {', '.join(SOURCES)})")
+  keys = {"question_key": getattr(data_config, "question_key", "question"),
+          "answer_key": getattr(data_config, "answer_key", "answer")}
+  train_path = getattr(data_config, "train_path", "")
+  val_path = getattr(data_config, "val_path", "")
+  if not train_path:
+    raise DataError("data.train_path is empty; source='jsonl' needs a JSONL file")
+  train = load_jsonl(train_path, **keys)
+  if val_path:
+    val = load_jsonl(val_path, **keys)
+    val = val[:num_val] if num_val > 0 else val
+  else:
+    if not 0 < num_val < len(train):
+      raise DataError(f"{train_path}: data.val_path is empty, so val is the last "
+                      f"num_val_examples rows of train; need 0 < num_val_examples < "
+                      f"{len(train)}, got {num_val}")
+    train, val = train[:-num_val], train[-num_val:]
+  if num_train > 0:
+    train = train[:num_train]
+  return train, val

@@ -1,0 +1,294 @@
+"""Tests for jaxgrpo.data: JSONL loading and errors, arithmetic task, padding, pipelines."""
+
+import itertools
+import json
+import types
+
+import numpy as np
+import pytest
+
+from jaxgrpo import data
+from jaxgrpo.data import DataError
+from jaxgrpo.tokenizer import Tokenizer
+
+
+@pytest.fixture(name="tok")
+def fixture_tok():
+  return Tokenizer.char_level("0123456789+=")
+
+
+def _write(tmp_path, name, lines):
+  path = tmp_path / name
+  path.write_text("".join(line + "\n" for line in lines))
+  return str(path)
+
+
+# JSONL loading.
+
+
+def test_load_jsonl_good_file_keeps_extra_columns_and_skips_blank_lines(tmp_path):
+  path = _write(tmp_path, "train.jsonl", [
+      json.dumps({"question": "1+1=", "answer": "2", "id": 7}),
+      "",
+      "   ",
+      json.dumps({"question": "2+2=", "answer": 4}),
+  ])
+  rows = data.load_jsonl(path)
+  assert rows == [{"question": "1+1=", "answer": "2", "id": 7},
+                  {"question": "2+2=", "answer": "4"}]
+
+
+def test_load_jsonl_renames_custom_keys(tmp_path):
+  path = _write(tmp_path, "t.jsonl", [json.dumps({"problem": "q", "solution": "s"})])
+  assert data.load_jsonl(path, "problem", "solution") == [{"question": "q", "answer": "s"}]
+
+
+def test_load_jsonl_bad_json_names_file_and_line(tmp_path):
+  path = _write(tmp_path, "train.jsonl", [
+      json.dumps({"question": "a", "answer": "b"}), "", '{"question": "c" "answer": 1}'])
+  with pytest.raises(DataError) as err:
+    data.load_jsonl(path)
+  assert str(err.value).startswith(f"{path}:3: not valid JSON (Expecting ',' delimiter")
+  assert "\n" not in str(err.value)
+
+
+def test_load_jsonl_missing_field_lists_fields(tmp_path):
+  path = _write(tmp_path, "t.jsonl", [json.dumps({"a": 1, "b": 2})])
+  with pytest.raises(DataError, match=r"t\.jsonl:1: missing field 'question' \(fields: a, b\)"):
+    data.load_jsonl(path)
+
+
+def test_load_jsonl_non_object_line(tmp_path):
+  path = _write(tmp_path, "t.jsonl", ["[1, 2]"])
+  with pytest.raises(DataError, match=r"t\.jsonl:1: expected a JSON object, got list"):
+    data.load_jsonl(path)
+
+
+def test_load_jsonl_bad_utf8_names_line(tmp_path):
+  path = tmp_path / "t.jsonl"
+  path.write_bytes(b'{"question": "a", "answer": "b"}\n{"question": "\xff"}\n')
+  with pytest.raises(DataError, match=r"t\.jsonl:2: not valid UTF-8"):
+    data.load_jsonl(str(path))
+
+
+def test_load_jsonl_missing_file(tmp_path):
+  path = str(tmp_path / "x.jsonl")
+  with pytest.raises(DataError, match=r"x\.jsonl: no such file$"):
+    data.load_jsonl(path)
+
+
+def test_load_jsonl_empty_file(tmp_path):
+  path = _write(tmp_path, "x.jsonl", ["", ""])
+  with pytest.raises(DataError, match=r"x\.jsonl: empty dataset \(0 usable rows\)"):
+    data.load_jsonl(path)
+
+
+def test_packaged_gsm8k_resolves():
+  rows = data.load_jsonl("@gsm8k/test.jsonl")
+  assert len(rows) == 1319
+  assert rows[0]["answer"].splitlines()[-1].startswith("####")
+
+
+# Arithmetic task.
+
+
+def test_arithmetic_format():
+  rows = data.arithmetic_examples(200, num_digits=3, seed=0)
+  for row in rows:
+    a, b = row["question"][:-1].split("+")
+    assert len(a) == len(b) == 3 and row["question"].endswith("=")
+    assert len(row["answer"]) == 4
+    assert int(row["answer"]) == int(a) + int(b)
+  assert data.arithmetic_examples(1, num_digits=2, seed=0)[0]["question"].count("+") == 1
+
+
+def test_arithmetic_deterministic_and_distinct():
+  first = data.arithmetic_examples(500, seed=3)
+  assert first == data.arithmetic_examples(500, seed=3)
+  assert first != data.arithmetic_examples(500, seed=4)
+  assert len({r["question"] for r in first}) == 500
+
+
+def test_arithmetic_train_and_val_disjoint_across_seeds():
+  train = {r["question"] for s in range(3) for r in data.arithmetic_examples(3000, seed=s)}
+  val = {r["question"] for s in range(3)
+         for r in data.arithmetic_examples(500, seed=s, split="val")}
+  assert not train & val
+  assert all(data.is_val_pair(int(q[:3]), int(q[4:7]), 3) for q in val)
+
+
+def test_arithmetic_small_space_exhausts_cleanly():
+  # 1-digit: 100 pairs, about a tenth of them val; asking for all of a split succeeds.
+  num_val = sum(data.is_val_pair(a, b, 1) for a in range(10) for b in range(10))
+  assert len(data.arithmetic_examples(num_val, num_digits=1, split="val")) == num_val
+  with pytest.raises(DataError, match="only"):
+    data.arithmetic_examples(num_val + 1, num_digits=1, split="val")
+
+
+# Prompts and padding.
+
+
+def test_render_prompt():
+  row = {"question": "2+2?", "answer": "4", "topic": "sums"}
+  assert data.render_prompt("Question: {question}\nAnswer:", row) == "Question: 2+2?\nAnswer:"
+  assert data.render_prompt("[{topic}] {question}", row) == "[sums] 2+2?"
+  with pytest.raises(DataError, match="'nope'"):
+    data.render_prompt("{nope}", row)
+
+
+def test_tokenize_prompts_left_pads_exactly(tok):
+  tokens_BxL, mask_BxL = data.tokenize_prompts(tok, ["12+3=", "9", ""], max_prompt_length=7)
+  # bos=1, '1'=5, '2'=6, '+'=14, '3'=7, '='=15, '9'=13, pad=0.
+  np.testing.assert_array_equal(tokens_BxL, np.array([
+      [0, 1, 5, 6, 14, 7, 15],
+      [0, 0, 0, 0, 0, 1, 13],
+      [0, 0, 0, 0, 0, 0, 1],
+  ], dtype=np.int32))
+  np.testing.assert_array_equal(mask_BxL, np.array([
+      [0, 1, 1, 1, 1, 1, 1],
+      [0, 0, 0, 0, 0, 1, 1],
+      [0, 0, 0, 0, 0, 0, 1],
+  ], dtype=bool))
+  assert tokens_BxL.dtype == np.int32 and mask_BxL.dtype == bool
+
+
+def test_tokenize_prompts_exact_fit_and_too_long(tok):
+  tokens_BxL, _ = data.tokenize_prompts(tok, ["123"], max_prompt_length=4)
+  np.testing.assert_array_equal(tokens_BxL, [[1, 5, 6, 7]])
+  with pytest.raises(DataError, match=r"prompt 1 .* is 5 tokens, longer than "
+                     r"max_prompt_length=4"):
+    data.tokenize_prompts(tok, ["1", "1234"], max_prompt_length=4)
+
+
+# Training pipeline.
+
+
+def _rows(n):
+  return [{"question": f"{i:03d}+000=", "answer": f"{i:04d}"} for i in range(n)]
+
+
+def _take(batches, n):
+  return list(itertools.islice(batches, n))
+
+
+def test_prompt_batches_shapes_and_keys(tok):
+  batches = data.PromptBatches(_rows(10), tok, batch_size=4, max_prompt_length=9,
+                               process_index=0, process_count=1)
+  batch = next(batches)
+  assert set(batch) == {"prompt_tokens_BxL", "prompt_mask_BxL", "row_ids_B", "prompts",
+                        "questions", "answers"}
+  assert batch["prompt_tokens_BxL"].shape == (4, 9)
+  assert batch["prompt_tokens_BxL"].dtype == np.int32
+  assert batch["prompt_mask_BxL"].dtype == bool
+  for i, row_id in enumerate(batch["row_ids_B"]):
+    assert batch["questions"][i] == batch["prompts"][i] == f"{row_id:03d}+000="
+    assert batch["answers"][i] == f"{row_id:04d}"
+
+
+def test_prompt_batches_each_epoch_is_a_permutation_reshuffled(tok):
+  batches = data.PromptBatches(_rows(12), tok, batch_size=4, max_prompt_length=9, seed=1,
+                               process_index=0, process_count=1)
+  epochs = [np.concatenate([b["row_ids_B"] for b in _take(batches, 3)]) for _ in range(3)]
+  for epoch in epochs:
+    assert sorted(epoch) == list(range(12))
+  assert not np.array_equal(epochs[0], epochs[1])
+
+
+def test_prompt_batches_process_shards_are_disjoint_and_cover(tok):
+  seen = []
+  for index in range(2):
+    batches = data.PromptBatches(_rows(11), tok, batch_size=1, max_prompt_length=9,
+                                 process_index=index, process_count=2)
+    ids = {int(b["row_ids_B"][0]) for b in _take(batches, batches.num_rows)}
+    assert ids == set(range(index, 11, 2))
+    seen.append(ids)
+  assert not seen[0] & seen[1]
+  assert seen[0] | seen[1] == set(range(11))
+
+
+def test_prompt_batches_resume_from_state(tok):
+  kwargs = dict(tokenizer=tok, batch_size=3, max_prompt_length=9, seed=5,
+                process_index=0, process_count=1)
+  uninterrupted = data.PromptBatches(_rows(10), **kwargs)
+  expected = _take(uninterrupted, 12)
+  first = data.PromptBatches(_rows(10), **kwargs)
+  _take(first, 5)
+  state = json.loads(json.dumps(first.get_state()))  # Survives a JSON checkpoint.
+  resumed = data.PromptBatches(_rows(10), **kwargs)
+  resumed.set_state(state)
+  for want, got in zip(expected[5:], _take(resumed, 7)):
+    np.testing.assert_array_equal(want["prompt_tokens_BxL"], got["prompt_tokens_BxL"])
+    assert want["answers"] == got["answers"]
+
+
+def test_prompt_batches_refuses_state_of_other_run(tok):
+  kwargs = dict(tokenizer=tok, max_prompt_length=9, process_index=0, process_count=1)
+  state = data.PromptBatches(_rows(10), batch_size=3, **kwargs).get_state()
+  with pytest.raises(DataError, match="batch_size"):
+    data.PromptBatches(_rows(10), batch_size=4, **kwargs).set_state(state)
+
+
+def test_prompt_batches_too_long_prompt_fails_at_construction(tok):
+  rows = _rows(4) + [{"question": "1" * 20, "answer": "0"}]
+  with pytest.raises(DataError, match=r"prompt 4 .* is 21 tokens, .* \(1 of 5 prompts"):
+    data.PromptBatches(rows, tok, batch_size=2, max_prompt_length=9,
+                       process_index=0, process_count=1)
+
+
+# Validation batches.
+
+
+def test_validation_batches_pad_with_valid_mask(tok):
+  batches = data.validation_batches(_rows(5), tok, batch_size=2, max_prompt_length=9,
+                                    process_index=0, process_count=1)
+  assert len(batches) == 3
+  assert [b["row_ids_B"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 4]]
+  assert [b["valid_B"].tolist() for b in batches] == [[1, 1], [1, 1], [1, 0]]
+  assert batches[2]["answers"] == ["0004", "0004"]
+
+
+def test_validation_batches_equal_count_per_process(tok):
+  # 5 rows on 2 processes: shares of 3 and 2; both get 2 batches of 2.
+  per_process = [data.validation_batches(_rows(5), tok, batch_size=2, max_prompt_length=9,
+                                         process_index=i, process_count=2)
+                 for i in range(2)]
+  assert [len(b) for b in per_process] == [2, 2]
+  valid_ids = [int(r) for batches in per_process for b in batches
+               for r, v in zip(b["row_ids_B"], b["valid_B"]) if v]
+  assert sorted(valid_ids) == list(range(5))
+  assert [b["valid_B"].tolist() for b in per_process[1]] == [[1, 1], [0, 0]]
+
+
+# Sources from a config.
+
+
+def test_make_sources_arithmetic():
+  cfg = types.SimpleNamespace(source="arithmetic", num_digits=2, num_train_examples=50,
+                              num_val_examples=8)
+  train, val = data.make_sources(cfg)
+  assert (len(train), len(val)) == (50, 8)
+  assert not {r["question"] for r in train} & {r["question"] for r in val}
+
+
+def test_make_sources_jsonl_holds_out_tail_of_train(tmp_path):
+  path = _write(tmp_path, "t.jsonl",
+                [json.dumps({"q": str(i), "a": str(i)}) for i in range(10)])
+  cfg = types.SimpleNamespace(source="jsonl", train_path=path, val_path="", question_key="q",
+                              answer_key="a", num_train_examples=0, num_val_examples=3)
+  train, val = data.make_sources(cfg)
+  assert [r["question"] for r in train] == [str(i) for i in range(7)]
+  assert [r["question"] for r in val] == ["7", "8", "9"]
+
+
+def test_make_sources_packaged_gsm8k():
+  cfg = types.SimpleNamespace(source="jsonl", train_path="@gsm8k/train.jsonl",
+                              val_path="@gsm8k/test.jsonl", num_train_examples=100,
+                              num_val_examples=20)
+  train, val = data.make_sources(cfg)
+  assert (len(train), len(val)) == (100, 20)
+
+
+def test_make_sources_unknown_source():
+  with pytest.raises(DataError, match=r"data\.source='csv' is unknown \(allowed: "
+                     r"arithmetic, jsonl\)"):
+    data.make_sources(types.SimpleNamespace(source="csv"))
