@@ -1,0 +1,382 @@
+"""A decoder-only transformer of the Llama / Qwen family, in Flax linen.
+
+Pieces: token embedding (optionally tied to the output head), RMSNorm, rotary position
+embeddings with a configurable theta, grouped-query attention (num_heads query heads share
+num_kv_heads key/value heads), optional QK-norm (Qwen3), and a SwiGLU MLP.
+
+Two entry points share the same parameters:
+  * `Decoder.__call__`: a full causal forward over left-padded rows (teacher forcing, the
+    training loss, and prompt prefill, which also returns the per-layer K/V).
+  * `Decoder.decode_step`: one new token for each of the G samples of B prompts. The prompt's
+    K/V is kept once per prompt ([B, H, L, D]) and the samples' own K/V in a separate cache
+    ([B, G, H, T, D]); a prompt is never copied G times. The [B, H, T, D] layout measured
+    1.3-1.7x faster than [B, T, H, D] on CPU (DESIGN.md).
+
+Every parameter carries logical axis names (see sharding.py for the rules mapping them to
+mesh axes). Caches are plain arrays passed in and returned, so the decode loop stays a pure
+function that `lax.while_loop` can carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# A large finite negative instead of -inf: a fully masked row (a pad query) then gets a
+# uniform softmax instead of NaN, and NaN never leaks into gradients.
+_NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of the decoder. Names follow Hugging Face's Llama/Qwen configs."""
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  qk_norm: bool = False
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "mlp_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model.{name}={value!r}: must be a positive integer")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                       f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"model.{name}={getattr(self, name)!r}: allowed {sorted(DTYPES)}")
+    if self.rope_theta <= 0:
+      raise ValueError(f"model.rope_theta={self.rope_theta}: must be > 0")
+
+  @classmethod
+  def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"model: unknown keys {unknown}; allowed {sorted(known)}")
+    return cls(**values)
+
+
+class KVCache(NamedTuple):
+  """Decode-time cache: one array per layer in each tuple.
+
+  Per-layer arrays rather than one stacked [layers, ...] array, so that the while loop
+  updates each layer's sample cache in place instead of re-stacking all layers every step.
+  prompt_k/v: per layer [B, Hkv, P, D], the prompt's keys/values once per prompt.
+  prompt_mask: [B, P], which prompt positions are real tokens (left padding is False).
+  gen_k/v: per layer [B, G, Hkv, T, D], keys/values of the tokens sampled so far.
+  """
+
+  prompt_k: jax.Array
+  prompt_v: jax.Array
+  prompt_mask: jax.Array
+  gen_k: jax.Array
+  gen_v: jax.Array
+
+
+def _param(module, name, init_fn, shape, axes, cfg):
+  init = nn.with_logical_partitioning(init_fn, axes)
+  return module.param(name, init, shape, DTYPES[cfg.param_dtype])
+
+
+def _fan_in_init(fan_in):
+  return nn.initializers.normal(stddev=fan_in ** -0.5)
+
+
+class RMSNorm(nn.Module):
+  """x / rms(x) * scale, computed in float32 whatever the compute dtype."""
+
+  cfg: ModelConfig
+  dim: int
+
+  @nn.compact
+  def __call__(self, x):
+    scale = _param(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.cfg)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    return (x32 * scale.astype(jnp.float32)).astype(DTYPES[self.cfg.dtype])
+
+
+def rope(x, positions, theta):
+  """Rotary embedding, Hugging Face "rotate_half" convention (first half / second half).
+
+  x: [..., T, H, D] (or [..., H, D] with positions [...]); positions broadcast over heads.
+  """
+  d = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [..., 1, D/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention; query head h uses key/value head h // (H / H_kv)."""
+
+  cfg: ModelConfig
+
+  def setup(self):
+    c = self.cfg
+    self.wq = _param(self, "q", _fan_in_init(c.d_model), (c.d_model, c.num_heads, c.head_dim),
+                     ("embed", "q_heads", "head_dim"), c)
+    self.wk = _param(self, "k", _fan_in_init(c.d_model),
+                     (c.d_model, c.num_kv_heads, c.head_dim),
+                     ("embed", "kv_heads", "head_dim"), c)
+    self.wv = _param(self, "v", _fan_in_init(c.d_model),
+                     (c.d_model, c.num_kv_heads, c.head_dim),
+                     ("embed", "kv_heads", "head_dim"), c)
+    self.wo = _param(self, "o", _fan_in_init(c.num_heads * c.head_dim),
+                     (c.num_heads, c.head_dim, c.d_model), ("q_heads", "head_dim", "embed"), c)
+    if c.qk_norm:
+      self.q_norm = RMSNorm(c, c.head_dim)
+      self.k_norm = RMSNorm(c, c.head_dim)
+
+  def _qkv(self, x, positions):
+    dt = DTYPES[self.cfg.dtype]
+    q = jnp.einsum("...d,dhk->...hk", x, self.wq.astype(dt))
+    k = jnp.einsum("...d,dhk->...hk", x, self.wk.astype(dt))
+    v = jnp.einsum("...d,dhk->...hk", x, self.wv.astype(dt))
+    if self.cfg.qk_norm:  # Qwen3 normalises each head before the rotation.
+      q, k = self.q_norm(q), self.k_norm(k)
+    theta = self.cfg.rope_theta
+    return rope(q, positions, theta), rope(k, positions, theta), v
+
+  def _out(self, o):
+    return jnp.einsum("...hk,hkd->...d", o, self.wo.astype(DTYPES[self.cfg.dtype]))
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxT):
+    c = self.cfg
+    b, t, _ = x_BxTxD.shape
+    r = c.num_heads // c.num_kv_heads
+    q, k, v = self._qkv(x_BxTxD, positions_BxT)
+    q = q.reshape(b, t, c.num_kv_heads, r, c.head_dim)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", q, k).astype(jnp.float32) * c.head_dim ** -0.5
+    causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+    allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
+    scores = jnp.where(allowed[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, c.num_heads, c.head_dim)
+    # K/V returned in the cache layout [B, H_kv, T, D] for prefill.
+    return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+
+  def extend(self, x_BxGxTxD, positions_BxGxT, prompt_k, prompt_v, prompt_mask_BxP,
+             mask_BxGxT):
+    """T new tokens per sample, attending to the shared prompt K/V and causally to
+    themselves: the training-time twin of `decode`, with no prompt copied G times."""
+    c = self.cfg
+    b, g, t, _ = x_BxGxTxD.shape
+    r = c.num_heads // c.num_kv_heads
+    q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
+    q = q.reshape(b, g, t, c.num_kv_heads, r, c.head_dim)
+    scale = c.head_dim ** -0.5
+    s_prompt = jnp.einsum("bgtkrd,bkpd->bgtkrp", q, prompt_k).astype(jnp.float32) * scale
+    s_own = jnp.einsum("bgtkrd,bgskd->bgtkrs", q, k).astype(jnp.float32) * scale
+    s_prompt = jnp.where(prompt_mask_BxP[:, None, None, None, None, :], s_prompt, _NEG)
+    own = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
+    s_own = jnp.where(own[:, :, :, None, None, :], s_own, _NEG)
+    probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_own], axis=-1), axis=-1)
+    p_prompt = probs[..., : s_prompt.shape[-1]].astype(v.dtype)
+    p_own = probs[..., s_prompt.shape[-1]:].astype(v.dtype)
+    o = (jnp.einsum("bgtkrp,bkpd->bgtkrd", p_prompt, prompt_v)
+         + jnp.einsum("bgtkrs,bgskd->bgtkrd", p_own, v))
+    return self._out(o.reshape(b, g, t, c.num_heads, c.head_dim))
+
+  def decode(self, x_BxGxD, positions_BxG, step, prompt_k, prompt_v, prompt_mask_BxP,
+             gen_k, gen_v):
+    """One token per sample; writes its K/V at `step` of the sample cache."""
+    c = self.cfg
+    b, g, _ = x_BxGxD.shape
+    r = c.num_heads // c.num_kv_heads
+    q, k, v = self._qkv(x_BxGxD, positions_BxG)  # q [B,G,H,D], k/v [B,G,Hkv,D]
+    gen_k = jax.lax.dynamic_update_slice_in_dim(gen_k, k[:, :, :, None].astype(gen_k.dtype),
+                                                step, axis=3)
+    gen_v = jax.lax.dynamic_update_slice_in_dim(gen_v, v[:, :, :, None].astype(gen_v.dtype),
+                                                step, axis=3)
+    q = q.reshape(b, g, c.num_kv_heads, r, c.head_dim)
+    scale = c.head_dim ** -0.5
+    s_prompt = jnp.einsum("bgkrd,bkpd->bgkrp", q, prompt_k).astype(jnp.float32) * scale
+    s_gen = jnp.einsum("bgkrd,bgktd->bgkrt", q, gen_k).astype(jnp.float32) * scale
+    s_prompt = jnp.where(prompt_mask_BxP[:, None, None, None, :], s_prompt, _NEG)
+    filled_T = jnp.arange(gen_k.shape[3]) <= step
+    s_gen = jnp.where(filled_T, s_gen, _NEG)
+    probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_gen], axis=-1), axis=-1)
+    p_prompt = probs[..., : s_prompt.shape[-1]].astype(v.dtype)
+    p_gen = probs[..., s_prompt.shape[-1]:].astype(v.dtype)
+    o = (jnp.einsum("bgkrp,bkpd->bgkrd", p_prompt, prompt_v)
+         + jnp.einsum("bgkrt,bgktd->bgkrd", p_gen, gen_v))
+    return self._out(o.reshape(b, g, c.num_heads, c.head_dim)), gen_k, gen_v
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.cfg
+    dt = DTYPES[c.dtype]
+    gate = _param(self, "gate", _fan_in_init(c.d_model), (c.d_model, c.mlp_dim),
+                  ("embed", "mlp"), c)
+    up = _param(self, "up", _fan_in_init(c.d_model), (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
+    down = _param(self, "down", _fan_in_init(c.mlp_dim), (c.mlp_dim, c.d_model),
+                  ("mlp", "embed"), c)
+    h = jax.nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
+    return h @ down.astype(dt)
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+  cfg: ModelConfig
+
+  def setup(self):
+    self.attn_norm = RMSNorm(self.cfg, self.cfg.d_model)
+    self.attn = Attention(self.cfg)
+    self.mlp_norm = RMSNorm(self.cfg, self.cfg.d_model)
+    self.mlp = MLP(self.cfg)
+
+  def __call__(self, x, positions, mask):
+    h, kv = self.attn(self.attn_norm(x), positions, mask)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), kv
+
+  def extend(self, x, positions, prompt_k, prompt_v, prompt_mask, mask):
+    x = x + self.attn.extend(self.attn_norm(x), positions, prompt_k, prompt_v, prompt_mask,
+                             mask)
+    return x + self.mlp(self.mlp_norm(x))
+
+  def decode(self, x, positions, step, prompt_k, prompt_v, prompt_mask, gen_k, gen_v):
+    h, gen_k, gen_v = self.attn.decode(self.attn_norm(x), positions, step, prompt_k, prompt_v,
+                                       prompt_mask, gen_k, gen_v)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), gen_k, gen_v
+
+
+class Decoder(nn.Module):
+  """The policy network: tokens -> next-token logits (float32)."""
+
+  cfg: ModelConfig
+
+  def setup(self):
+    c = self.cfg
+    self.embedding = _param(self, "embedding", nn.initializers.normal(stddev=0.02),
+                            (c.vocab_size, c.d_model), ("vocab", "embed"), c)
+    if not c.tie_embeddings:
+      self.lm_head = _param(self, "lm_head", _fan_in_init(c.d_model), (c.d_model, c.vocab_size),
+                            ("embed", "vocab"), c)
+    self.blocks = [Block(c, name=f"layer_{i}") for i in range(c.num_layers)]
+    self.final_norm = RMSNorm(c, c.d_model)
+
+  def _embed(self, tokens):
+    return jnp.take(self.embedding, tokens, axis=0).astype(DTYPES[self.cfg.dtype])
+
+  def _logits(self, x):
+    x = self.final_norm(x)
+    dt = DTYPES[self.cfg.dtype]
+    if self.cfg.tie_embeddings:
+      logits = jnp.einsum("...d,vd->...v", x, self.embedding.astype(dt))
+    else:
+      logits = x @ self.lm_head.astype(dt)
+    return logits.astype(jnp.float32)
+
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxT, return_kv: bool = False):
+    """Causal forward over left-padded rows; mask_BxT marks real tokens.
+
+    Returns logits_BxTxV, and with return_kv per-layer tuples (K, V) of [B, Hkv, T, D].
+    """
+    x = self._embed(tokens_BxT)
+    ks, vs = [], []
+    for block in self.blocks:
+      x, (k, v) = block(x, positions_BxT, mask_BxT)
+      ks.append(k)
+      vs.append(v)
+    logits = self._logits(x)
+    if return_kv:
+      return logits, (tuple(ks), tuple(vs))
+    return logits
+
+  def score_groups(self, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
+                   completion_mask_BxGxT):
+    """Logits [B, G, T, V] predicting each of G completions' T tokens (teacher forcing).
+
+    The prompt runs once per prompt and its K/V are shared by the G completions, so the
+    training loss costs B*P + B*G*T token positions instead of B*G*(P+T). Completion token
+    t sits at position prompt_length + t, exactly as in sampling.
+    """
+    positions_BxP = positions_from_mask(prompt_mask_BxP)
+    prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
+    t = completion_BxGxT.shape[-1]
+    positions_BxGxT = prompt_len_B[:, None, None] + jnp.arange(t, dtype=jnp.int32)
+    x_p = self._embed(prompt_tokens_BxP)
+    x_c = self._embed(completion_BxGxT)
+    for block in self.blocks:
+      x_next, (k, v) = block(x_p, positions_BxP, prompt_mask_BxP)
+      x_c = block.extend(x_c, positions_BxGxT, k, v, prompt_mask_BxP, completion_mask_BxGxT)
+      x_p = x_next
+    first_BxV = self._logits(x_p[:, -1])  # the prompt's last position predicts token 0
+    rest = self._logits(x_c[:, :, :-1])   # completion token t predicts token t + 1
+    g = completion_BxGxT.shape[1]
+    first = jnp.broadcast_to(first_BxV[:, None, None], (first_BxV.shape[0], g, 1,
+                                                        first_BxV.shape[-1]))
+    return jnp.concatenate([first, rest], axis=2)
+
+  def decode_step(self, tokens_BxG, positions_BxG, step, cache: KVCache):
+    """Logits for one new token per sample, and the cache with that token's K/V written."""
+    x = self._embed(tokens_BxG)
+    gen_k, gen_v = [], []
+    for i, block in enumerate(self.blocks):
+      x, k, v = block.decode(x, positions_BxG, step, cache.prompt_k[i], cache.prompt_v[i],
+                             cache.prompt_mask, cache.gen_k[i], cache.gen_v[i])
+      gen_k.append(k)
+      gen_v.append(v)
+    cache = cache._replace(gen_k=tuple(gen_k), gen_v=tuple(gen_v))
+    return self._logits(x), cache
+
+
+def positions_from_mask(mask_BxT):
+  """Position ids for left-padded rows: 0 at the first real token, pads clamp to 0."""
+  return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def forward(params, cfg: ModelConfig, tokens_BxT, mask_BxT):
+  """Teacher-forced logits of left-padded rows (the pure function the trainer calls)."""
+  return Decoder(cfg).apply({"params": params}, tokens_BxT, positions_from_mask(mask_BxT),
+                            mask_BxT)
+
+
+def score_groups(params, cfg: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
+                 completion_BxGxT, completion_mask_BxGxT):
+  """Teacher-forced logits of G completions per prompt, the prompt computed once."""
+  return Decoder(cfg).apply({"params": params}, prompt_tokens_BxP, prompt_mask_BxP,
+                            completion_BxGxT, completion_mask_BxGxT,
+                            method=Decoder.score_groups)
+
+
+def init_params(cfg: ModelConfig, rng):
+  """Boxed (logically partitioned) parameters; see sharding.init_sharded."""
+  dummy = jnp.zeros((1, 1), jnp.int32)
+  return Decoder(cfg).init(rng, dummy, dummy, jnp.ones((1, 1), bool))["params"]
+
+
+def count_params(params) -> int:
+  return int(sum(x.size for x in jax.tree.leaves(params)))

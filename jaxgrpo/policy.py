@@ -1,0 +1,88 @@
+"""`jaxgrpo.Policy`: the model and its parameters behind two calls, for notebooks.
+
+    policy = jaxgrpo.Policy.init(ModelConfig(...), seed=0)
+    logits = policy.logits(tokens, mask)
+    out = policy.generate([[1, 5, 6], [1, 7]], SamplingParams(0.7, 0.95, 0),
+                          num_samples=4, max_new_tokens=32, seed=0)
+
+`generate` uses the same compiled sampler as the trainer (sampling.compile_sampler), one
+compilation per (sampling settings, num_samples, max_new_tokens, batch shape). The trainer
+itself goes through `RolloutEngine`, which allows only its two profiles.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jaxgrpo import model as model_lib
+from jaxgrpo import sampling
+from jaxgrpo import sharding as sharding_lib
+
+
+class Policy:
+  """A decoder's config, its (sharded) parameters, and the mesh they live on."""
+
+  def __init__(self, cfg: model_lib.ModelConfig, params, mesh=None, *, pad_id: int = 0,
+               eos_id: int | None = None):
+    self.cfg = cfg
+    self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(
+        {"data": -1}, jax.devices()[:1])
+    self.params = sharding_lib.shard_params(params, cfg, self.mesh)
+    self.pad_id, self.eos_id = pad_id, eos_id
+    self._samplers = {}
+    self._logits = jax.jit(model_lib.forward, static_argnums=1)
+
+  @classmethod
+  def init(cls, cfg: model_lib.ModelConfig, seed: int = 0, mesh=None, **kwargs) -> "Policy":
+    """Randomly initialised parameters, created directly in their shardings."""
+    mesh = mesh if mesh is not None else sharding_lib.make_mesh({"data": -1},
+                                                                jax.devices()[:1])
+    params = sharding_lib.init_sharded(cfg, mesh, jax.random.key(seed))
+    return cls(cfg, params, mesh, **kwargs)
+
+  @property
+  def num_params(self) -> int:
+    return model_lib.count_params(self.params)
+
+  def logits(self, tokens_BxT, mask_BxT=None) -> jax.Array:
+    """Teacher-forced next-token logits [B, T, V]; mask marks real (non-pad) tokens."""
+    tokens = np.asarray(tokens_BxT, np.int32)
+    mask = np.ones(tokens.shape, bool) if mask_BxT is None else np.asarray(mask_BxT, bool)
+    return self._logits(self.params, self.cfg, tokens, mask)
+
+  def generate(self, prompts: Sequence[Sequence[int]] | np.ndarray,
+               sampling_params: sampling.SamplingParams, num_samples: int,
+               max_new_tokens: int, seed: int, prompt_mask_BxP=None) -> sampling.Rollout:
+    """Samples `num_samples` completions per prompt; rows are prompt-major.
+
+    prompts: token-id lists of any lengths (left-padded here) or a [B, P] array with its
+    mask. Returns a `sampling.Rollout` (tokens_NxT, logp_NxT, raw_logp_NxT, mask_NxT, ...).
+    """
+    tokens, mask = _as_batch(prompts, prompt_mask_BxP, self.pad_id)
+    profile = sampling.Profile(sampling_params, num_samples, max_new_tokens)
+    if profile not in self._samplers:
+      self._samplers[profile] = sampling.compile_sampler(
+          self.cfg, profile, eos_id=self.eos_id, pad_id=self.pad_id, mesh=self.mesh)
+    return self._samplers[profile](self.params, tokens, mask, jax.random.key(seed))
+
+
+def _as_batch(prompts, mask, pad_id):
+  if isinstance(prompts, np.ndarray) or hasattr(prompts, "shape"):
+    tokens = np.asarray(prompts, np.int32)
+    if tokens.ndim != 2:
+      raise ValueError(f"prompts: expected a [B, P] array, got shape {tokens.shape}")
+    mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
+    return tokens, mask
+  rows = [list(map(int, p)) for p in prompts]
+  if not rows or any(not r for r in rows):
+    raise ValueError("prompts: need at least one prompt, and no prompt may be empty")
+  width = max(len(r) for r in rows)
+  tokens = np.full((len(rows), width), pad_id, np.int32)
+  mask = np.zeros((len(rows), width), bool)
+  for i, r in enumerate(rows):
+    tokens[i, width - len(r):] = r
+    mask[i, width - len(r):] = True
+  return tokens, mask

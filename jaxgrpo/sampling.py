@@ -1,0 +1,323 @@
+"""Sampling profiles and the rollout engine.
+
+A profile's settings (temperature, top-p, top-k, samples per prompt, new tokens) are static
+arguments of its compiled sampler, so each profile compiles exactly once. The engine knows
+exactly two profiles, `train` and `val`: the trainer can only roll out with the training
+distribution (the on-policy guard), and validation gets its own, typically near-greedy one.
+
+One call: prefill the B distinct prompts once ([B, P], never [B*G, P]), then decode G samples
+per prompt in a `lax.while_loop` that stops when every row has emitted EOS or after
+`max_new_tokens`. Rows come out prompt-major (row b*G + g), so `rewards.reshape(B, G)` groups
+them. Per token it returns the log-probability under the profile's distribution (after
+temperature and truncation; 0 for greedy) and under the raw model (temperature 1, no
+truncation), which is what the trainer's importance ratios need.
+
+Token choice uses one uniform draw per row and step and an inverse-CDF pick, and greedy uses
+max + min-index: both measured far cheaper on CPU than `jax.random.categorical` / `argmax`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgrpo import model as model_lib
+from jaxgrpo import sharding as sharding_lib
+
+PROFILE_NAMES = ("train", "val")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one token is drawn. Every field is explicit: nothing falls back to a model default.
+
+  temperature: 0 means greedy; logits are divided by it before top-k / top-p.
+  top_p: nucleus mass in (0, 1]; 1 keeps everything.
+  top_k: keep the k most likely tokens; 0 means off.
+  """
+
+  temperature: float
+  top_p: float
+  top_k: int
+
+  def __post_init__(self):
+    if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+      raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0")
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 means greedy)")
+    if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+      raise ValueError(f"top_p={self.top_p!r}: must be a number in (0, 1]")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p}: must be in (0, 1] (1 disables nucleus sampling)")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
+      raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 means off)")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """A compiled sampler's static settings: how to draw, how many samples, how long."""
+
+  sampling: SamplingParams
+  num_samples: int
+  max_new_tokens: int
+
+  def __post_init__(self):
+    if not isinstance(self.sampling, SamplingParams):
+      raise ValueError(f"sampling={self.sampling!r}: must be a SamplingParams")
+    if not isinstance(self.num_samples, int) or self.num_samples < 1:
+      raise ValueError(f"num_samples={self.num_samples!r}: must be an integer >= 1")
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
+
+
+class Rollout(NamedTuple):
+  """Sampled completions, N = B * G rows, prompt-major."""
+
+  tokens_NxT: jax.Array     # completion tokens; pad after the end
+  logp_NxT: jax.Array       # log p of each token under the profile's distribution
+  raw_logp_NxT: jax.Array   # log p under the raw model (temperature 1, no truncation)
+  mask_NxT: jax.Array       # True on generated tokens, EOS included
+  lengths_N: jax.Array      # number of generated tokens, EOS included
+  truncated_N: jax.Array    # True when the row hit max_new_tokens without EOS
+
+
+def _min_index_argmax(x):
+  """argmax over the last axis, lowest index on ties (max + min-index: cheaper than argmax)."""
+  top = jnp.max(x, axis=-1, keepdims=True)
+  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(x == top, idx, x.shape[-1]), axis=-1)
+
+
+def candidate_logprobs(logits, sp: SamplingParams):
+  """The profile's distribution as (candidate log-probs [..., K], candidate token ids [..., K]).
+
+  Temperature first, then top-k, then top-p: top-p keeps the smallest prefix of the sorted
+  candidates whose mass reaches p (a token is kept when the mass strictly before it is < p).
+  Excluded candidates get -inf. Without truncation the candidates are the whole vocabulary.
+  """
+  vocab = logits.shape[-1]
+  scaled = logits / sp.temperature
+  if sp.top_k > 0 and sp.top_k < vocab:
+    cand, ids = jax.lax.top_k(scaled, sp.top_k)
+  elif sp.top_p < 1:
+    cand, ids = jax.lax.top_k(scaled, vocab)  # a full descending sort
+  else:
+    cand = scaled
+    ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
+  if sp.top_p < 1:
+    probs = jax.nn.softmax(cand, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    cand = jnp.where(mass_before < sp.top_p, cand, -jnp.inf)
+  return jax.nn.log_softmax(cand, axis=-1), ids.astype(jnp.int32)
+
+
+def draw(logits, uniform, sp: SamplingParams):
+  """One token per row: (token, profile log-prob, raw log-prob). uniform in [0, 1)."""
+  raw = jax.nn.log_softmax(logits, axis=-1)
+  if sp.greedy:
+    token = _min_index_argmax(logits)
+    logp = jnp.zeros(token.shape, jnp.float32)  # a point mass
+  else:
+    cand_logp, ids = candidate_logprobs(logits, sp)
+    cdf = jnp.cumsum(jnp.exp(cand_logp), axis=-1)
+    # Normalised so the last entry is exactly 1 > uniform: the pick is always a candidate
+    # with positive probability, even when float rounding leaves the sum a hair off 1.
+    cdf = cdf / cdf[..., -1:]
+    pick = jnp.sum(cdf <= uniform[..., None], axis=-1).astype(jnp.int32)
+    token = jnp.take_along_axis(ids, pick[..., None], axis=-1)[..., 0]
+    logp = jnp.take_along_axis(cand_logp, pick[..., None], axis=-1)[..., 0]
+  raw_logp = jnp.take_along_axis(raw, token[..., None], axis=-1)[..., 0]
+  return token, logp, raw_logp
+
+
+def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxP, prompt_mask_BxP):
+  """Runs the prompts once: the last position's logits and each layer's K/V.
+
+  A module-level function so tests can watch the shapes it is traced with.
+  """
+  positions = model_lib.positions_from_mask(prompt_mask_BxP)
+  logits, kv = model_lib.Decoder(cfg).apply({"params": params}, prompt_tokens_BxP, positions,
+                                            prompt_mask_BxP, return_kv=True)
+  return logits[:, -1], kv
+
+
+def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, *, cfg: model_lib.ModelConfig,
+           profile: Profile, eos_id: int | None, pad_id: int, mesh=None) -> Rollout:
+  """The pure sampler (jit it with `profile` static). eos_id None: always max_new_tokens."""
+  sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
+  b = prompt_tokens_BxP.shape[0]
+  logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP)
+  prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
+  dt = model_lib.DTYPES[cfg.dtype]
+  gen_shape = (b, g, cfg.num_kv_heads, t, cfg.head_dim)
+  cache = model_lib.KVCache(
+      prompt_k=tuple(ks), prompt_v=tuple(vs), prompt_mask=prompt_mask_BxP,
+      gen_k=tuple(jnp.zeros(gen_shape, dt) for _ in ks),
+      gen_v=tuple(jnp.zeros(gen_shape, dt) for _ in vs))
+  if mesh is not None:  # keep caches split by rows (and KV heads) through the loop
+    cs = sharding_lib.cache_shardings(mesh)
+    cache = model_lib.KVCache(
+        *(tuple(jax.lax.with_sharding_constraint(x, s) for x in field)
+          if isinstance(field, tuple) else jax.lax.with_sharding_constraint(field, s)
+          for field, s in zip(cache, cs)))
+
+  def pick(logits_BxGxV, i, done_BxG):
+    u = jax.random.uniform(jax.random.fold_in(key, i), (b, g))
+    token, logp, raw = draw(logits_BxGxV, u, sp)
+    token = jnp.where(done_BxG, pad_id, token)
+    zero = jnp.zeros_like(logp)
+    return token, jnp.where(done_BxG, zero, logp), jnp.where(done_BxG, zero, raw)
+
+  def record(state, i, token, logp, raw, done_BxG):
+    tokens, logps, raws, masks = state
+    return (tokens.at[:, :, i].set(token), logps.at[:, :, i].set(logp),
+            raws.at[:, :, i].set(raw), masks.at[:, :, i].set(~done_BxG))
+
+  done0 = jnp.zeros((b, g), bool)
+  buffers = (jnp.full((b, g, t), pad_id, jnp.int32), jnp.zeros((b, g, t), jnp.float32),
+             jnp.zeros((b, g, t), jnp.float32), jnp.zeros((b, g, t), bool))
+  # Token 0 of every sample comes from the shared prefill logits.
+  token, logp, raw = pick(jnp.broadcast_to(logits_BxV[:, None], (b, g, cfg.vocab_size)), 0,
+                          done0)
+  buffers = record(buffers, 0, token, logp, raw, done0)
+  done = done0 | (token == eos_id) if eos_id is not None else done0
+
+  def cond(carry):
+    i, _, done, _, _ = carry
+    return (i < t) & ~jnp.all(done)
+
+  def body(carry):
+    i, token, done, cache, buffers = carry
+    positions = prompt_len_B[:, None] + i - 1  # position of the token being fed
+    logits, cache = model_lib.Decoder(cfg).apply(
+        {"params": params}, token, jnp.broadcast_to(positions, (b, g)), i - 1, cache,
+        method=model_lib.Decoder.decode_step)
+    new, logp, raw = pick(logits, i, done)
+    buffers = record(buffers, i, new, logp, raw, done)
+    if eos_id is not None:
+      done = done | (new == eos_id)
+    return i + 1, new, done, cache, buffers
+
+  _, _, done, _, buffers = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), token, done, cache, buffers))
+  tokens, logps, raws, masks = (x.reshape(b * g, t) for x in buffers)
+  lengths = jnp.sum(masks, axis=-1).astype(jnp.int32)
+  return Rollout(tokens, logps, raws, masks, lengths, ~done.reshape(b * g))
+
+
+def left_pad(prompt_tokens_BxP, prompt_mask_BxP, width: int, pad_id: int):
+  """Host-side: left-pads prompts to `width` so every call has the same compiled shape."""
+  tokens = np.asarray(prompt_tokens_BxP)
+  mask = np.asarray(prompt_mask_BxP, bool)
+  extra = width - tokens.shape[1]
+  if extra > 0:
+    tokens = np.pad(tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
+    mask = np.pad(mask, ((0, 0), (extra, 0)), constant_values=False)
+  return tokens.astype(np.int32), mask
+
+
+def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad_id, mesh,
+                    on_trace=None):
+  """jit(sample) for one profile with explicit shardings: rows over the data axes."""
+
+  def traced(params, tokens, mask, key):
+    if on_trace is not None:
+      on_trace()  # runs once per trace, i.e. once per compilation
+    return sample(params, tokens, mask, key, cfg=cfg, profile=profile, eos_id=eos_id,
+                  pad_id=pad_id, mesh=mesh)
+
+  rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
+  return jax.jit(
+      traced,
+      in_shardings=(sharding_lib.param_shardings(cfg, mesh), rows2, rows2,
+                    sharding_lib.replicated(mesh)),
+      out_shardings=Rollout(rows2, rows2, rows2, rows2, rows1, rows1))
+
+
+class RolloutEngine:
+  """Exactly two compiled samplers, `train` and `val`; keys folded from seed and step."""
+
+  def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles: Mapping[str, Profile], *,
+               max_prompt_length: int, eos_id: int | None, pad_id: int, seed: int):
+    names = tuple(profiles)
+    if sorted(names) != sorted(PROFILE_NAMES):
+      raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "
+                       f"{list(PROFILE_NAMES)} (training may only sample with 'train')")
+    self.cfg, self.mesh, self.profiles = cfg, mesh, dict(profiles)
+    self.max_prompt_length, self.pad_id = max_prompt_length, pad_id
+    self.compilations = {name: 0 for name in PROFILE_NAMES}
+    self._calls = {name: 0 for name in PROFILE_NAMES}
+    self._base_key = jax.random.key(seed)
+    self._samplers = {
+        name: compile_sampler(cfg, profiles[name], eos_id=eos_id, pad_id=pad_id, mesh=mesh,
+                              on_trace=functools.partial(self._count, name))
+        for name in PROFILE_NAMES}
+
+  def _count(self, name):
+    self.compilations[name] += 1
+
+  def key(self, name: str, step: int):
+    """The key of call `step` of profile `name`: distinct per (profile, step)."""
+    return jax.random.fold_in(jax.random.fold_in(self._base_key, PROFILE_NAMES.index(name)),
+                              step)
+
+  def profile(self, name: str) -> Profile:
+    if name not in self.profiles:
+      raise ValueError(f"unknown rollout profile {name!r}; allowed {list(PROFILE_NAMES)}")
+    return self.profiles[name]
+
+  def sample(self, name: str, params, prompt_tokens_BxP, prompt_mask_BxP, *,
+             step: int | None = None, key=None) -> Rollout:
+    """Samples with profile `name`. Without `step` or `key` each call draws a fresh key
+    (a per-profile counter); pass `key` to reuse one on purpose (fixed validation key)."""
+    self.profile(name)
+    width = np.shape(prompt_tokens_BxP)[1]
+    if width > self.max_prompt_length:
+      raise ValueError(f"prompt length {width} exceeds max_prompt_length="
+                       f"{self.max_prompt_length}")
+    rows = np.shape(prompt_tokens_BxP)[0]
+    multiple = sharding_lib.batch_size_multiple(self.mesh)
+    if rows % multiple:
+      raise ValueError(f"{rows} prompts do not divide over the {multiple} data-parallel "
+                       f"devices (mesh data x fsdp)")
+    if key is None:
+      step = self._calls[name] if step is None else step
+      key = self.key(name, step)
+      self._calls[name] = step + 1
+    tokens, mask = left_pad(prompt_tokens_BxP, prompt_mask_BxP, self.max_prompt_length,
+                            self.pad_id)
+    return self._samplers[name](params, tokens, mask, key)
+
+
+# log(1e-30): the log-prob given to a token that fell outside a truncated profile's
+# candidate set after an update. Finite, so ratios and gradients stay finite (its ratio is
+# ~0 and its gradient vanishes), where -inf would give NaN.
+_OUTSIDE_LOGP = -69.0
+
+
+def token_logprobs(logits, tokens, sp: SamplingParams):
+  """log p(token) under the profile's distribution, differentiable in the logits.
+
+  The trainer's ratios use this on teacher-forced logits, and the sampler produced the
+  same quantity at sampling time, so the first of mu updates starts at ratio 1.
+  """
+  if sp.greedy:
+    raise ValueError("a greedy profile (temperature 0) has no usable log-probs for training")
+  if sp.top_k == 0 and sp.top_p == 1:
+    logp = jax.nn.log_softmax(logits / sp.temperature, axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+  cand_logp, ids = candidate_logprobs(logits, sp)
+  hit = (ids == tokens[..., None]) & jnp.isfinite(cand_logp)
+  picked = jnp.sum(jnp.where(hit, cand_logp, 0.0), axis=-1)
+  return jnp.where(jnp.any(hit, axis=-1), picked, _OUTSIDE_LOGP)
