@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, TextIO
 JSONL_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 # Shown on the train progress line when present, in this order; the rest live in the logs.
-KEY_METRICS = ("reward_mean", "accuracy", "tokens_per_s", "loss")
+KEY_METRICS = ("reward_mean", "accuracy", "rollout_tokens_per_s", "loss")
 _RESERVED = ("step", "split", "time")
 
 

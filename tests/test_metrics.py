@@ -18,7 +18,7 @@ def _run(workdir, **kwargs):
   stream = io.StringIO()
   writer = metrics.MetricsWriter(workdir, total_steps=3, stream=stream, **kwargs)
   with writer:
-    writer.write(1, "train", {"reward_mean": 0.25, "loss": np.float32(1.5), "tokens_per_s": 12345.6})
+    writer.write(1, "train", {"reward_mean": 0.25, "loss": np.float32(1.5), "rollout_tokens_per_s": 12345.6})
     writer.write(2, "train", {"reward_mean": 0.5, "loss": float("nan"), "n": np.int32(7)})
     writer.write(2, "val", {"accuracy": 0.61, "pass@k": 0.8})
     writer.write(3, "train", {"reward_mean": 0.75, "loss": 0.5})
@@ -146,7 +146,7 @@ def test_console_lines_when_not_a_tty(tmp_path):
   assert "\r" not in out
   assert len(lines) == 6  # One per write, plus the final summary line.
   assert lines[0].startswith("step 1/3")
-  assert "reward_mean=0.25" in lines[0] and "tokens_per_s=12346" in lines[0]
+  assert "reward_mean=0.25" in lines[0] and "rollout_tokens_per_s=12346" in lines[0]
   assert "loss=1.5" in lines[0]
   assert "loss=nan" in lines[1]
   assert lines[2] == "val step 2: accuracy=0.61 pass@k=0.8"

@@ -1,0 +1,210 @@
+"""`validate(config)`: the one check of a run's config, before any device work.
+
+Every error is a `ConfigError` whose message is one line naming the key, the bad value and
+what is allowed, e.g.
+
+    config.grpo.num_generations_per_prompt=1: GRPO compares samples within a group; allowed: an integer >= 2
+
+The validator knows every key (an unknown key is an error, never silently ignored), checks
+types and ranges, then cross-field rules (a batch must divide over the data-parallel devices,
+and so on), resolves derived values (`mesh` sizes with -1 filled in) and returns a locked
+copy. `num_devices` is passed in, so validation needs no device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+import ml_collections
+
+from jaxgrpo import grpo as grpo_names
+from jaxgrpo import rewards
+
+
+class ConfigError(ValueError):
+  """A config problem, explained in one line."""
+
+
+def _int(lo=None):
+  def check(v):
+    if isinstance(v, bool) or not isinstance(v, int):
+      return "an integer" + (f" >= {lo}" if lo is not None else "")
+    if lo is not None and v < lo:
+      return f"an integer >= {lo}"
+  return check
+
+
+def _num(lo=None, hi=None, lo_open=False, hi_open=False):
+  def check(v):
+    lo_s = "" if lo is None else (f" > {lo}" if lo_open else f" >= {lo}")
+    hi_s = "" if hi is None else (f" < {hi}" if hi_open else f" <= {hi}")
+    want = "a number" + lo_s + (" and" if lo_s and hi_s else "") + hi_s
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+      return want
+    if lo is not None and (v <= lo if lo_open else v < lo):
+      return want
+    if hi is not None and (v >= hi if hi_open else v > hi):
+      return want
+  return check
+
+
+def _choice(*options):
+  def check(v):
+    if v not in options:
+      return "one of " + ", ".join(repr(o) for o in options)
+  return check
+
+
+def _str(v):
+  if not isinstance(v, str):
+    return "a string"
+
+
+def _bool(v):
+  if not isinstance(v, bool):
+    return "True or False"
+
+
+def _dtype(v):
+  return _choice("float32", "bfloat16")(v)
+
+
+SCHEMA: dict[str, Any] = {
+    "seed": _int(0),
+    "model": {
+        "checkpoint": _str, "vocab_size": _int(1), "d_model": _int(1), "num_layers": _int(1),
+        "num_heads": _int(1), "num_kv_heads": _int(1), "head_dim": _int(1), "mlp_dim": _int(1),
+        "rope_theta": _num(0, lo_open=True), "norm_eps": _num(0, lo_open=True),
+        "tie_embeddings": _bool, "qk_norm": _bool, "param_dtype": _dtype, "dtype": _dtype},
+    "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1)},
+    "data": {
+        "source": _choice("arithmetic", "jsonl"), "train_path": _str, "val_path": _str,
+        "question_key": _str, "answer_key": _str, "prompt_template": _str,
+        "max_prompt_length": _int(1), "num_digits": _int(1), "num_train_examples": _int(0),
+        "num_val_examples": _int(0)},
+    "rewards": None,  # name -> weight, checked against the reward registry below
+    "generation": {
+        "temperature": _num(0, lo_open=True), "top_p": _num(0, 1, lo_open=True),
+        "top_k": _int(0), "max_new_tokens": _int(1)},
+    "grpo": {
+        "num_prompts_per_step": _int(1), "num_generations_per_prompt": _int(2),
+        "num_iterations": _int(1), "beta": _num(0), "kl_type": _choice(*grpo_names.KL_TYPES),
+        "epsilon": _num(0, 1, lo_open=True, hi_open=True),
+        "epsilon_high": _num(0, lo_open=True),
+        "loss_agg": _choice(*grpo_names.LOSS_AGGS),
+        "scale_rewards": _choice(*grpo_names.SCALE_REWARDS),
+        "mask_truncated_completions": _bool, "max_num_steps": _int(1), "val_period": _int(0),
+        "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _int(1),
+        "max_val_samples": _int(0)},
+    "optim": {
+        "learning_rate": _num(0, lo_open=True), "warmup_steps": _int(0),
+        "weight_decay": _num(0), "grad_clip": _num(0),
+        "schedule": _choice("cosine", "constant")},
+    "logging": {"tensorboard": _bool, "plots": _bool, "console": _bool},
+}
+
+# Why a value is refused, where the bare range would not say it.
+_REASONS = {
+    "grpo.num_generations_per_prompt": "GRPO compares samples within a group",
+    "generation.temperature": "training samples must come from a distribution (0 is greedy)",
+}
+
+
+def _fail(key: str, value: Any, allowed: str):
+  reason = _REASONS.get(key)
+  why = f"{reason}; " if reason else ""
+  raise ConfigError(f"config.{key}={value!r}: {why}allowed: {allowed}")
+
+
+def _check_section(name: str, section: Any, schema: dict[str, Callable]):
+  if not isinstance(section, ml_collections.ConfigDict):
+    raise ConfigError(f"config.{name}: expected a section with keys {sorted(schema)}")
+  for key in section.keys():
+    if key not in schema:
+      raise ConfigError(f"config.{name}.{key}: unknown key; allowed: {', '.join(sorted(schema))}")
+  for key, check in schema.items():
+    if key not in section:
+      raise ConfigError(f"config.{name}.{key}: missing; every key of config.{name} must be set")
+    problem = check(section[key])
+    if problem:
+      _fail(f"{name}.{key}", section[key], problem)
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
+  """Checks and resolves a run config; returns a locked copy. Raises ConfigError."""
+  config = ml_collections.ConfigDict(config.to_dict())  # a copy: the caller's stays as is
+  for key in config.keys():
+    if key not in SCHEMA:
+      raise ConfigError(f"config.{key}: unknown key; allowed: {', '.join(sorted(SCHEMA))}")
+  for key, schema in SCHEMA.items():
+    if key not in config:
+      raise ConfigError(f"config.{key}: missing")
+    if isinstance(schema, dict):
+      _check_section(key, config[key], schema)
+    elif schema is not None:
+      problem = schema(config[key])
+      if problem:
+        _fail(key, config[key], problem)
+  _check_rewards(config.rewards)
+  _check_cross_fields(config, num_devices)
+  config.lock()
+  return config
+
+
+def _check_rewards(weights):
+  if not isinstance(weights, ml_collections.ConfigDict) or not weights.keys():
+    raise ConfigError("config.rewards: expected name -> weight, e.g. {'math': 1.0}; "
+                      f"names: {', '.join(sorted(rewards.REGISTRY))}")
+  for name, weight in weights.items():
+    if name not in rewards.REGISTRY:
+      raise ConfigError(f"config.rewards.{name}: unknown reward; allowed: "
+                        f"{', '.join(sorted(rewards.REGISTRY))}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+      _fail(f"rewards.{name}", weight, "a number >= 0")
+  if not any(w > 0 for w in weights.values()):
+    raise ConfigError("config.rewards: every weight is 0; give at least one reward a "
+                      "positive weight")
+
+
+def _check_cross_fields(c, num_devices: int):
+  from jaxgrpo import sharding
+  try:
+    sizes = sharding.resolve_mesh_shape(c.mesh.to_dict(), num_devices)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+  for axis, size in zip(sharding.MESH_AXES, sizes):
+    c.mesh[axis] = size
+  rows = sizes[0] * sizes[1]
+  g = c.grpo
+  if g.num_prompts_per_step % rows:
+    _fail("grpo.num_prompts_per_step", g.num_prompts_per_step,
+          f"a multiple of {rows} (mesh data x fsdp), so prompts split evenly over devices")
+  if g.val_batch_size % rows:
+    _fail("grpo.val_batch_size", g.val_batch_size,
+          f"a multiple of {rows} (mesh data x fsdp)")
+  if g.epsilon_high < g.epsilon:
+    _fail("grpo.epsilon_high", g.epsilon_high,
+          f"a number >= grpo.epsilon={g.epsilon} (the upper clip is at least the lower)")
+  m = c.model
+  if m.num_heads % m.num_kv_heads:
+    _fail("model.num_heads", m.num_heads, f"a multiple of model.num_kv_heads={m.num_kv_heads}")
+  if sizes[2] > 1:
+    for key in ("num_kv_heads", "num_heads", "mlp_dim", "vocab_size"):
+      if m[key] % sizes[2]:
+        _fail(f"model.{key}", m[key], f"a multiple of mesh.tensor={sizes[2]}")
+  if sizes[1] > 1 and m.d_model % sizes[1]:
+    _fail("model.d_model", m.d_model, f"a multiple of mesh.fsdp={sizes[1]}")
+  if c.generation.top_k > m.vocab_size:
+    _fail("generation.top_k", c.generation.top_k, f"0 (off) or at most model.vocab_size="
+          f"{m.vocab_size}")
+  d = c.data
+  if d.source == "jsonl" and not d.train_path:
+    _fail("data.train_path", d.train_path, "a JSONL file path when data.source='jsonl'")
+  if "{question}" not in d.prompt_template:
+    _fail("data.prompt_template", d.prompt_template, "a template containing {question}")
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+  return json.dumps(config.to_dict(), indent=2, sort_keys=True)

@@ -1,0 +1,221 @@
+"""GRPO: group-relative advantages, the clipped surrogate loss, and the update step.
+
+The objective (Shao et al. 2024, DeepSeekMath, eq. 3), for a prompt q with G sampled
+completions o_1..o_G:
+
+    J(θ) = E[ 1/G Σ_i 1/|o_i| Σ_t min(ρ_it Â_i, clip(ρ_it, 1-ε, 1+ε) Â_i) - β D_KL(π_θ || π_ref) ]
+    ρ_it = π_θ(o_it | q, o_i<t) / π_old(o_it | q, o_i<t),   Â_i = (r_i - mean(r)) / std(r)
+
+Where jaxgrpo deviates from the paper, on purpose:
+  * std convention: `scale_rewards="group"` divides by the group's sample std with ddof=1
+    (Bessel's correction, as torch.std, TRL and tunix do), so G=2 rewards {0, 1} give
+    advantages ±0.707. A group whose rewards are all equal gets advantage 0 exactly (it
+    carries no signal), not 0/eps. "batch" uses the std of the whole batch (ddof=1), "none"
+    skips the division (Dr. GRPO, Liu et al. 2025).
+  * Asymmetric clipping: ratios are clipped to [1 - epsilon, 1 + epsilon_high] (DAPO, Yu et
+    al. 2025); epsilon_high = epsilon gives the paper's symmetric clip.
+  * Aggregation is chosen by `loss_agg`: "seq_mean_token_mean" is the paper's 1/G Σ 1/|o_i| Σ_t;
+    "token_mean" (DAPO) averages over all completion tokens of the batch;
+    "seq_mean_token_sum_norm" (Dr. GRPO) sums each completion's tokens and divides by
+    N * max_new_tokens, a constant, so length does not rescale the gradient.
+  * KL: `kl_type` "k3" is the paper's unbiased estimator π_ref/π_θ - log(π_ref/π_θ) - 1; "k1"
+    is log(π_θ/π_ref). With beta = 0 no reference policy exists at all.
+  * π_old is the sampling-time distribution returned by the rollout engine (same temperature
+    and truncation as the training profile), so with num_iterations (μ) = 1 every ratio is 1
+    up to float rounding and the loss reduces to the policy-gradient form.
+  * Optional `mask_truncated_completions` (DAPO's overlong filtering): rows that hit
+    max_new_tokens without EOS are dropped from the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxgrpo import model as model_lib
+from jaxgrpo import sampling
+from jaxgrpo import sharding as sharding_lib
+
+SCALE_REWARDS = ("group", "batch", "none")
+KL_TYPES = ("k1", "k3")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Static settings of the loss (hashable: part of the compiled update step)."""
+
+  num_generations: int
+  beta: float
+  kl_type: str
+  epsilon: float
+  epsilon_high: float
+  loss_agg: str
+  scale_rewards: str
+  mask_truncated_completions: bool
+  max_new_tokens: int
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # optimizer updates so far
+  params: Any
+  opt_state: Any
+
+
+def group_advantages(rewards_N, group_size: int, scale_rewards: str):
+  """Â_i = (r_i - mean_group(r)) / std, rewards reshaped to (B, G) on device (rows b*G+g)."""
+  rewards_BxG = rewards_N.reshape(-1, group_size).astype(jnp.float32)
+  centered_BxG = rewards_BxG - rewards_BxG.mean(axis=1, keepdims=True)
+  if scale_rewards == "group":
+    std = jnp.std(rewards_BxG, axis=1, keepdims=True, ddof=1)
+  elif scale_rewards == "batch":
+    std = jnp.std(rewards_BxG, ddof=1)
+  elif scale_rewards == "none":
+    std = jnp.ones(())
+  else:
+    raise ValueError(f"scale_rewards={scale_rewards!r}: allowed {list(SCALE_REWARDS)}")
+  # A zero std means every centred reward is 0: return 0, never 0/0.
+  safe = jnp.where(std > 0, std, 1.0)
+  return (centered_BxG / safe).reshape(-1)
+
+
+def clipped_surrogate(logp_NxT, old_logp_NxT, advantages_N, epsilon, epsilon_high):
+  """Per-token loss -min(ρÂ, clip(ρ, 1-ε, 1+ε_high)Â) and where the clip was active."""
+  ratio = jnp.exp(logp_NxT - old_logp_NxT)
+  adv = advantages_N[:, None]
+  unclipped = ratio * adv
+  clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv
+  return -jnp.minimum(unclipped, clipped), (clipped < unclipped), ratio
+
+
+def kl_penalty(logp_NxT, ref_logp_NxT, kl_type: str):
+  """Per-token KL(π_θ || π_ref) estimate from the sampled tokens."""
+  if kl_type == "k1":
+    return logp_NxT - ref_logp_NxT
+  if kl_type == "k3":
+    log_r = ref_logp_NxT - logp_NxT
+    return jnp.exp(log_r) - log_r - 1.0
+  raise ValueError(f"kl_type={kl_type!r}: allowed {list(KL_TYPES)}")
+
+
+def aggregate(per_token_NxT, mask_NxT, loss_agg: str, max_new_tokens: int):
+  """Reduces per-token losses to a scalar; masked tokens never count."""
+  mask = mask_NxT.astype(jnp.float32)
+  masked = per_token_NxT * mask
+  if loss_agg == "token_mean":
+    return masked.sum() / jnp.maximum(mask.sum(), 1.0)
+  if loss_agg == "seq_mean_token_mean":
+    per_seq = masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+    return per_seq.mean()
+  if loss_agg == "seq_mean_token_sum_norm":
+    return masked.sum() / (per_token_NxT.shape[0] * max_new_tokens)
+  raise ValueError(f"loss_agg={loss_agg!r}: allowed {list(LOSS_AGGS)}")
+
+
+def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int,
+                        sp: sampling.SamplingParams):
+  """log π_θ of each completion token, teacher-forced; each prompt is computed once and
+  shared by its G completions (model.score_groups), as in sampling."""
+  n, t = batch["completion_tokens_NxT"].shape
+  b = n // group_size
+  completion_BxGxT = batch["completion_tokens_NxT"].reshape(b, group_size, t)
+  logits_BxGxTxV = model_lib.score_groups(
+      params, cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], completion_BxGxT,
+      batch["completion_mask_NxT"].reshape(b, group_size, t))
+  return sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, sp).reshape(n, t)
+
+
+def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,
+            sp: sampling.SamplingParams):
+  """The GRPO loss and its diagnostics. batch: see `update_step`."""
+  mask = batch["completion_mask_NxT"]
+  if loss.mask_truncated_completions:
+    mask = mask & ~batch["truncated_N"][:, None]
+  advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
+  logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp)
+  per_token, clipped, ratio = clipped_surrogate(logp, batch["old_logp_NxT"], advantages,
+                                                loss.epsilon, loss.epsilon_high)
+  policy_loss = aggregate(per_token, mask, loss.loss_agg, loss.max_new_tokens)
+  fmask = mask.astype(jnp.float32)
+  denom = jnp.maximum(fmask.sum(), 1.0)
+  aux = {"policy_loss": policy_loss,
+         "clip_fraction": (clipped * fmask).sum() / denom,
+         "ratio_mean": (ratio * fmask).sum() / denom,
+         "advantage_abs_mean": jnp.abs(advantages).mean()}
+  total = policy_loss
+  if loss.beta > 0:
+    ref_logp = jax.lax.stop_gradient(
+        completion_logprobs(ref_params, cfg, batch, loss.num_generations, sp))
+    kl = kl_penalty(logp, ref_logp, loss.kl_type)
+    kl_loss = aggregate(kl, mask, loss.loss_agg, loss.max_new_tokens)
+    total = total + loss.beta * kl_loss
+    aux["kl"] = (kl * fmask).sum() / denom
+  else:
+    # Without a reference policy, report the drift from the sampling policy instead.
+    aux["kl"] = ((logp - batch["old_logp_NxT"]) * fmask).sum() / denom
+  aux["loss"] = total
+  return total, aux
+
+
+def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int,
+                   weight_decay: float, grad_clip: float, schedule: str = "cosine"):
+  """AdamW with linear warmup, then cosine decay to 10% (or constant), global-norm clip."""
+  if schedule == "cosine":
+    lr = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1),
+        end_value=0.1 * learning_rate)
+  elif schedule == "constant":
+    lr = optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                               optax.constant_schedule(learning_rate)], [warmup_steps])
+  else:
+    raise ValueError(f"optim.schedule={schedule!r}: allowed ['cosine', 'constant']")
+  parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+  parts.append(optax.adamw(lr, b1=0.9, b2=0.999, weight_decay=weight_decay))
+  return optax.chain(*parts), lr
+
+
+def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, sp,
+                optimizer, lr_schedule):
+  """One optimizer update on one rollout batch (pure; jit it with `compile_update`).
+
+  batch: prompt_tokens_BxP, prompt_mask_BxP, completion_tokens_NxT, completion_mask_NxT,
+  old_logp_NxT, rewards_N, truncated_N (N = B * G, prompt-major rows).
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  (_, aux), grads = grad_fn(state.params, ref_params, batch, cfg=cfg, loss=loss, sp=sp)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  aux["grad_norm"] = optax.global_norm(grads)
+  aux["learning_rate"] = lr_schedule(state.step)
+  return TrainState(state.step + 1, params, opt_state), aux
+
+
+def init_state(params, optimizer, mesh) -> TrainState:
+  """Optimizer state created on device, sharded like the parameters it mirrors."""
+  opt_state = jax.jit(optimizer.init)(params)
+  step = jax.device_put(jnp.zeros((), jnp.int32), sharding_lib.replicated(mesh))
+  return TrainState(step, params, opt_state)
+
+
+def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, optimizer,
+                   lr_schedule, mesh):
+  """jit(update_step) with explicit shardings: state as it lies, batch rows over data axes,
+  the old state donated so params and optimizer moments are updated in place."""
+
+  def step_fn(state, batch, ref):
+    return update_step(state, batch, ref, cfg=cfg, loss=loss, sp=sp, optimizer=optimizer,
+                       lr_schedule=lr_schedule)
+
+  state_sh = jax.tree.map(lambda x: x.sharding, state)
+  ref_sh = None if ref_params is None else jax.tree.map(lambda x: x.sharding, ref_params)
+  rows = {k: sharding_lib.batch_sharding(mesh, n) for k, n in BATCH_RANKS.items()}
+  return jax.jit(step_fn, in_shardings=(state_sh, rows, ref_sh),
+                 out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0)
+
+
+BATCH_RANKS = {"prompt_tokens_BxP": 2, "prompt_mask_BxP": 2, "completion_tokens_NxT": 2,
+               "completion_mask_NxT": 2, "old_logp_NxT": 2, "rewards_N": 1, "truncated_N": 1}

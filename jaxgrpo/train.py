@@ -1,0 +1,133 @@
+"""python -m jaxgrpo.train --config=configs/math.py [--config.KEY=VALUE ...] [--workdir=DIR]
+
+The phases read top to bottom:
+  1. prepare (host only): parse flags, validate the config, load the checkpoint and the data.
+     Any bad input ends here with one line on stderr and exit status 2, before compilation.
+  2. build (device): mesh, sharded params, the two-profile rollout engine, optimizer, update.
+  3. loop: sample with the train profile -> rewards on the host -> GRPO update(s) -> log;
+     validate every val_period steps (and at start / end as configured).
+  4. finish: final validation, summary.json, plots, one summary line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+
+from absl import flags
+from ml_collections import config_flags
+
+from jaxgrpo import config as config_lib
+from jaxgrpo import data as data_lib
+from jaxgrpo import hf
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py[:arg]).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where the run writes (default: ./runs/<time>).")
+
+USER_ERRORS = (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
+
+
+@dataclasses.dataclass
+class Setup:
+  config: object
+  workdir: str
+  model_cfg: object
+  host_params: object  # None: random init
+  tokenizer: object
+  train_batches: object
+  val_batches: list
+
+
+def prepare(argv) -> Setup:
+  """Host-side: everything that can be wrong with the user's input is found here."""
+  try:
+    flags.FLAGS(argv)
+    if _CONFIG.value is not None:
+      _CONFIG.value.to_dict()  # config_flags reports a failed file load only on first use
+  except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    raise config_lib.ConfigError(_flag_error(e, argv)) from None
+  if _CONFIG.value is None:
+    raise config_lib.ConfigError("--config is required, e.g. --config=configs/math.py")
+  import jax  # imported here so that flag errors answer fast; no compilation happens below
+  config = config_lib.validate(_CONFIG.value, jax.device_count())
+  model_cfg, host_params, tokenizer = _load_policy(config)
+  train_rows, val_rows = data_lib.make_sources(config.data)
+  if config.grpo.max_val_samples:
+    val_rows = val_rows[:config.grpo.max_val_samples]
+  d, g = config.data, config.grpo
+  procs = jax.process_count()
+  train_batches = data_lib.PromptBatches(
+      train_rows, tokenizer, g.num_prompts_per_step // procs, d.max_prompt_length,
+      template=d.prompt_template, seed=config.seed)
+  val_batches = data_lib.validation_batches(val_rows, tokenizer, g.val_batch_size // procs,
+                                            d.max_prompt_length, template=d.prompt_template)
+  workdir = _WORKDIR.value or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+  os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config_lib.to_json(config))
+  return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches)
+
+
+def _flag_error(e: Exception, argv) -> str:
+  """One line for a config file or override that absl / config_flags could not take."""
+  text = str(e).replace("\\n", "\n")
+  if isinstance(e, (AttributeError, KeyError)):  # an override names a key that is not there
+    key = re.sub(r"[\\'\"]", "", text.splitlines()[0]).strip()
+    flag = next((a.split("=")[0][2:] for a in argv if a.startswith("--config.")
+                 and key in a.split("=")[0].split(".")), f"config.{key}")
+    hint = re.search(r'Did you mean "(\w+)"', text)
+    return f"{flag}: unknown key" + (f" (did you mean {hint.group(1)}?)" if hint else "")
+  missing = re.search(r"\[Errno \d+\] ([^\n]*)", text)
+  if isinstance(e, OSError) and missing:
+    return f"--config: cannot load the config file: {missing.group(1)}"
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  if "Traceback" in text:  # an exception inside the config file: its last line says what
+    return f"--config: {lines[-1]}"
+  return " ".join(lines)
+
+
+def _load_policy(config):
+  from jaxgrpo import model as model_lib
+  from jaxgrpo.tokenizer import Tokenizer
+  m = config.model
+  arch = {k: v for k, v in m.items() if k != "checkpoint"}
+  if m.checkpoint:
+    cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
+    for key, value in dataclasses.asdict(cfg).items():
+      if arch[key] != value:
+        raise config_lib.ConfigError(
+            f"config.model.{key}={arch[key]!r}: the checkpoint {m.checkpoint} has {value!r}; "
+            "set it to match, or model.checkpoint='' for a random init")
+    return cfg, params, tokenizer
+  alphabet = "0123456789+=" if config.data.source == "arithmetic" else _PRINTABLE
+  tokenizer = Tokenizer.char_level(alphabet)
+  if m.vocab_size < tokenizer.vocab_size:
+    raise config_lib.ConfigError(
+        f"config.model.vocab_size={m.vocab_size}: the character tokenizer for "
+        f"data.source={config.data.source!r} needs at least {tokenizer.vocab_size}")
+  try:
+    return model_lib.ModelConfig.from_dict(arch), None, tokenizer
+  except ValueError as e:
+    raise config_lib.ConfigError(f"config.{e}") from None
+
+
+_PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"
+
+
+def main(argv=None) -> int:
+  argv = sys.argv if argv is None else argv
+  try:
+    setup = prepare(argv)
+  except USER_ERRORS as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  from jaxgrpo import trainer  # the device side: jax compiles from here on
+  return trainer.run(setup)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
