@@ -44,12 +44,12 @@ def get_config(arg=None):
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts_per_step=32, num_generations_per_prompt=8, num_iterations=1,
       beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28, loss_agg="token_mean",
-      scale_rewards="group", mask_truncated_completions=False, max_num_steps=250,
-      val_period=25, val_at_start=True, val_at_end=True, val_batch_size=128,
+      scale_rewards="group", mask_truncated_completions=False, max_num_steps=500,
+      val_period=100, val_at_start=True, val_at_end=True, val_batch_size=128,
       max_val_samples=500))
 
   c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-4, warmup_steps=10, weight_decay=0.0, grad_clip=1.0,
+      learning_rate=2e-4, warmup_steps=10, weight_decay=0.0, grad_clip=1.0,
       schedule="cosine"))
 
   c.logging = ml_collections.ConfigDict(dict(tensorboard=True, plots=True, console=True))
