@@ -54,7 +54,7 @@ class ModelConfig:
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "mlp_dim"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"model.{name}={value!r}: must be a positive integer")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
@@ -62,8 +62,10 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r}: allowed {sorted(DTYPES)}")
-    if self.rope_theta <= 0:
-      raise ValueError(f"model.rope_theta={self.rope_theta}: must be > 0")
+    for name in ("rope_theta", "norm_eps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"model.{name}={value!r}: must be a number > 0")
 
   @classmethod
   def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":

@@ -282,6 +282,8 @@ class RolloutEngine:
     """Samples with profile `name`. Without `step` or `key` each call draws a fresh key
     (a per-profile counter); pass `key` to reuse one on purpose (fixed validation key)."""
     self.profile(name)
+    if key is not None and step is not None:
+      raise ValueError("pass either step= (a key folded from the run seed) or key=, not both")
     width = np.shape(prompt_tokens_BxP)[1]
     if width > self.max_prompt_length:
       raise ValueError(f"prompt length {width} exceeds max_prompt_length="

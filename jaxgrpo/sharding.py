@@ -57,8 +57,8 @@ def resolve_mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tupl
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise ValueError(f"mesh: the fixed axes use {known} devices, which does not divide the "
-                       f"{num_devices} available")
+      raise ValueError(f"mesh: the fixed axes {dict(zip(MESH_AXES, sizes))} use {known} "
+                       f"devices, which does not divide the {num_devices} available")
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
     raise ValueError(f"mesh: {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "

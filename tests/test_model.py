@@ -1,0 +1,259 @@
+"""Tests for jaxgrpo.model: KV-cache decoding, padding, RoPE, RMSNorm, axes, dtypes, config."""
+
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrpo import model
+from jaxgrpo import sampling
+
+# A tiny grouped-query model: 4 query heads share 2 KV heads.
+BASE = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, mlp_dim=64)
+
+# Two variants keep the compile time down while covering every switch: grouped-query
+# attention with tied embeddings, and multi-head attention (num_kv_heads == num_heads) with
+# QK-norm and an untied output head.
+VARIANTS = {
+    "gqa_tied": BASE,
+    "mha_qknorm_untied": dataclasses.replace(BASE, num_kv_heads=4, qk_norm=True,
+                                             tie_embeddings=False),
+}
+
+_forward = jax.jit(model.forward, static_argnums=1)
+_rope = jax.jit(model.rope, static_argnums=2)
+
+
+def _random_params(cfg, seed):
+  """Random parameters in the model's shapes and tree, drawn with numpy.
+
+  Compiling the jax initialiser costs ~10 s of CPU time here (a threefry graph per tensor),
+  which the tests below do not need; init_params itself is tested in test_sharding.py.
+  Norm scales are 1 + noise so that a dropped scale would show.
+  """
+  shapes = jax.eval_shape(lambda key: nn.unbox(model.init_params(cfg, key)),
+                          jax.random.key(0))
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = path[-1].key
+    if name == "scale":
+      value = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
+    elif name == "embedding":
+      value = 0.02 * rng.standard_normal(leaf.shape)
+    else:  # fan-in scaling; the output kernel o is [heads, head_dim, embed]
+      fan_in = leaf.shape[0] * (leaf.shape[1] if name == "o" else 1)
+      value = rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
+    return jnp.asarray(value, leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@pytest.fixture(scope="module")
+def base_params():
+  return _random_params(BASE, seed=0)
+
+
+def _left_padded_prompts(rng, lengths, width, vocab):
+  """Prompts left-padded to `width`; pads hold random tokens, so only the mask hides them."""
+  tokens = rng.integers(0, vocab, size=(len(lengths), width)).astype(np.int32)
+  mask = np.arange(width)[None, :] >= width - np.asarray(lengths)[:, None]
+  return tokens, mask
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT):
+  """KV-cache logits (prefill, then one decode_step per continuation token) and the full
+  forward logits over [left-padded prompt | continuation] for each of the G samples.
+
+  One jit per config: a single compile instead of one per piece (CPU time is the budget).
+  """
+  b, p = prompt_BxP.shape
+  g, t = cont_BxGxT.shape[1:]
+  # Prefill once per prompt, then build the cache the way sampling.sample does.
+  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP)
+  gen_shape = (b, g, cfg.num_kv_heads, t, cfg.head_dim)
+  cache = model.KVCache(
+      prompt_k=tuple(ks), prompt_v=tuple(vs), prompt_mask=mask_BxP,
+      gen_k=tuple(jnp.zeros(gen_shape, jnp.float32) for _ in ks),
+      gen_v=tuple(jnp.zeros(gen_shape, jnp.float32) for _ in vs))
+  prompt_len_B = jnp.sum(mask_BxP, axis=-1)
+  decoder = model.Decoder(cfg)
+
+  def step(cache, i):
+    positions_BxG = jnp.broadcast_to(prompt_len_B[:, None] + i, (b, g))
+    logits_BxGxV, cache = decoder.apply({"params": params}, cont_BxGxT[:, :, i], positions_BxG,
+                                        i, cache, method=model.Decoder.decode_step)
+    return cache, logits_BxGxV
+
+  _, decoded_TxBxGxV = jax.lax.scan(step, cache, jnp.arange(t))
+
+  rows = jnp.concatenate([jnp.repeat(prompt_BxP, g, axis=0), cont_BxGxT.reshape(b * g, t)], 1)
+  rows_mask = jnp.concatenate([jnp.repeat(mask_BxP, g, axis=0), jnp.ones((b * g, t), bool)], 1)
+  full = model.forward(params, cfg, rows, rows_mask).reshape(b, g, p + t, cfg.vocab_size)
+  return last_BxV, decoded_TxBxGxV.transpose(1, 2, 0, 3), full
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kv_cache_decoding_matches_full_forward(variant):
+  cfg = VARIANTS[variant]
+  params = _random_params(cfg, seed=1)
+  b, g, p, t = 3, 2, 7, 5
+  rng = np.random.default_rng(0)
+  # Three prompts of 7, 4 and 2 real tokens; two different continuations each.
+  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
+  cont_BxGxT = rng.integers(0, cfg.vocab_size, size=(b, g, t)).astype(np.int32)
+  last_BxV, decoded_BxGxTxV, full = _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP,
+                                                            cont_BxGxT)
+  for j in range(g):  # the prefill's last logits predict the first continuation token
+    np.testing.assert_allclose(last_BxV, full[:, j, p - 1], atol=1e-5)
+  # decode_step i feeds continuation token i at position len + i: full position p + i.
+  np.testing.assert_allclose(decoded_BxGxTxV, full[:, :, p:], atol=1e-5)
+  # The two continuations of a prompt really differ, so per-sample caches are exercised.
+  assert not np.allclose(decoded_BxGxTxV[:, 0], decoded_BxGxTxV[:, 1], atol=1e-3)
+
+
+def _padding_batch(rng):
+  """One 5-token prompt after 0, 1, 3 and 6 pads of random content, in rows of width 11.
+
+  Whatever follows the prompt cannot reach its logits (causal attention), so the rows are
+  filled up with random tokens and one forward shape serves every amount of padding.
+  """
+  prompt = rng.integers(0, BASE.vocab_size, size=5).astype(np.int32)
+  pads = np.array([0, 1, 3, 6])
+  tokens = rng.integers(0, BASE.vocab_size, size=(4, 11)).astype(np.int32)
+  for row, pad in enumerate(pads):
+    tokens[row, pad:pad + 5] = prompt
+  mask = np.arange(11)[None, :] >= pads[:, None]
+  return tokens, mask, pads
+
+
+def test_logits_invariant_to_left_padding(base_params):
+  tokens, mask, pads = _padding_batch(np.random.default_rng(1))
+  logits = _forward(base_params, BASE, tokens, mask)
+  for row, pad in enumerate(pads[1:], start=1):
+    np.testing.assert_allclose(logits[row, pad:pad + 5], logits[0, :5], atol=1e-5)
+  # The pads' content is ignored: other random pads give the same logits.
+  tokens2 = tokens.copy()
+  tokens2[~mask] = (tokens2[~mask] + 1) % BASE.vocab_size
+  np.testing.assert_allclose(_forward(base_params, BASE, tokens2, mask)[mask], logits[mask],
+                             atol=1e-5)
+
+
+def test_rope_position_zero_is_identity():
+  x = np.random.default_rng(0).standard_normal((2, 3, 4, 8)).astype(np.float32)  # [B,T,H,D]
+  np.testing.assert_allclose(_rope(x, jnp.zeros((2, 3), jnp.int32), 10_000.0), x,
+                             atol=1e-7)
+
+
+def test_rope_hand_example_depends_on_relative_position():
+  # head_dim 2 has one frequency theta**0 = 1, so position m rotates by m radians:
+  # rope([1, 0], m) = [cos m, sin m] and rope([0, 1], n) = [-sin n, cos n], whose dot
+  # product is sin(m - n): sin(2) for both (m, n) = (3, 1) and (5, 3).
+  q = jnp.array([[[1.0, 0.0]]])  # [T=1, H=1, D=2]
+  k = jnp.array([[[0.0, 1.0]]])
+  np.testing.assert_allclose(_rope(q, jnp.array([1]), 10_000.0)[0, 0],
+                             [math.cos(1), math.sin(1)], atol=1e-6)
+
+  def score(m, n):
+    return float(jnp.sum(_rope(q, jnp.array([m]), 10_000.0)
+                         * _rope(k, jnp.array([n]), 10_000.0)))
+
+  assert score(3, 1) == pytest.approx(math.sin(2), abs=1e-5)
+  assert score(5, 3) == pytest.approx(math.sin(2), abs=1e-5)
+  assert score(1, 3) == pytest.approx(math.sin(-2), abs=1e-5)
+
+
+def test_rope_relative_position_all_frequencies():
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((1, 1, 8)).astype(np.float32)  # [T, H, D]
+  k = rng.standard_normal((1, 1, 8)).astype(np.float32)
+
+  def score(m, n):
+    return float(jnp.sum(_rope(q, jnp.array([m]), 100.0)
+                         * _rope(k, jnp.array([n]), 100.0)))
+
+  assert score(5, 2) == pytest.approx(score(3, 0), abs=1e-4)
+  assert score(10, 7) == pytest.approx(score(3, 0), abs=1e-4)
+  assert score(4, 2) != pytest.approx(score(3, 0), abs=1e-3)
+
+
+def test_rmsnorm_hand_example():
+  # x = [3, 4]: mean square (9 + 16) / 2 = 12.5, rms = sqrt(12.5) = 3.5355, so
+  # x / rms = [0.8485, 1.1314]; scale [2, 0.5] gives [1.6971, 0.5657].
+  cfg = dataclasses.replace(BASE, norm_eps=0.0)
+  norm = model.RMSNorm(cfg, 2)
+  out = norm.apply({"params": {"scale": jnp.array([2.0, 0.5])}}, jnp.array([3.0, 4.0]))
+  rms = math.sqrt(12.5)
+  np.testing.assert_allclose(out, [2 * 3 / rms, 0.5 * 4 / rms], rtol=1e-6)
+  np.testing.assert_allclose(out, [1.6971, 0.5657], atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_parameter_has_logical_axis_names(variant):
+  cfg = VARIANTS[variant]
+  boxed = jax.eval_shape(lambda key: model.init_params(cfg, key), jax.random.key(0))
+  leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  assert leaves
+  for leaf in leaves:
+    assert isinstance(leaf, nn.LogicallyPartitioned), type(leaf)
+    assert len(leaf.names) == len(leaf.value.shape), (leaf.names, leaf.value.shape)
+    assert all(isinstance(n, str) for n in leaf.names), leaf.names
+  # Per layer: q, k, v, o, gate, up, down and two norm scales; plus embedding and final norm.
+  expected = 2 * 9 + 2
+  attn = boxed["layer_1"]["attn"]
+  assert boxed["embedding"].names == ("vocab", "embed")
+  assert attn["q"].names == ("embed", "q_heads", "head_dim")
+  assert attn["k"].names == ("embed", "kv_heads", "head_dim")
+  assert attn["o"].names == ("q_heads", "head_dim", "embed")
+  assert boxed["layer_1"]["mlp"]["down"].names == ("mlp", "embed")
+  if variant == "mha_qknorm_untied":
+    expected += 1 + 2 * 2  # lm_head; q_norm and k_norm per layer
+    assert boxed["lm_head"].names == ("embed", "vocab")
+    assert attn["q_norm"]["scale"].names == ("norm",)
+  assert len(leaves) == expected
+
+
+def test_bfloat16_runs_and_is_close_to_float32(base_params):
+  cfg = dataclasses.replace(BASE, param_dtype="bfloat16", dtype="bfloat16")
+  abstract = jax.eval_shape(lambda key: model.init_params(cfg, key), jax.random.key(0))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nn.unbox(abstract)))
+  tokens, mask, _ = _padding_batch(np.random.default_rng(2))  # the shape compiled above
+  ref = _forward(base_params, BASE, tokens, mask)
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base_params)
+  out = _forward(params16, cfg, tokens, mask)
+  assert out.dtype == jnp.float32  # logits always come out in float32
+  assert np.all(np.isfinite(out))
+  # Logits here are O(0.4); bfloat16 keeps ~3 significant digits.
+  np.testing.assert_allclose(out, ref, atol=0.05)
+
+
+def test_config_rejects_heads_not_multiple_of_kv_heads():
+  with pytest.raises(ValueError, match="num_heads.*num_kv_heads"):
+    dataclasses.replace(BASE, num_heads=4, num_kv_heads=3)
+
+
+def test_config_rejects_unknown_dtype():
+  with pytest.raises(ValueError, match=r"model\.dtype='float16'"):
+    dataclasses.replace(BASE, dtype="float16")
+  with pytest.raises(ValueError, match=r"model\.param_dtype"):
+    dataclasses.replace(BASE, param_dtype="fp32")
+
+
+def test_config_from_dict_rejects_unknown_key():
+  values = dataclasses.asdict(BASE)
+  assert model.ModelConfig.from_dict(values) == BASE
+  values["n_layers"] = 3
+  with pytest.raises(ValueError, match="n_layers"):
+    model.ModelConfig.from_dict(values)
+
+
+def test_config_rejects_non_positive_size():
+  with pytest.raises(ValueError, match=r"model\.head_dim"):
+    dataclasses.replace(BASE, head_dim=0)

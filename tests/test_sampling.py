@@ -1,0 +1,453 @@
+"""Tests for jaxgrpo.sampling: profiles, truncation, the compiled sampler and the engine."""
+
+import io
+import logging
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrpo import model
+from jaxgrpo import sampling
+from jaxgrpo import sharding
+
+SP = sampling.SamplingParams
+CFG = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=8, mlp_dim=64)
+PAD = 0
+T = 6  # max_new_tokens
+G = 4  # samples per prompt
+TRAIN = SP(1.0, 1.0, 0)
+VAL = SP(0.7, 0.9, 5)
+
+_forward = jax.jit(model.forward, static_argnums=1)
+
+
+@pytest.fixture(scope="module")
+def params():
+  """Random parameters drawn with numpy in the model's shapes.
+
+  numpy rather than model.init_params: compiling the jax initialiser costs ~10 s of CPU here
+  (it is tested in test_sharding.py). The final norm scale is 25 rather than 1: with the
+  tied head's small embedding the logits would be near-uniform (std ~0.1), where greedy ties
+  and top-p boundaries are fragile; this gives logits with std ~3.
+  """
+  shapes = jax.eval_shape(lambda key: nn.unbox(model.init_params(CFG, key)),
+                          jax.random.key(0))
+  rng = np.random.default_rng(0)
+
+  def draw(path, leaf):
+    name = path[-1].key
+    if name == "scale":
+      value = np.ones(leaf.shape)
+    elif name == "embedding":
+      value = 0.02 * rng.standard_normal(leaf.shape)
+    else:  # fan-in scaling; the output kernel o is [heads, head_dim, embed]
+      fan_in = leaf.shape[0] * (leaf.shape[1] if name == "o" else 1)
+      value = rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
+    return jnp.asarray(value, leaf.dtype)
+
+  p = jax.tree_util.tree_map_with_path(draw, shapes)
+  p["final_norm"]["scale"] = p["final_norm"]["scale"] * 25.0
+  return p
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  """8 prompts left-padded (with PAD) to width 6; real lengths 1..6."""
+  rng = np.random.default_rng(0)
+  lengths = np.array([6, 3, 5, 1, 4, 6, 2, 5])
+  width = 6
+  mask = np.arange(width)[None, :] >= width - lengths[:, None]
+  tokens = np.where(mask, rng.integers(1, CFG.vocab_size, size=(8, width)), PAD)
+  return tokens.astype(np.int32), mask
+
+
+def _single_device_mesh():
+  return sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+
+
+def _engine(mesh, train=TRAIN, val=VAL, *, max_prompt_length=6, eos_id=None, seed=0):
+  profiles = {"train": sampling.Profile(train, G, T), "val": sampling.Profile(val, G, T)}
+  return sampling.RolloutEngine(CFG, mesh, profiles, max_prompt_length=max_prompt_length,
+                                eos_id=eos_id, pad_id=PAD, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def engine_record(params):
+  """The shared engine's first life, watched: 5 batches per profile, compiles logged.
+
+  Prompt contents change every call and some prompts are narrower than max_prompt_length
+  (the engine left-pads them). `sampling.prefill` is wrapped to record the prompt shape it
+  is traced with. Runs once, at setup, so the record does not depend on test order.
+  """
+  eng = _engine(_single_device_mesh())
+  rng = np.random.default_rng(3)
+  prefill_shapes, outputs = [], {}
+  original_prefill = sampling.prefill
+
+  def recording_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP):
+    prefill_shapes.append(prompt_tokens_BxP.shape)  # runs at trace time only
+    return original_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP)
+
+  stream = io.StringIO()
+  handler = logging.StreamHandler(stream)
+  handler.setLevel(logging.WARNING)
+  # jax 0.10.2 logs "Compiling jit(<name>) ..." from pxla at WARNING under log_compiles().
+  logger = logging.getLogger("jax._src.interpreters.pxla")
+  logger.addHandler(handler)
+  try:
+    with pytest.MonkeyPatch.context() as mp, jax.log_compiles():
+      mp.setattr(sampling, "prefill", recording_prefill)
+      for i in range(5):
+        for name in ("train", "val"):
+          width = (6, 4, 3)[i % 3]
+          tokens = rng.integers(1, CFG.vocab_size, size=(8, width)).astype(np.int32)
+          mask = np.arange(width)[None, :] >= rng.integers(0, width, size=(8, 1))
+          outputs.setdefault(name, []).append(jax.device_get(
+              eng.sample(name, params, tokens, mask)))
+  finally:
+    logger.removeHandler(handler)
+  return dict(engine=eng, compilations=dict(eng.compilations), log=stream.getvalue(),
+              prefill_shapes=prefill_shapes, outputs=outputs)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_record):
+  """Single device; train: TRAIN, val: VAL, G samples each."""
+  return engine_record["engine"]
+
+
+@pytest.fixture(scope="module")
+def mesh222():
+  return sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+
+def _teacher_forced_logits(params, prompt_BxP, mask_BxP, completion_NxT):
+  """Logits predicting each completion token: forward over [prompt | completion]."""
+  p = prompt_BxP.shape[1]
+  rows = np.concatenate([np.repeat(prompt_BxP, G, axis=0), np.asarray(completion_NxT)], 1)
+  mask = np.concatenate([np.repeat(mask_BxP, G, axis=0),
+                         np.ones(completion_NxT.shape, bool)], 1)
+  logits = _forward(params, CFG, rows, mask)
+  return logits[:, p - 1:-1]  # position p-1+j predicts completion token j
+
+
+# ----------------------------------------------------------------------------- SamplingParams
+
+
+def test_sampling_params_has_no_defaults():
+  with pytest.raises(TypeError):
+    SP()  # pylint: disable=no-value-for-parameter
+  with pytest.raises(TypeError):
+    SP(1.0)  # pylint: disable=no-value-for-parameter
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1, top_p=1.0, top_k=0), "temperature"),
+    (dict(temperature=1.0, top_p=0.0, top_k=0), "top_p"),
+    (dict(temperature=1.0, top_p=1.5, top_k=0), "top_p"),
+    (dict(temperature=1.0, top_p=-0.1, top_k=0), "top_p"),
+    (dict(temperature=1.0, top_p=1.0, top_k=-1), "top_k"),
+    (dict(temperature="1.0", top_p=1.0, top_k=0), "temperature"),
+    (dict(temperature=True, top_p=1.0, top_k=0), "temperature"),
+    (dict(temperature=1.0, top_p=None, top_k=0), "top_p"),
+    (dict(temperature=1.0, top_p=1.0, top_k=1.5), "top_k"),
+    (dict(temperature=1.0, top_p=1.0, top_k=True), "top_k"),
+])
+def test_sampling_params_rejects_bad_values(kwargs, field):
+  with pytest.raises(ValueError, match=f"^{field}="):
+    SP(**kwargs)
+
+
+def test_sampling_params_accepts_edges():
+  assert SP(0, 1, 0).greedy
+  assert not SP(0.5, 0.01, 3).greedy
+  assert SP(1.0, 1.0, np.int64(4)).top_k == 4
+
+
+def test_profile_rejects_bad_values():
+  with pytest.raises(ValueError, match="sampling="):
+    sampling.Profile({"temperature": 1.0}, 2, 4)
+  with pytest.raises(ValueError, match="num_samples="):
+    sampling.Profile(TRAIN, 0, 4)
+  with pytest.raises(ValueError, match="max_new_tokens="):
+    sampling.Profile(TRAIN, 2, 0)
+
+
+# ------------------------------------------------------------------------- truncation and draw
+
+
+def _kept_probs(probs, sp):
+  logp, ids = sampling.candidate_logprobs(jnp.log(jnp.array(probs)), sp)
+  out = np.zeros(len(probs))
+  out[np.asarray(ids)] = np.exp(np.asarray(logp))
+  return out, np.asarray(logp), np.asarray(ids)
+
+
+def test_top_p_hand_example():
+  # Sorted probs .5, .25, .15, .1: mass strictly before each is 0, .5, .75, .9; a token is
+  # kept while that mass is < p.
+  # p = 0.7 keeps the first two, renormalised to .5/.75 = 2/3 and .25/.75 = 1/3.
+  kept, logp, ids = _kept_probs([0.5, 0.25, 0.15, 0.1], SP(1.0, 0.7, 0))
+  np.testing.assert_array_equal(ids, [0, 1, 2, 3])
+  np.testing.assert_allclose(kept, [2 / 3, 1 / 3, 0, 0], rtol=1e-6)
+  assert np.all(np.isneginf(logp[2:]))
+  # p = 0.75: .5 + .25 reaches .75 exactly, so the third token (mass before = .75) is out.
+  kept, _, _ = _kept_probs([0.5, 0.25, 0.15, 0.1], SP(1.0, 0.75, 0))
+  np.testing.assert_allclose(kept, [2 / 3, 1 / 3, 0, 0], rtol=1e-6)
+  # p = 0.76 keeps three: .5/.9, .25/.9, .15/.9.
+  kept, logp, _ = _kept_probs([0.5, 0.25, 0.15, 0.1], SP(1.0, 0.76, 0))
+  np.testing.assert_allclose(kept, [5 / 9, 2.5 / 9, 1.5 / 9, 0], rtol=1e-6)
+  assert np.isneginf(logp[3]) and np.all(np.isfinite(logp[:3]))
+
+
+def test_top_p_sorts_unsorted_logits():
+  # Same distribution, permuted: the kept tokens are ids 2 and 0 (probs .5 and .25).
+  kept, _, _ = _kept_probs([0.25, 0.1, 0.5, 0.15], SP(1.0, 0.7, 0))
+  np.testing.assert_allclose(kept, [1 / 3, 0, 2 / 3, 0], rtol=1e-6)
+
+
+def test_temperature_applied_before_top_p():
+  # Temperature 2 on log p gives probs proportional to sqrt(p): sqrt([.5, .25, .15, .1]) =
+  # [.7071, .5, .3873, .3162], sum 1.9106 -> [.370, .262, .203, .166]. With top_p = .45 the
+  # mass before is 0, .370, .632 -> two tokens kept, renormalised .7071/1.2071 = .5858 and
+  # .5/1.2071 = .4142. Truncating first (on [.5, .25, ...]) would keep one token only.
+  kept, _, _ = _kept_probs([0.5, 0.25, 0.15, 0.1], SP(2.0, 0.45, 0))
+  assert np.count_nonzero(kept) == 2
+  np.testing.assert_allclose(kept, [0.5858, 0.4142, 0, 0], atol=1e-4)
+
+
+def test_top_k_then_top_p():
+  # top_k = 3 keeps .5, .25, .15, renormalised to .5/.9 = .556, .278, .167; top_p = .8 then
+  # sees mass before 0, .556, .833 and keeps two: 2/3, 1/3.
+  kept, logp, _ = _kept_probs([0.5, 0.25, 0.15, 0.1], SP(1.0, 0.8, 3))
+  assert logp.shape == (3,)
+  np.testing.assert_allclose(kept, [2 / 3, 1 / 3, 0, 0], rtol=1e-6)
+
+
+_DRAW_P = np.array([0.4, 0.3, 0.2, 0.06, 0.04])
+
+
+@pytest.mark.parametrize("sp, expected", [
+    (SP(1.0, 1.0, 2), [4 / 7, 3 / 7, 0, 0, 0]),           # top-k 2: .4/.7, .3/.7
+    (SP(1.0, 0.8, 0), [.4 / .9, .3 / .9, .2 / .9, 0, 0]),  # mass before 0, .4, .7, .9
+    (SP(1.0, 1.0, 0), list(_DRAW_P)),                       # untruncated
+], ids=["top_k", "top_p", "full"])
+def test_draw_frequencies_match_profile(sp, expected):
+  m = 2000
+  # A deterministic grid of uniforms: token j gets the u's in [cdf[j-1], cdf[j]), i.e.
+  # M * prob_j of them, give or take one.
+  u = (np.arange(m) + 0.5) / m
+  logits = np.broadcast_to(np.log(_DRAW_P), (m, 5))
+  token, logp, raw = jax.jit(sampling.draw, static_argnums=2)(logits, u, sp)
+  token = np.asarray(token)
+  freq = np.bincount(token, minlength=5) / m
+  np.testing.assert_allclose(freq, expected, atol=1 / m + 1e-9)
+  expected = np.array(expected)
+  assert np.all(expected[token] > 0)  # never a -inf candidate
+  np.testing.assert_allclose(logp, np.log(expected[token]), atol=1e-5)
+  np.testing.assert_allclose(raw, np.log(_DRAW_P[token]), atol=1e-5)
+
+
+def test_draw_greedy_is_argmax_with_lowest_index_on_ties():
+  logits = np.array([[0.0, 2.0, 1.0, 2.0], [3.0, -1.0, 0.0, 0.0]], np.float32)
+  token, logp, raw = sampling.draw(logits, np.array([0.3, 0.9]), SP(0.0, 1.0, 0))
+  np.testing.assert_array_equal(token, [1, 0])
+  np.testing.assert_array_equal(logp, [0.0, 0.0])
+  np.testing.assert_allclose(raw, jax.nn.log_softmax(logits)[np.arange(2), [1, 0]], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- sampler
+
+
+def _greedy_reference(params, prompt_BxP, mask_BxP, t):
+  """Greedy decoding by full forward passes over the growing sequence (no KV cache).
+
+  Run on the prompts repeated G times, so that the forward has the [B * G, P + T] shape the
+  teacher-forced checks compile anyway; returns one row per prompt.
+  """
+  prompt_BxP, mask_BxP = np.repeat(prompt_BxP, G, axis=0), np.repeat(mask_BxP, G, axis=0)
+  b, p = prompt_BxP.shape
+  # One fixed-width buffer: causality makes position p-1+j ignore the unfilled tail.
+  tokens = np.concatenate([prompt_BxP, np.full((b, t), PAD, np.int32)], 1)
+  mask = np.concatenate([mask_BxP, np.ones((b, t), bool)], 1)
+  for j in range(t):
+    logits = _forward(params, CFG, tokens, mask)[:, p - 1 + j]
+    tokens[:, p + j] = np.argmax(logits, axis=-1)
+  return tokens[::G, p:]
+
+
+@pytest.fixture(scope="module")
+def greedy_tokens(params, prompts):
+  return _greedy_reference(params, *prompts, T)
+
+
+@pytest.fixture(scope="module")
+def eos_id(greedy_tokens):
+  """A token that greedy decoding first emits at step 2 of some row and never in another."""
+  for v in range(1, CFG.vocab_size):
+    hits = [np.flatnonzero(row == v) for row in greedy_tokens]
+    if any(len(h) and h[0] == 2 for h in hits) and any(not len(h) for h in hits):
+      return v
+  raise AssertionError(f"no suitable EOS in greedy decoding {greedy_tokens}")
+
+
+@pytest.fixture(scope="module")
+def greedy_rollouts(params, prompts, eos_id):
+  """train: temperature 0; val: top-k 1 at temperature 1; both stop at eos_id.
+
+  One engine serves the greedy and the EOS tests (each sampler compile costs seconds).
+  """
+  eng = _engine(_single_device_mesh(), train=SP(0.0, 1.0, 0), val=SP(1.0, 1.0, 1),
+                eos_id=eos_id)
+  return {name: jax.device_get(eng.sample(name, params, *prompts)) for name in ("train", "val")}
+
+
+@pytest.mark.parametrize("name", ["train", "val"])  # temperature 0, top-k 1
+def test_temperature_zero_and_top_k_one_equal_greedy(greedy_rollouts, greedy_tokens, eos_id,
+                                                     name):
+  out = greedy_rollouts[name]
+  expected = np.repeat(greedy_tokens, G, axis=0)
+  mask = out.mask_NxT
+  # Every generated token (up to and including EOS) is the greedy one ...
+  np.testing.assert_array_equal(np.where(mask, out.tokens_NxT, -1), np.where(mask, expected, -1))
+  # ... and rows that never meet EOS are the whole greedy decoding.
+  full = ~np.any(expected == eos_id, axis=1)
+  assert full.any()
+  np.testing.assert_array_equal(out.tokens_NxT[full], expected[full])
+  # A point mass: log 1 = 0 under the profile; the raw model still has its log-probs.
+  np.testing.assert_allclose(out.logp_NxT, 0.0, atol=1e-6)
+  assert np.all(out.raw_logp_NxT[mask] < 0)
+
+
+@pytest.mark.parametrize("name", ["train", "val"])
+def test_eos_stops_a_row(greedy_rollouts, greedy_tokens, eos_id, name):
+  out = greedy_rollouts[name]
+  stopped_at_2 = 0
+  for n in range(out.tokens_NxT.shape[0]):
+    ref = greedy_tokens[n // G]
+    hit = np.flatnonzero(ref == eos_id)
+    if len(hit):
+      k = hit[0]
+      stopped_at_2 += k == 2
+      assert out.tokens_NxT[n, k] == eos_id
+      np.testing.assert_array_equal(out.tokens_NxT[n, k + 1:], PAD)
+      np.testing.assert_array_equal(out.mask_NxT[n], np.arange(T) <= k)
+      np.testing.assert_array_equal(out.logp_NxT[n, k + 1:], 0.0)
+      np.testing.assert_array_equal(out.raw_logp_NxT[n, k + 1:], 0.0)
+      assert out.lengths_N[n] == k + 1 and not out.truncated_N[n]
+    else:
+      assert out.mask_NxT[n].all()
+      assert out.lengths_N[n] == T and out.truncated_N[n]
+  assert stopped_at_2 >= G  # every sample of the chosen row: mask True x3, length 3
+
+
+@pytest.mark.parametrize("name, sp", [("train", TRAIN), ("val", VAL)])
+def test_logprobs_match_teacher_forcing(engine, params, prompts, name, sp):
+  out = engine.sample(name, params, *prompts, key=jax.random.key(11))
+  tokens = np.asarray(out.tokens_NxT)
+  assert tokens.shape == (8 * G, T) and np.all(out.mask_NxT)
+  logits = _teacher_forced_logits(params, *prompts, tokens)
+  raw = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(out.raw_logp_NxT, raw, atol=1e-4)
+  cand_logp, ids = sampling.candidate_logprobs(logits, sp)
+  profile = jnp.max(jnp.where(ids == tokens[..., None], cand_logp, -jnp.inf), axis=-1)
+  assert np.all(np.isfinite(profile))  # every sampled token is a candidate
+  np.testing.assert_allclose(out.logp_NxT, profile, atol=1e-4)
+  if name == "val":
+    # Truncation and temperature 0.7 make the profile differ from the raw model.
+    assert not np.allclose(out.logp_NxT, out.raw_logp_NxT, atol=1e-2)
+  else:
+    np.testing.assert_allclose(out.logp_NxT, out.raw_logp_NxT, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_config", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 8}],
+                         ids=["2x2x2", "data8"])
+def test_mesh_results_equal_single_device(engine, params, prompts, mesh_config):
+  key = engine.key("val", 5)
+  expected = jax.device_get(engine.sample("val", params, *prompts, key=key))
+  mesh = sharding.make_mesh(mesh_config)
+  sharded = _engine(mesh)
+  out = sharded.sample("val", sharding.shard_params(params, CFG, mesh), *prompts, key=key)
+  assert len(out.tokens_NxT.sharding.device_set) == 8
+  out = jax.device_get(out)
+  np.testing.assert_array_equal(out.tokens_NxT, expected.tokens_NxT)
+  np.testing.assert_array_equal(out.mask_NxT, expected.mask_NxT)
+  np.testing.assert_allclose(out.logp_NxT, expected.logp_NxT, atol=1e-4)
+  np.testing.assert_allclose(out.raw_logp_NxT, expected.raw_logp_NxT, atol=1e-4)
+
+
+def test_prefill_runs_once_per_prompt_not_per_sample(engine_record):
+  # One trace per profile, each with the 8 distinct prompts: [8, 6], never [8 * G, 6].
+  assert engine_record["prefill_shapes"] == [(8, 6), (8, 6)]
+  # ... while the rollouts have B * G rows, prompt-major.
+  for name in ("train", "val"):
+    assert engine_record["outputs"][name][0].tokens_NxT.shape == (8 * G, T)
+
+
+def test_each_profile_compiles_once(engine_record):
+  assert engine_record["compilations"] == {"train": 1, "val": 1}
+  log = engine_record["log"]
+  assert log.count("Compiling jit(traced)") == 2, log
+  # Different prompt contents gave different samples (the calls really ran).
+  train = [o.tokens_NxT for o in engine_record["outputs"]["train"]]
+  assert not np.array_equal(train[0], train[1])
+
+
+# ---------------------------------------------------------------------------- engine guards
+
+
+def test_engine_requires_exactly_train_and_val():
+  mesh = _single_device_mesh()
+  prof = sampling.Profile(TRAIN, 2, T)
+  for names in (("train", "val", "extra"), ("train",), ("train", "eval")):
+    with pytest.raises(ValueError, match="exactly"):
+      sampling.RolloutEngine(CFG, mesh, {n: prof for n in names}, max_prompt_length=6,
+                             eos_id=None, pad_id=PAD, seed=0)
+
+
+def test_engine_rejects_unknown_profile_name(engine, params, prompts):
+  with pytest.raises(ValueError, match=r"'eval'.*\['train', 'val'\]"):
+    engine.sample("eval", params, *prompts)
+
+
+def test_engine_rejects_prompt_wider_than_max(engine, params):
+  tokens = np.ones((8, 7), np.int32)
+  with pytest.raises(ValueError, match="max_prompt_length=6"):
+    engine.sample("train", params, tokens, np.ones((8, 7), bool))
+
+
+def test_engine_rejects_rows_not_dividing_data_axes(mesh222, params):
+  eng = _engine(mesh222)
+  tokens = np.ones((6, 6), np.int32)  # data x fsdp = 4 does not divide 6
+  with pytest.raises(ValueError, match="6 prompts do not divide over the 4"):
+    eng.sample("train", params, tokens, np.ones((6, 6), bool))
+
+
+# -------------------------------------------------------------------------------------- keys
+
+
+def test_consecutive_calls_draw_fresh_samples(engine, params, prompts):
+  first = engine.sample("train", params, *prompts)
+  second = engine.sample("train", params, *prompts)
+  assert not np.array_equal(first.tokens_NxT, second.tokens_NxT)
+
+
+def test_explicit_key_and_step_reproduce(engine, params, prompts):
+  key = engine.key("train", 3)
+  first = engine.sample("train", params, *prompts, key=key)
+  second = engine.sample("train", params, *prompts, key=key)
+  np.testing.assert_array_equal(first.tokens_NxT, second.tokens_NxT)
+  np.testing.assert_array_equal(first.logp_NxT, second.logp_NxT)
+  by_step = engine.sample("train", params, *prompts, step=3)
+  np.testing.assert_array_equal(by_step.tokens_NxT, first.tokens_NxT)
+
+
+def test_keys_differ_per_profile_and_step(engine):
+  data = lambda k: np.asarray(jax.random.key_data(k))
+  assert not np.array_equal(data(engine.key("train", 3)), data(engine.key("val", 3)))
+  assert not np.array_equal(data(engine.key("train", 3)), data(engine.key("train", 4)))
+  np.testing.assert_array_equal(data(engine.key("val", 3)), data(engine.key("val", 3)))
