@@ -76,7 +76,7 @@ SCHEMA: dict[str, Any] = {
     "model": {
         "checkpoint": _str, "vocab_size": _int(1), "d_model": _int(1), "num_layers": _int(1),
         "num_heads": _int(1), "num_kv_heads": _int(1), "head_dim": _int(1), "mlp_dim": _int(1),
-        "rope_theta": _num(0, lo_open=True), "norm_eps": _num(0, lo_open=True),
+        "rope_theta": _num(0, lo_open=True), "norm_eps": _num(0),
         "tie_embeddings": _bool, "qk_norm": _bool, "param_dtype": _dtype, "dtype": _dtype},
     "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1)},
     "data": {

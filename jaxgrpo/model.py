@@ -62,10 +62,11 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r}: allowed {sorted(DTYPES)}")
-    for name in ("rope_theta", "norm_eps"):
+    for name, low in (("rope_theta", "> 0"), ("norm_eps", ">= 0")):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"model.{name}={value!r}: must be a number > 0")
+      if (isinstance(value, bool) or not isinstance(value, (int, float))
+          or value < 0 or (value == 0 and low == "> 0")):
+        raise ValueError(f"model.{name}={value!r}: must be a number {low}")
 
   @classmethod
   def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
