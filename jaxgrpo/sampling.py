@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Mapping, NamedTuple
 
 import jax
@@ -122,6 +123,38 @@ def candidate_logprobs(logits, sp: SamplingParams):
   return jax.nn.log_softmax(cand, axis=-1), ids.astype(jnp.int32)
 
 
+def _last_positive(x):
+  """Index of the last entry > 0 along the last axis (0 if none)."""
+  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.max(jnp.where(x > 0, idx, 0), axis=-1)
+
+
+def inverse_cdf_pick(probs, uniform):
+  """The index i with cdf[i-1] <= u * total < cdf[i], for unnormalised probs [..., K].
+
+  Two levels, so no cumulative sum runs over all K entries: XLA's CPU cumsum cost grows much
+  faster than K (210 us per step for 32 x 512, 80% of the whole draw). Blocks of ~sqrt(K)
+  entries: pick a block by its cumulative mass, then the entry inside it. A pick is always
+  an entry with positive probability, even when float rounding leaves u * total at the edge.
+  """
+  k = probs.shape[-1]
+  width = int(math.ceil(math.sqrt(k)))
+  blocks = -(-k // width)
+  lead = probs.shape[:-1]
+  p = jnp.pad(probs, [(0, 0)] * len(lead) + [(0, blocks * width - k)])
+  p = p.reshape(*lead, blocks, width)
+  mass = p.sum(axis=-1)                                  # [..., blocks]
+  cdf = jnp.cumsum(mass, axis=-1)
+  target = uniform * cdf[..., -1]
+  j = jnp.minimum(jnp.sum(cdf <= target[..., None], axis=-1), _last_positive(mass))
+  inside = jnp.take_along_axis(p, j[..., None, None], axis=-2)[..., 0, :]  # [..., width]
+  before = jnp.take_along_axis(cdf - mass, j[..., None], axis=-1)[..., 0]
+  inner = jnp.cumsum(inside, axis=-1)
+  i = jnp.minimum(jnp.sum(inner <= (target - before)[..., None], axis=-1),
+                  _last_positive(inside))
+  return (j * width + i).astype(jnp.int32)
+
+
 def draw(logits, uniform, sp: SamplingParams):
   """One token per row: (token, profile log-prob, raw log-prob). uniform in [0, 1)."""
   raw = jax.nn.log_softmax(logits, axis=-1)
@@ -130,11 +163,7 @@ def draw(logits, uniform, sp: SamplingParams):
     logp = jnp.zeros(token.shape, jnp.float32)  # a point mass
   else:
     cand_logp, ids = candidate_logprobs(logits, sp)
-    cdf = jnp.cumsum(jnp.exp(cand_logp), axis=-1)
-    # Normalised so the last entry is exactly 1 > uniform: the pick is always a candidate
-    # with positive probability, even when float rounding leaves the sum a hair off 1.
-    cdf = cdf / cdf[..., -1:]
-    pick = jnp.sum(cdf <= uniform[..., None], axis=-1).astype(jnp.int32)
+    pick = inverse_cdf_pick(jnp.exp(cand_logp), uniform)
     token = jnp.take_along_axis(ids, pick[..., None], axis=-1)[..., 0]
     logp = jnp.take_along_axis(cand_logp, pick[..., None], axis=-1)[..., 0]
   raw_logp = jnp.take_along_axis(raw, token[..., None], axis=-1)[..., 0]

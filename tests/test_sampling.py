@@ -451,3 +451,19 @@ def test_keys_differ_per_profile_and_step(engine):
   assert not np.array_equal(data(engine.key("train", 3)), data(engine.key("val", 3)))
   assert not np.array_equal(data(engine.key("train", 3)), data(engine.key("train", 4)))
   np.testing.assert_array_equal(data(engine.key("val", 3)), data(engine.key("val", 3)))
+
+
+def test_inverse_cdf_pick_two_levels_is_exact():
+  # K=10 gives blocks of width ceil(sqrt(10))=4 (3 blocks, 2 padded slots). probs (unnormalised)
+  # put mass 1,0,3,0 | 0,2,0,0 | 4,0 → total 10, cdf 1,1,4,4,4,6,6,6,10,10. With u on a grid
+  # of 1000 points, token i is picked for u*10 in [cdf[i-1], cdf[i]): counts 100, 300, 200, 400,
+  # and zero-probability tokens are never picked.
+  probs = jnp.array([1., 0., 3., 0., 0., 2., 0., 0., 4., 0.])
+  u = (jnp.arange(1000) + 0.5) / 1000
+  picks = np.asarray(sampling.inverse_cdf_pick(jnp.broadcast_to(probs, (1000, 10)), u))
+  counts = np.bincount(picks, minlength=10)
+  assert counts.tolist() == [100, 0, 300, 0, 0, 200, 0, 0, 400, 0]
+  # u at the top edge (1 - 2^-24, where u * total can round up to total) still picks the last
+  # token with positive probability, never a zero-probability or padded slot.
+  edge = sampling.inverse_cdf_pick(probs[None], jnp.array([1.0 - 2.0**-24]))
+  assert int(edge[0]) == 8
