@@ -197,7 +197,13 @@ def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, 
 def init_state(params, optimizer, mesh) -> TrainState:
   """Optimizer state created on device, sharded like the parameters it mirrors."""
   opt_state = jax.jit(optimizer.init)(params)
-  step = jax.device_put(jnp.zeros((), jnp.int32), sharding_lib.replicated(mesh))
+  # Moments follow their parameters' shardings; constants such as Adam's step count come
+  # out on one device and must be replicated over the mesh like everything else.
+  replicated = sharding_lib.replicated(mesh)
+  opt_state = jax.tree.map(
+      lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated),
+      opt_state)
+  step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
   return TrainState(step, params, opt_state)
 
 

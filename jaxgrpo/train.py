@@ -43,12 +43,15 @@ class Setup:
 
 def prepare(argv) -> Setup:
   """Host-side: everything that can be wrong with the user's input is found here."""
+  saved_argv, sys.argv = sys.argv, list(argv)  # config_flags finds overrides in sys.argv
   try:
     flags.FLAGS(argv)
     if _CONFIG.value is not None:
       _CONFIG.value.to_dict()  # config_flags reports a failed file load only on first use
   except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
     raise config_lib.ConfigError(_flag_error(e, argv)) from None
+  finally:
+    sys.argv = saved_argv
   if _CONFIG.value is None:
     raise config_lib.ConfigError("--config is required, e.g. --config=configs/math.py")
   import jax  # imported here so that flag errors answer fast; no compilation happens below
