@@ -196,13 +196,14 @@ def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, 
 
 def init_state(params, optimizer, mesh) -> TrainState:
   """Optimizer state created on device, sharded like the parameters it mirrors."""
-  opt_state = jax.jit(optimizer.init)(params)
-  # Moments follow their parameters' shardings; constants such as Adam's step count come
-  # out on one device and must be replicated over the mesh like everything else.
+  # Moments (mu, nu) take their parameters' shardings, so FSDP splits them too; scalars
+  # such as Adam's step count are replicated over the mesh.
   replicated = sharding_lib.replicated(mesh)
-  opt_state = jax.tree.map(
-      lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated),
-      opt_state)
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  state_sh = optax.tree_map_params(
+      optimizer, lambda _, sh: sh, jax.eval_shape(optimizer.init, params), param_sh,
+      transform_non_params=lambda _: replicated)
+  opt_state = jax.jit(optimizer.init, out_shardings=state_sh)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
   return TrainState(step, params, opt_state)
 
