@@ -105,7 +105,7 @@ def kl_penalty(logp_NxT, ref_logp_NxT, kl_type: str):
 def aggregate(per_token_NxT, mask_NxT, loss_agg: str, max_new_tokens: int):
   """Reduces per-token losses to a scalar; masked tokens never count."""
   mask = mask_NxT.astype(jnp.float32)
-  masked = per_token_NxT * mask
+  masked = jnp.where(mask_NxT, per_token_NxT, 0.0)  # where, not *: inf * 0 would be NaN
   if loss_agg == "token_mean":
     return masked.sum() / jnp.maximum(mask.sum(), 1.0)
   if loss_agg == "seq_mean_token_mean":
@@ -155,8 +155,9 @@ def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: Loss
     total = total + loss.beta * kl_loss
     aux["kl"] = (kl * fmask).sum() / denom
   else:
-    # Without a reference policy, report the drift from the sampling policy instead.
-    aux["kl"] = ((logp - batch["old_logp_NxT"]) * fmask).sum() / denom
+    # Without a reference policy, report the k1 estimate of KL(π_old || π_θ) over the
+    # sampled tokens instead: how far the updates moved the policy from the sampler's.
+    aux["kl"] = ((batch["old_logp_NxT"] - logp) * fmask).sum() / denom
   aux["loss"] = total
   return total, aux
 

@@ -1,0 +1,626 @@
+"""Tests for jaxgrpo.grpo: advantages, surrogate, KL, aggregation, loss, optimizer, update.
+
+Every number checked below is worked out by hand in the comment next to it.
+"""
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxgrpo import grpo
+from jaxgrpo import model as model_lib
+from jaxgrpo import sampling
+from jaxgrpo import sharding
+
+CFG = model_lib.ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=8, mlp_dim=64)
+SP = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+T = 4  # max_new_tokens of every test batch
+INV_SQRT2 = 1 / math.sqrt(2)  # 0.70711: the G=2 advantage of rewards {0, 1} (ddof=1)
+
+
+def _loss_config(**overrides):
+  values = dict(num_generations=2, beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28,
+                loss_agg="token_mean", scale_rewards="group", mask_truncated_completions=False,
+                max_new_tokens=T)
+  values.update(overrides)
+  return grpo.LossConfig(**values)
+
+
+def _batch(rewards, lengths, *, num_prompts, truncated=None, seed=0):
+  """A rollout batch: prompts of width 3 (prompt 0 left-padded by one), N rows of T tokens.
+
+  lengths[i] generated tokens are real in row i; old_logp is 0 (callers replace it).
+  """
+  n = len(rewards)
+  rng = np.random.default_rng(seed)
+  prompt_mask = np.ones((num_prompts, 3), bool)
+  prompt_mask[0, 0] = False
+  prompt_tokens = np.where(prompt_mask, rng.integers(1, CFG.vocab_size, (num_prompts, 3)), 0)
+  completion_mask = np.arange(T)[None, :] < np.asarray(lengths)[:, None]
+  completion_tokens = np.where(completion_mask, rng.integers(1, CFG.vocab_size, (n, T)), 0)
+  if truncated is None:
+    truncated = np.zeros(n, bool)
+  return {"prompt_tokens_BxP": prompt_tokens.astype(np.int32),
+          "prompt_mask_BxP": prompt_mask,
+          "completion_tokens_NxT": completion_tokens.astype(np.int32),
+          "completion_mask_NxT": completion_mask,
+          "old_logp_NxT": np.zeros((n, T), np.float32),
+          "rewards_N": np.asarray(rewards, np.float32),
+          "truncated_N": np.asarray(truncated, bool)}
+
+
+BETA = 0.1  # the KL coefficient of the beta > 0 entry of _evaluate's table
+# XLA's CPU backend at optimisation level 0 compiles the model's gradients about twice as fast;
+# compiling dominates this file's runtime and nothing here depends on LLVM's optimisations.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _evaluate(params, ref_params, batch):
+  """Everything the loss_fn tests need, from one compilation (compiles dominate the runtime):
+
+  logp, ref_logp: completion_logprobs of params and ref_params.
+  table: {(loss_agg, mask_truncated_completions, beta): (loss, aux)} for every loss_agg with
+    the mask off and on (beta 0), and token_mean with beta = BETA (k3 against ref_params).
+  grad: d loss / d params of token_mean, beta 0.
+  """
+  out = {"logp": grpo.completion_logprobs(params, CFG, batch, 2, SP),
+         "ref_logp": grpo.completion_logprobs(ref_params, CFG, batch, 2, SP),
+         "table": {}}
+  for agg in grpo.LOSS_AGGS:
+    for masked in (False, True):
+      loss = _loss_config(loss_agg=agg, mask_truncated_completions=masked)
+      out["table"][(agg, masked, 0.0)] = grpo.loss_fn(params, None, batch, cfg=CFG, loss=loss,
+                                                      sp=SP)
+  out["table"][("token_mean", False, BETA)] = grpo.loss_fn(
+      params, ref_params, batch, cfg=CFG, loss=_loss_config(beta=BETA), sp=SP)
+  out["grad"] = jax.grad(lambda p: grpo.loss_fn(p, None, batch, cfg=CFG, loss=_loss_config(),
+                                                sp=SP)[0])(params)
+  return out
+
+
+def _logprobs(params, batch):
+  """completion_logprobs(params) of a B=4, G=2 batch, as numpy."""
+  return np.asarray(_evaluate(params, params, batch)["logp"])
+
+
+def _with_old_logp(batch, params):
+  """The batch with old_logp from `params` itself: the mu = 1 (on-policy) case."""
+  return dict(batch, old_logp_NxT=_logprobs(params, batch))
+
+
+def _host_params(seed):
+  """Parameters drawn with numpy in the model's shapes (compiling the jax.random
+  initialiser takes ~15 s of CPU, more than any test here)."""
+  shapes = jax.eval_shape(lambda r: nn.unbox(model_lib.init_params(CFG, r)),
+                          jax.random.key(0))
+  rng = np.random.default_rng(seed)
+
+  def draw(path, x):
+    name = path[-1].key
+    if name == "scale":  # RMSNorm
+      return np.ones(x.shape, np.float32)
+    std = 0.02 if name == "embedding" else (1 / 8 if name == "down" else 32 ** -0.5)
+    return (std * rng.standard_normal(x.shape)).astype(np.float32)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@pytest.fixture(name="params", scope="module")
+def fixture_params():
+  return _host_params(0)
+
+
+@pytest.fixture(name="ref_params", scope="module")
+def fixture_ref_params():
+  return _host_params(1)
+
+
+def _max_abs_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# group_advantages.
+
+
+REWARDS_8 = jnp.array([1, 0, 0, 1, 1, 1, 1, 1], jnp.float32)
+
+
+def test_group_advantages_group_scaling_uses_sample_std_and_zero_for_flat_groups():
+  adv = grpo.group_advantages(REWARDS_8, 4, "group")
+  # Group 1 [1,0,0,1]: mean .5, deviations +-.5; ddof=1 std = sqrt(4 * .25 / 3) = 0.57735;
+  # .5 / 0.57735 = 0.86603. Group 2 [1,1,1,1]: std 0, every advantage exactly 0 (no NaN).
+  np.testing.assert_allclose(adv[:4], [0.86603, -0.86603, -0.86603, 0.86603], atol=1e-5)
+  np.testing.assert_array_equal(adv[4:], np.zeros(4))
+
+
+def test_group_advantages_batch_scaling_uses_whole_batch_std():
+  adv = grpo.group_advantages(REWARDS_8, 4, "batch")
+  # Centred by group: [.5,-.5,-.5,.5, 0,0,0,0]. Batch std (ddof=1) of all 8 rewards: mean .75,
+  # squared deviations 6 * .25^2 + 2 * .75^2 = .375 + 1.125 = 1.5; 1.5 / 7 = .214286;
+  # sqrt = 0.46291. .5 / 0.46291 = 1.08012.
+  np.testing.assert_allclose(adv, [1.08012, -1.08012, -1.08012, 1.08012, 0, 0, 0, 0],
+                             atol=1e-5)
+
+
+def test_group_advantages_none_only_centres():
+  adv = grpo.group_advantages(REWARDS_8, 4, "none")
+  # Group means .5 and 1: [1-.5, 0-.5, 0-.5, 1-.5, 0, 0, 0, 0].
+  np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0], atol=1e-7)
+
+
+def test_group_advantages_two_samples_document_ddof_1():
+  adv = grpo.group_advantages(jnp.array([0.0, 1.0]), 2, "group")
+  # Mean .5, deviations -+.5; ddof=1 std = sqrt((.25 + .25) / 1) = 0.70711;
+  # -.5 / 0.70711 = -0.70711 (ddof=0 would give std .5 and +-1).
+  np.testing.assert_allclose(adv, [-INV_SQRT2, INV_SQRT2], atol=1e-6)
+
+
+def test_group_advantages_unknown_mode_names_it():
+  with pytest.raises(ValueError, match="scale_rewards='groups'"):
+    grpo.group_advantages(REWARDS_8, 4, "groups")
+
+
+# clipped_surrogate.
+
+
+def test_clipped_surrogate_hand_examples_and_clip_mask():
+  ratios = jnp.array([1.5, 0.5, 0.5, 1.5])
+  adv = jnp.array([1.0, 1.0, -1.0, -1.0])
+  old = jnp.full((4, 1), -2.0)
+  logp = old + jnp.log(ratios)[:, None]  # exp(logp - old) = ratio
+  loss, clipped, ratio = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.28)
+  # Clip range [1 - .2, 1 + .28] = [.8, 1.28]. loss = -min(r * A, clip(r) * A):
+  #   A=+1, r=1.5: min(1.5, 1.28) = 1.28 -> -1.28, clip active.
+  #   A=+1, r=0.5: min(0.5, 0.8) = 0.5 -> -0.5, unclipped (smaller) wins.
+  #   A=-1, r=0.5: min(-0.5, -0.8) = -0.8 -> +0.8, clip active.
+  #   A=-1, r=1.5: min(-1.5, -1.28) = -1.5 -> +1.5, unclipped wins.
+  np.testing.assert_allclose(ratio[:, 0], [1.5, 0.5, 0.5, 1.5], rtol=1e-6)
+  np.testing.assert_allclose(loss[:, 0], [-1.28, -0.5, 0.8, 1.5], rtol=1e-6)
+  np.testing.assert_array_equal(clipped[:, 0], [True, False, True, False])
+
+
+def test_clipped_surrogate_clip_stops_the_gradient():
+  ratios = jnp.array([1.5, 0.5, 0.5, 1.5])
+  adv = jnp.array([1.0, 1.0, -1.0, -1.0])
+  old = jnp.zeros((4, 1))
+
+  def total(logp):
+    return grpo.clipped_surrogate(logp, old, adv, 0.2, 0.28)[0].sum()
+
+  grad = jax.grad(total)(jnp.log(ratios)[:, None])
+  # d(-r * A)/d logp = -A * r where unclipped; 0 where the clipped constant is chosen:
+  #   [clipped -> 0, -1 * .5 = -.5, clipped -> 0, -(-1) * 1.5 = 1.5].
+  np.testing.assert_allclose(grad[:, 0], [0.0, -0.5, 0.0, 1.5], rtol=1e-6)
+
+
+def test_clipped_surrogate_asymmetric_upper_bound():
+  # A=+1, r=1.25: symmetric clip (eps_high=.2) caps at 1.2 -> loss -1.2, clip active;
+  # eps_high=.28 allows up to 1.28, so 1.25 is unclipped -> loss -1.25.
+  logp = jnp.log(jnp.array([[1.25]]))
+  old, adv = jnp.zeros((1, 1)), jnp.ones(1)
+  sym_loss, sym_clip, _ = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.2)
+  asym_loss, asym_clip, _ = grpo.clipped_surrogate(logp, old, adv, 0.2, 0.28)
+  np.testing.assert_allclose([sym_loss[0, 0], asym_loss[0, 0]], [-1.2, -1.25], rtol=1e-6)
+  assert bool(sym_clip[0, 0]) and not bool(asym_clip[0, 0])
+
+
+# kl_penalty.
+
+
+def test_kl_penalty_k1_and_k3_hand_values():
+  logp = jnp.log(jnp.array([[0.5, 0.25]]))
+  ref = jnp.log(jnp.array([[0.25, 0.5]]))
+  # k1 = logp - ref: log(.5/.25) = log 2 = 0.69315; log(.25/.5) = -0.69315.
+  np.testing.assert_allclose(grpo.kl_penalty(logp, ref, "k1")[0], [0.69315, -0.69315],
+                             atol=1e-5)
+  # k3 = r - log r - 1 with r = ref / pi: r = .5: .5 + 0.69315 - 1 = 0.19315;
+  # r = 2: 2 - 0.69315 - 1 = 0.30685.
+  np.testing.assert_allclose(grpo.kl_penalty(logp, ref, "k3")[0], [0.19315, 0.30685],
+                             atol=1e-5)
+
+
+def test_kl_penalty_k3_zero_when_equal_and_never_negative():
+  logp = jnp.linspace(-5.0, -0.01, 11)[None, :]
+  # Equal log-probs: r = 1, 1 - 0 - 1 = 0 exactly.
+  np.testing.assert_array_equal(grpo.kl_penalty(logp, logp, "k3"), np.zeros((1, 11)))
+  # r - log r - 1 >= 0 for every r > 0 (log r <= r - 1): all pairs of the grid.
+  pairs = grpo.kl_penalty(logp.T * jnp.ones((1, 11)), logp * jnp.ones((11, 1)), "k3")
+  assert float(pairs.min()) >= 0.0
+
+
+def test_kl_penalty_unknown_type_names_it():
+  with pytest.raises(ValueError, match="kl_type='k2'"):
+    grpo.kl_penalty(jnp.zeros((1, 1)), jnp.zeros((1, 1)), "k2")
+
+
+# aggregate.
+
+
+PER_TOKEN = jnp.array([[1.0, 2.0, 1e6], [4.0, 1e6, 1e6]])  # 1e6 only where masked
+MASK = jnp.array([[True, True, False], [True, False, False]])
+
+
+def test_aggregate_token_mean():
+  # Real tokens 1, 2, 4: (1 + 2 + 4) / 3 = 2.33333.
+  np.testing.assert_allclose(grpo.aggregate(PER_TOKEN, MASK, "token_mean", 3), 7 / 3,
+                             rtol=1e-6)
+
+
+def test_aggregate_seq_mean_token_mean():
+  # Row means (1 + 2) / 2 = 1.5 and 4 / 1 = 4; their mean (1.5 + 4) / 2 = 2.75.
+  np.testing.assert_allclose(grpo.aggregate(PER_TOKEN, MASK, "seq_mean_token_mean", 3), 2.75,
+                             rtol=1e-6)
+
+
+def test_aggregate_seq_mean_token_sum_norm_divides_by_rows_times_max_new_tokens():
+  # (1 + 2 + 4) / (N * max_new_tokens) = 7 / (2 * 3) = 1.16667; with max_new_tokens = 7:
+  # 7 / 14 = 0.5 (a constant denominator, independent of the lengths).
+  np.testing.assert_allclose(grpo.aggregate(PER_TOKEN, MASK, "seq_mean_token_sum_norm", 3),
+                             7 / 6, rtol=1e-6)
+  np.testing.assert_allclose(grpo.aggregate(PER_TOKEN, MASK, "seq_mean_token_sum_norm", 7),
+                             0.5, rtol=1e-6)
+
+
+def test_aggregate_modes_differ_and_masked_entries_never_count():
+  values = [float(grpo.aggregate(PER_TOKEN, MASK, agg, 3)) for agg in grpo.LOSS_AGGS]
+  # 2.33333, 2.75, 1.16667 (above): three different numbers.
+  assert len({round(v, 4) for v in values}) == 3
+  # Changing the masked entries from 1e6 to -1e9 changes nothing.
+  other = jnp.where(MASK, PER_TOKEN, -1e9)
+  for agg, value in zip(grpo.LOSS_AGGS, values):
+    assert float(grpo.aggregate(other, MASK, agg, 3)) == value
+
+
+def test_aggregate_unknown_mode_names_it():
+  with pytest.raises(ValueError, match="loss_agg='seq_mean'"):
+    grpo.aggregate(PER_TOKEN, MASK, "seq_mean", 3)
+
+
+# loss_fn on a tiny model. Every batch has the same shapes (B=4 prompts, G=2, T=4), so each
+# jitted helper compiles once.
+
+
+REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+LENGTHS = [4, 2, 3, 4, 4, 4, 1, 4]
+# Group by group (G=2, ddof=1, see the group_advantages tests): [1,0] -> +-.70711,
+# [0,1] -> -+.70711, [1,1] -> 0, [0,1] -> -+.70711.
+ADVANTAGES = INV_SQRT2 * np.array([1, -1, -1, 1, 0, 0, -1, 1], np.float32)
+# At ratio 1 the per-token loss is -A_i on row i's real tokens; sum over all real tokens:
+# -.70711 * (4 - 2 - 3 + 4 + 0 - 1 + 4) = -.70711 * 6 = -4.24264, over 26 tokens:
+POLICY_LOSS_MU1 = -0.16318  # token_mean: -4.24264 / 26
+
+
+def _on_policy_batch(params, rewards=REWARDS, lengths=LENGTHS, truncated=None):
+  """B=4, G=2 rows with old_logp from `params` itself (mu = 1)."""
+  return _with_old_logp(_batch(rewards, lengths, num_prompts=4, truncated=truncated), params)
+
+
+def test_mask_truncated_completions_drops_truncated_rows(params):
+  # Row 0 hit max_new_tokens without EOS (truncated).
+  batch = _on_policy_batch(params, truncated=[True] + [False] * 7)
+  # Only row 0's old log-probs move: its ratios become e^1 = 2.718 (clipped to 1.28). Its
+  # reward, hence every advantage, is unchanged.
+  shift = np.zeros((8, 1), np.float32)
+  shift[0] = 1.0
+  changed = dict(batch, old_logp_NxT=batch["old_logp_NxT"] - shift)
+  before = _evaluate(params, params, batch)["table"]
+  after = _evaluate(params, params, changed)["table"]
+  for agg in grpo.LOSS_AGGS:
+    (a, aux_a), (b, aux_b) = before[(agg, True, 0.0)], after[(agg, True, 0.0)]
+    assert float(a) == float(b), agg
+    assert float(aux_a["clip_fraction"]) == float(aux_b["clip_fraction"]) == 0.0, agg
+    # Control: without the flag the same change lowers the loss (row 0 has A = +.70711; its
+    # per-token loss goes from -.70711 to -1.28 * .70711 = -.90510) and clips row 0's 4
+    # tokens out of 26.
+    (a, _), (b, aux_b) = before[(agg, False, 0.0)], after[(agg, False, 0.0)]
+    assert float(b) < float(a) - 1e-3, agg
+    np.testing.assert_allclose(aux_b["clip_fraction"], 4 / 26, rtol=1e-6)
+
+
+def test_mu_1_ratio_is_one_and_loss_is_policy_gradient_form(params):
+  batch = _on_policy_batch(params)
+  table = _evaluate(params, params, batch)["table"]
+  # Every ratio is 1, so the per-token loss is -A_i on row i's real tokens:
+  #   token_mean: -4.24264 / 26 = -0.16318
+  #   seq_mean_token_mean: row means -A_i, whose mean is -.70711 * (1-1-1+1+0+0-1+1) / 8 = 0
+  #   seq_mean_token_sum_norm: -4.24264 / (N * T) = -4.24264 / 32 = -0.13258
+  for agg, want in (("token_mean", POLICY_LOSS_MU1), ("seq_mean_token_mean", 0.0),
+                    ("seq_mean_token_sum_norm", -0.13258)):
+    value, aux = table[(agg, False, 0.0)]
+    np.testing.assert_allclose(value, want, atol=1e-5, err_msg=agg)
+    np.testing.assert_allclose(aux["ratio_mean"], 1.0, atol=1e-6)
+    assert float(aux["clip_fraction"]) == 0.0
+
+
+def test_mu_1_gradient_in_log_probs_is_policy_gradient(params, monkeypatch):
+  # The loss as a function of the policy's token log-probs (the real model's, mu = 1): at
+  # r = exp(logp - old) = 1, d(-A * r)/d logp = -A * r = -A, so for token_mean
+  # dL/d logp[i, t] = -A_i * mask[i, t] / 26 (e.g. row 0: -.70711 / 26 = -0.027196), the
+  # gradient of the policy-gradient form -sum(A * logp * mask) / 26.
+  batch = _on_policy_batch(params)
+  monkeypatch.setattr(grpo, "completion_logprobs", lambda logp, *unused: logp)
+  grad = jax.jit(jax.grad(lambda logp: grpo.loss_fn(logp, None, batch, cfg=CFG,
+                                                    loss=_loss_config(), sp=SP)[0]))(
+                                                        batch["old_logp_NxT"])
+  want = -ADVANTAGES[:, None] * batch["completion_mask_NxT"] / 26
+  np.testing.assert_allclose(want[0, 0], -0.027196, rtol=1e-4)
+  np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-9)
+
+
+def test_mu_1_gradient_in_params_matches_policy_gradient_directions(params):
+  # The same in parameter space: the GRPO gradient's projection on a direction v must equal
+  # the derivative of the policy-gradient form pg(theta) = -sum(A * logp * mask) / 26 along
+  # v, measured by central differences (pg(theta + h v) - pg(theta - h v)) / 2h.
+  batch = _on_policy_batch(params)
+  grad = _evaluate(params, params, batch)["grad"]
+  mask = batch["completion_mask_NxT"]
+
+  def pg(p):
+    logp = _logprobs(p, batch).astype(np.float64)
+    return -(ADVANTAGES[:, None] * logp * mask).sum() / 26
+
+  # Flat numpy vectors: eager jnp ops on every leaf would each compile a kernel.
+  leaves, treedef = jax.tree.flatten(params)
+  theta = np.concatenate([np.ravel(x) for x in leaves])
+  splits = np.cumsum([x.size for x in leaves])[:-1]
+
+  def unflatten(flat):
+    return treedef.unflatten([piece.reshape(x.shape)
+                              for piece, x in zip(np.split(flat, splits), leaves)])
+
+  g = np.concatenate([np.ravel(x) for x in jax.tree.leaves(grad)])
+  rng = np.random.default_rng(7)
+  h = 1e-3  # measured: relative error ~1e-6 along g, absolute ~1e-5 on random directions
+  for v in (g, rng.standard_normal(g.size), rng.standard_normal(g.size)):
+    v = (v / np.linalg.norm(v)).astype(np.float32)  # unit length
+    numeric = (pg(unflatten(theta + h * v)) - pg(unflatten(theta - h * v))) / (2 * h)
+    np.testing.assert_allclose(g @ v, numeric, rtol=1e-3, atol=5e-5)
+  assert np.linalg.norm(g) > 0.1  # a real gradient (|g| = 1.29 here), not a vacuous match
+
+
+def test_zero_reward_batch_gives_exactly_zero_gradient(params):
+  # All rewards 0: every group is flat, every advantage is 0, so every per-token loss is
+  # -min(r * 0, clip(r) * 0) = 0 and so is its gradient, whatever the ratios.
+  batch = _batch([0.0] * 8, LENGTHS, num_prompts=4)
+  batch["old_logp_NxT"] = np.full((8, T), -3.0, np.float32)  # ratios far from 1
+  out = _evaluate(params, params, batch)
+  value, _ = out["table"][("token_mean", False, 0.0)]
+  assert float(value) == 0.0
+  grads = out["grad"]  # jax.grad of loss_fn (token_mean, beta 0)
+  for g in jax.tree.leaves(grads):
+    np.testing.assert_array_equal(g, np.zeros_like(g))
+
+
+def test_beta_zero_has_no_reference_forward(params, ref_params, monkeypatch):
+  calls = []
+  original = grpo.completion_logprobs
+
+  def counting(*args, **kwargs):
+    calls.append(1)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(grpo, "completion_logprobs", counting)
+  batch = _batch(REWARDS, LENGTHS, num_prompts=4)
+  for beta, ref, want in ((0.0, None, 1), (0.1, ref_params, 2)):
+    calls.clear()
+    fn = functools.partial(grpo.loss_fn, cfg=CFG, loss=_loss_config(beta=beta), sp=SP)
+    jax.eval_shape(fn, params, ref, batch)  # one trace; ref None is fine with beta = 0
+    assert len(calls) == want, beta
+
+
+def test_beta_positive_adds_k3_penalty_against_reference(params, ref_params):
+  batch = _on_policy_batch(params)
+  out = _evaluate(params, ref_params, batch)
+  value, aux = out["table"][("token_mean", False, BETA)]
+  logp, ref = out["logp"], out["ref_logp"]
+  mask = batch["completion_mask_NxT"]
+  k3 = jnp.exp(ref - logp) - (ref - logp) - 1.0
+  kl = float(k3[mask].mean())
+  assert kl > 1e-3  # different initialisations: a real divergence
+  np.testing.assert_allclose(aux["kl"], kl, rtol=1e-5)
+  # token_mean: total = policy (-0.16318, as in the mu=1 test) + .1 * kl.
+  np.testing.assert_allclose(aux["policy_loss"], POLICY_LOSS_MU1, atol=1e-5)
+  np.testing.assert_allclose(value, POLICY_LOSS_MU1 + BETA * kl, atol=1e-5)
+  # A reference equal to the policy: k3 = 1 - 0 - 1 = 0, so the loss is the policy loss.
+  same, aux_same = _evaluate(params, params, batch)["table"][("token_mean", False, BETA)]
+  assert float(aux_same["kl"]) == 0.0 and float(same) == float(aux_same["policy_loss"])
+
+
+# make_optimizer.
+
+
+def test_cosine_schedule_warmup_peak_and_floor():
+  _, lr = grpo.make_optimizer(1e-3, 10, 110, 0.0, 1.0, "cosine")
+  # Linear warmup 0 -> 1e-3 over 10 steps (step 5: 5e-4); cosine over the remaining 100 steps
+  # to 0.1 * 1e-3: halfway (step 60) 1e-4 + (1e-3 - 1e-4) * (1 + cos(pi/2)) / 2 = 5.5e-4;
+  # step 110 and after: 1e-4.
+  for step, want in ((0, 0.0), (5, 5e-4), (10, 1e-3), (60, 5.5e-4), (110, 1e-4),
+                     (500, 1e-4)):
+    np.testing.assert_allclose(lr(step), want, rtol=1e-5, atol=1e-12, err_msg=str(step))
+
+
+def test_constant_schedule_stays_at_peak():
+  _, lr = grpo.make_optimizer(1e-3, 10, 110, 0.0, 1.0, "constant")
+  # Warmup 0 -> 1e-3 (step 5: 5e-4), then 1e-3 for ever.
+  for step, want in ((0, 0.0), (5, 5e-4), (10, 1e-3), (110, 1e-3), (10_000, 1e-3)):
+    np.testing.assert_allclose(lr(step), want, rtol=1e-5, atol=1e-12, err_msg=str(step))
+
+
+def test_unknown_schedule_names_it():
+  with pytest.raises(ValueError, match="schedule='linear'"):
+    grpo.make_optimizer(1e-3, 10, 110, 0.0, 1.0, "linear")
+
+
+def test_optimizer_follows_schedule_with_decoupled_weight_decay():
+  opt, _ = grpo.make_optimizer(0.1, 2, 100, 0.5, 0.0, "constant")
+  update = jax.jit(opt.update)
+  params = {"w": jnp.ones(2)}
+  grad = {"w": jnp.array([3.0, -4.0])}
+  state = opt.init(params)
+  got = []
+  for _ in range(3):
+    u, state = update(grad, state, params)
+    got.append(np.asarray(u["w"]))
+  # A constant gradient g gives m_hat = g and v_hat = g^2, so Adam's direction is
+  # g / |g| = [1, -1]; AdamW adds weight_decay * w = .5 * [1, 1]: [1.5, -.5] in all.
+  # Warmup 0 -> .1 over 2 steps: lr .0, .05, .1, so the updates are -lr * [1.5, -.5]:
+  #   step 0: [0, 0];  step 1: [-.075, .025];  step 2: [-.15, .05].
+  np.testing.assert_allclose(got, [[0.0, 0.0], [-0.075, 0.025], [-0.15, 0.05]], rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_grad_clip_clips_global_norm_before_adam():
+  params = {"w": jnp.zeros(2)}
+  clip, _ = grpo.make_optimizer(0.1, 0, 100, 0.0, 1.0, "constant")
+  no_clip, _ = grpo.make_optimizer(0.1, 0, 100, 0.0, 0.0, "constant")
+  # Jitted: one compilation each instead of one per eager op.
+  clip = optax.GradientTransformation(jax.jit(clip.init), jax.jit(clip.update))
+  no_clip = optax.GradientTransformation(jax.jit(no_clip.init), jax.jit(no_clip.update))
+  big = {"w": jnp.array([60.0, 80.0])}  # norm sqrt(3600 + 6400) = 100 -> clipped to [.6, .8]
+  pre = {"w": jnp.array([0.6, 0.8])}
+  small = {"w": jnp.array([0.3, 0.4])}  # norm .5 < 1: untouched by the clip
+  s_clip, s_pre, s_raw = clip.init(params), no_clip.init(params), no_clip.init(params)
+  u_clip, s_clip = clip.update(big, s_clip, params)
+  u_pre, s_pre = no_clip.update(pre, s_pre, params)
+  _, s_raw = no_clip.update(big, s_raw, params)
+  # Adam's first moment after one step is (1 - .9) * g: [.06, .08] with the clip, [6, 8]
+  # without it.
+  np.testing.assert_allclose(optax.tree_utils.tree_get(s_clip, "mu")["w"], [0.06, 0.08],
+                             rtol=1e-6)
+  np.testing.assert_allclose(optax.tree_utils.tree_get(s_raw, "mu")["w"], [6.0, 8.0],
+                             rtol=1e-6)
+  np.testing.assert_allclose(u_clip["w"], u_pre["w"], rtol=1e-6)
+  u_clip, _ = clip.update(small, s_clip, params)
+  u_pre, _ = no_clip.update(small, s_pre, params)
+  np.testing.assert_allclose(u_clip["w"], u_pre["w"], rtol=1e-6)
+  # Second step by hand (both coordinates are proportional to [3, 4], so one ratio):
+  #   m = .9 * .1 * .6 + .1 * .3 = .084;  m_hat = .084 / (1 - .9^2) = .084 / .19 = .44211
+  #   v = .999 * .001 * .36 + .001 * .09 = .00044964;  v_hat = v / (1 - .999^2) = .22493
+  #   update = -.1 * .44211 / sqrt(.22493) = -.1 * .44211 / .47427 = -.093219
+  # (without the clip the ratio would be .67376, not .93219).
+  np.testing.assert_allclose(u_clip["w"], [-0.093219, -0.093219], rtol=1e-4)
+
+
+# update_step / compile_update.
+
+
+UPDATE_LOSS = _loss_config(beta=0.04)
+METRICS = ("loss", "policy_loss", "kl", "clip_fraction", "grad_norm", "learning_rate")
+
+
+def _optimizer():
+  # Cosine without warmup over 10 steps: the first update uses lr(0) = 1e-3 (and lr(1) =
+  # 1e-4 + .9e-3 * (1 + cos(pi / 10)) / 2 = .978e-3, so reporting the wrong step shows).
+  # grad_clip 10 is above the gradients' norm here (~1.3): Adam's first moment after one
+  # step is then exactly (1 - .9) * g.
+  return grpo.make_optimizer(1e-3, 0, 10, 0.01, 10.0, "cosine")
+
+
+def _fresh_state(mesh, host_params):
+  """A new TrainState on `mesh` (compile_update donates the one it is given)."""
+  return grpo.init_state(sharding.shard_params(host_params, CFG, mesh), _optimizer()[0], mesh)
+
+
+def _compile(mesh, host_params, host_ref, batch):
+  """compile_update's jitted step, lowered as it is (shardings, donation) and compiled with
+  FAST_COMPILE; and the reference parameters placed on `mesh`."""
+  optimizer, lr = _optimizer()
+  ref = sharding.shard_params(host_ref, CFG, mesh)
+  state = _fresh_state(mesh, host_params)
+  update = grpo.compile_update(state, ref, cfg=CFG, loss=UPDATE_LOSS, sp=SP,
+                               optimizer=optimizer, lr_schedule=lr, mesh=mesh)
+  return update.lower(state, batch, ref).compile(compiler_options=FAST_COMPILE), ref
+
+
+@pytest.fixture(name="update_batch", scope="module")
+def fixture_update_batch(params):
+  return _on_policy_batch(params)
+
+
+@pytest.fixture(name="single_device", scope="module")
+def fixture_single_device(params, ref_params, update_batch):
+  """(mesh, compiled update, ref, first update's (state, aux)) on a one-device mesh."""
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  update, ref = _compile(mesh, params, ref_params, update_batch)
+  first = jax.device_get(update(_fresh_state(mesh, params), update_batch, ref))
+  return mesh, update, ref, first
+
+
+def _check_first_update(state, aux, params):
+  assert set(METRICS) <= set(aux)
+  assert int(state.step) == 1
+  assert _max_abs_diff(state.params, params) > 1e-4  # the update moved the weights
+  # Ratios 1 on the REWARDS / LENGTHS batch: -4.24264 / 26 = -0.16318 (see POLICY_LOSS_MU1).
+  np.testing.assert_allclose(aux["policy_loss"], POLICY_LOSS_MU1, atol=1e-5)
+  # token_mean KL aggregate == the kl metric, so loss = policy + .04 * kl.
+  np.testing.assert_allclose(aux["loss"], aux["policy_loss"] + 0.04 * aux["kl"], atol=1e-6)
+  assert float(aux["kl"]) > 1e-3  # against a different reference initialisation
+  assert float(aux["clip_fraction"]) == 0.0  # ratio 1 lies inside [.8, 1.28]
+  np.testing.assert_allclose(aux["learning_rate"], 1e-3, rtol=1e-6)  # lr(0), see _optimizer
+  # grad_norm is |g| of the loss gradient: mu = .1 * g after the first step, so |mu| = .1 * |g|.
+  mu = optax.tree_utils.tree_get(state.opt_state, "mu")
+  mu_norm = np.sqrt(sum(float(np.sum(np.square(x))) for x in jax.tree.leaves(mu)))
+  assert float(aux["grad_norm"]) > 0.1
+  np.testing.assert_allclose(aux["grad_norm"], 10 * mu_norm, rtol=1e-5)
+
+
+def test_update_step_single_device(params, single_device):
+  _, _, _, (state, aux) = single_device
+  _check_first_update(state, aux, params)
+
+
+def test_init_state_shards_optimizer_moments_like_params(params):
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  sharded = sharding.shard_params(params, CFG, mesh)
+  state = grpo.init_state(sharded, _optimizer()[0], mesh)
+  mu = optax.tree_utils.tree_get(state.opt_state, "mu")
+  for p, m in zip(jax.tree.leaves(sharded), jax.tree.leaves(mu)):
+    assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (m.sharding, p.sharding)
+
+
+def test_update_step_sharded_matches_single_device(params, ref_params, update_batch,
+                                                   single_device):
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  update, ref = _compile(mesh, params, ref_params, update_batch)
+  state, aux = jax.device_get(update(_fresh_state(mesh, params), update_batch, ref))
+  _check_first_update(state, aux, params)
+  _, _, _, (single, aux_single) = single_device
+  for name in METRICS:
+    np.testing.assert_allclose(aux[name], aux_single[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  assert _max_abs_diff(state.params, single.params) < 1e-5
+
+
+def test_repeated_updates_move_policy_toward_rewarded_completion(params, single_device):
+  # One fixed batch (B=4, G=2, every completion 4 tokens) in which exactly one completion per
+  # group has reward 1: rows 0, 3, 4, 7. old_logp stays the initial policy's (mu > 1 reuse);
+  # the fixture's loss also carries .04 * KL to ref_params.
+  batch = _on_policy_batch(params, rewards=[1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0],
+                           lengths=[4] * 8)
+  mesh, update, ref, _ = single_device
+  state = _fresh_state(mesh, params)
+  losses = []
+  for _ in range(8):
+    state, aux = update(state, batch, ref)
+    losses.append(float(aux["policy_loss"]))
+
+  def seq_logp(p):
+    return _logprobs(p, batch).sum(axis=1)
+
+  delta = seq_logp(jax.device_get(state.params)) - seq_logp(params)
+  assert np.all(delta[[0, 3, 4, 7]] > 0), delta  # rewarded completions became more likely
+  assert np.all(delta[[1, 2, 5, 6]] < 0), delta  # the others less likely
+  # Step 0 at ratio 1: per-token loss -A_i, A = .70711 * [1,-1, -1,1, 1,-1, -1,1], 4 tokens
+  # each: -.70711 * 4 * (1 - 1 - 1 + 1 + 1 - 1 - 1 + 1) / 32 = 0. The surrogate must then go
+  # negative (the policy improves on this batch).
+  np.testing.assert_allclose(losses[0], 0.0, atol=1e-6)
+  assert losses[-1] < losses[0] - 1e-3, losses
