@@ -38,12 +38,14 @@ def resolve(path: str) -> str:
   return path
 
 
+def _name(path) -> str:
+  """A tree path as a tensor name: ('layer_0', 'attn', 'q') -> 'layer_0/attn/q'."""
+  return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
 def _flatten(params) -> dict[str, np.ndarray]:
-  flat = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    name = "/".join(str(getattr(k, "key", k)) for k in path)
-    flat[name] = np.asarray(jax.device_get(leaf))
-  return flat
+  return {_name(path): np.asarray(jax.device_get(leaf))
+          for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
 
 def _unflatten(flat: dict[str, np.ndarray]):
@@ -105,7 +107,5 @@ def load_pretrained(path: str):
 
 
 def _flatten_shapes(abstract) -> dict[str, tuple]:
-  out = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(abstract)):
-    out["/".join(str(getattr(k, "key", k)) for k in path)] = tuple(leaf.shape)
-  return out
+  return {_name(path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(abstract))}

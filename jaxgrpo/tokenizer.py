@@ -19,6 +19,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
+import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -82,6 +83,10 @@ class Tokenizer:
       end = ids.index(self.eos_id)
       ids = ids[:end] if skip_special else ids[:end + 1]
     return self.hf.decode(ids, skip_special_tokens=skip_special)
+
+  def decode_batch(self, ids_NxT) -> list[str]:
+    """`decode` for every row of a [N, T] array (a sampler's completions)."""
+    return [self.decode(row) for row in np.asarray(ids_NxT)]
 
   def save(self, path: str) -> None:
     """Writes `path/tokenizer.json` and `path/jaxgrpo_special_tokens.json`."""

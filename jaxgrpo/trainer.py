@@ -62,7 +62,7 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
   t0 = time.perf_counter()
   rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
                           batch["prompt_mask_BxL"], step=step)
-  completions = validation.decode_rows(setup.tokenizer, rollout.tokens_NxT)
+  completions = setup.tokenizer.decode_batch(jax.device_get(rollout.tokens_NxT))
   t_rollout = time.perf_counter() - t0
   answers = [a for a in batch["answers"] for _ in range(g)]
   total, breakdown = rewards_lib.compute(weights, completions, answers)

@@ -28,11 +28,6 @@ def correctness(weights: Mapping[str, float], total: Sequence[float],
   return (np.asarray(total) > 0).astype(np.float32)
 
 
-def decode_rows(tokenizer, tokens_NxT) -> list[str]:
-  """Host-side detokenization; decoding stops at the first EOS."""
-  return [tokenizer.decode(row) for row in np.asarray(jax.device_get(tokens_NxT))]
-
-
 def run(engine, params, batches, tokenizer, weights: Mapping[str, float], key) -> dict:
   """Scores every validation batch with the `val` profile and a fixed key."""
   k = engine.profile("val").num_samples
@@ -40,7 +35,7 @@ def run(engine, params, batches, tokenizer, weights: Mapping[str, float], key) -
   for i, batch in enumerate(batches):
     rollout = engine.sample("val", params, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"],
                             key=jax.random.fold_in(key, i))
-    completions = decode_rows(tokenizer, rollout.tokens_NxT)
+    completions = tokenizer.decode_batch(jax.device_get(rollout.tokens_NxT))
     answers = [a for a in batch["answers"] for _ in range(k)]
     total, breakdown = rewards_lib.compute(weights, completions, answers)
     valid = np.repeat(np.asarray(batch["valid_B"], bool), k)

@@ -115,3 +115,10 @@ def test_from_file_malformed_json(tmp_path):
   path.write_text("{not json")
   with pytest.raises(ValueError, match="not a valid tokenizer.json"):
     Tokenizer.from_file(str(path), eos_token="<eos>")
+
+
+def test_decode_batch_stops_each_row_at_eos():
+  tok = Tokenizer.char_level("0123456789+=")
+  # Rows as a sampler returns them: digits, eos (2), then pad (0) or garbage after it.
+  rows = np.array([[4, 9, 2, 0, 0], [5, 5, 5, 5, 5], [2, 6, 6, 6, 6]])
+  assert tok.decode_batch(rows) == ["05", "11111", ""]
