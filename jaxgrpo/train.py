@@ -123,6 +123,12 @@ _PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"
 
 def main(argv=None) -> int:
   argv = sys.argv if argv is None else argv
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    print(__doc__.strip() + "\n\nFlags:\n  --config=FILE[:ARG]  run config file, e.g. "
+          "configs/math.py or configs/math.py:smoke\n  --config.KEY=VALUE   override any "
+          "config key (see README.md)\n  --workdir=DIR        where the run writes "
+          "(default: ./runs/<time>)")
+    return 0
   try:
     setup = prepare(argv)
   except USER_ERRORS as e:

@@ -114,3 +114,8 @@ def test_smoke_run_writes_results(tmp_path):
   assert summary["sampler_compilations"] == {"train": 1, "val": 1}
   assert "final_val_accuracy" in summary
   assert os.listdir(workdir / "tb" / "train")
+
+
+def test_help_exits_zero(tmp_path):
+  proc = run_train("--help", workdir=tmp_path / "w")
+  assert proc.returncode == 0 and "--config=FILE" in proc.stdout
