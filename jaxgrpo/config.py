@@ -118,35 +118,31 @@ def _fail(key: str, value: Any, allowed: str):
   raise ConfigError(f"config.{key}={value!r}: {why}allowed: {allowed}")
 
 
-def _check_section(name: str, section: Any, schema: dict[str, Callable]):
+def _check_keys(prefix: str, section: Any, schema: dict[str, Any]):
+  """Unknown, missing and bad keys of one level; dict schemas recurse, None is checked
+  elsewhere. prefix is "" for the top level, else "grpo." and so on."""
+  where = f"config.{prefix}".rstrip(".")
   if not isinstance(section, ml_collections.ConfigDict):
-    raise ConfigError(f"config.{name}: expected a section with keys {sorted(schema)}")
+    raise ConfigError(f"{where}: expected a section with keys {sorted(schema)}")
   for key in section.keys():
     if key not in schema:
-      raise ConfigError(f"config.{name}.{key}: unknown key; allowed: {', '.join(sorted(schema))}")
+      raise ConfigError(f"config.{prefix}{key}: unknown key; allowed: "
+                        f"{', '.join(sorted(schema))}")
   for key, check in schema.items():
     if key not in section:
-      raise ConfigError(f"config.{name}.{key}: missing; every key of config.{name} must be set")
-    problem = check(section[key])
-    if problem:
-      _fail(f"{name}.{key}", section[key], problem)
+      raise ConfigError(f"config.{prefix}{key}: missing; every key of {where} must be set")
+    if isinstance(check, dict):
+      _check_keys(f"{prefix}{key}.", section[key], check)
+    elif check is not None:
+      problem = check(section[key])
+      if problem:
+        _fail(f"{prefix}{key}", section[key], problem)
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
   """Checks and resolves a run config; returns a locked copy. Raises ConfigError."""
   config = ml_collections.ConfigDict(config.to_dict())  # a copy: the caller's stays as is
-  for key in config.keys():
-    if key not in SCHEMA:
-      raise ConfigError(f"config.{key}: unknown key; allowed: {', '.join(sorted(SCHEMA))}")
-  for key, schema in SCHEMA.items():
-    if key not in config:
-      raise ConfigError(f"config.{key}: missing")
-    if isinstance(schema, dict):
-      _check_section(key, config[key], schema)
-    elif schema is not None:
-      problem = schema(config[key])
-      if problem:
-        _fail(key, config[key], problem)
+  _check_keys("", config, SCHEMA)
   _check_rewards(config.rewards)
   _check_cross_fields(config, num_devices)
   config.lock()
