@@ -6,7 +6,6 @@ Every number checked below is worked out by hand in the comment next to it.
 import functools
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +16,7 @@ from jaxgrpo import grpo
 from jaxgrpo import model as model_lib
 from jaxgrpo import sampling
 from jaxgrpo import sharding
+from numpy_params import random_params  # tests/numpy_params.py
 
 CFG = model_lib.ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4,
                             num_kv_heads=2, head_dim=8, mlp_dim=64)
@@ -97,20 +97,7 @@ def _with_old_logp(batch, params):
 
 
 def _host_params(seed):
-  """Parameters drawn with numpy in the model's shapes (compiling the jax.random
-  initialiser takes ~15 s of CPU, more than any test here)."""
-  shapes = jax.eval_shape(lambda r: nn.unbox(model_lib.init_params(CFG, r)),
-                          jax.random.key(0))
-  rng = np.random.default_rng(seed)
-
-  def draw(path, x):
-    name = path[-1].key
-    if name == "scale":  # RMSNorm
-      return np.ones(x.shape, np.float32)
-    std = 0.02 if name == "embedding" else (1 / 8 if name == "down" else 32 ** -0.5)
-    return (std * rng.standard_normal(x.shape)).astype(np.float32)
-
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+  return random_params(CFG, seed)
 
 
 @pytest.fixture(name="params", scope="module")

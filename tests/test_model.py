@@ -12,6 +12,7 @@ import pytest
 
 from jaxgrpo import model
 from jaxgrpo import sampling
+from numpy_params import random_params  # tests/numpy_params.py
 
 # A tiny grouped-query model: 4 query heads share 2 KV heads.
 BASE = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -31,28 +32,8 @@ _rope = jax.jit(model.rope, static_argnums=2)
 
 
 def _random_params(cfg, seed):
-  """Random parameters in the model's shapes and tree, drawn with numpy.
-
-  Compiling the jax initialiser costs ~10 s of CPU time here (a threefry graph per tensor),
-  which the tests below do not need; init_params itself is tested in test_sharding.py.
-  Norm scales are 1 + noise so that a dropped scale would show.
-  """
-  shapes = jax.eval_shape(lambda key: nn.unbox(model.init_params(cfg, key)),
-                          jax.random.key(0))
-  rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    name = path[-1].key
-    if name == "scale":
-      value = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
-    elif name == "embedding":
-      value = 0.02 * rng.standard_normal(leaf.shape)
-    else:  # fan-in scaling; the output kernel o is [heads, head_dim, embed]
-      fan_in = leaf.shape[0] * (leaf.shape[1] if name == "o" else 1)
-      value = rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
-    return jnp.asarray(value, leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+  # Norm scales 1 + noise, so that a dropped scale would show.
+  return random_params(cfg, seed, scale_noise=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 from jaxgrpo import model
 from jaxgrpo import sampling
 from jaxgrpo import sharding
+from numpy_params import random_params  # tests/numpy_params.py
 
 SP = sampling.SamplingParams
 CFG = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -27,29 +28,10 @@ _forward = jax.jit(model.forward, static_argnums=1)
 
 @pytest.fixture(scope="module")
 def params():
-  """Random parameters drawn with numpy in the model's shapes.
-
-  numpy rather than model.init_params: compiling the jax initialiser costs ~10 s of CPU here
-  (it is tested in test_sharding.py). The final norm scale is 25 rather than 1: with the
-  tied head's small embedding the logits would be near-uniform (std ~0.1), where greedy ties
-  and top-p boundaries are fragile; this gives logits with std ~3.
-  """
-  shapes = jax.eval_shape(lambda key: nn.unbox(model.init_params(CFG, key)),
-                          jax.random.key(0))
-  rng = np.random.default_rng(0)
-
-  def draw(path, leaf):
-    name = path[-1].key
-    if name == "scale":
-      value = np.ones(leaf.shape)
-    elif name == "embedding":
-      value = 0.02 * rng.standard_normal(leaf.shape)
-    else:  # fan-in scaling; the output kernel o is [heads, head_dim, embed]
-      fan_in = leaf.shape[0] * (leaf.shape[1] if name == "o" else 1)
-      value = rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
-    return jnp.asarray(value, leaf.dtype)
-
-  p = jax.tree_util.tree_map_with_path(draw, shapes)
+  """Random parameters (tests/numpy_params.py), final norm scale 25 rather than 1: with
+  the tied head's small embedding the logits would be near-uniform (std ~0.1), where greedy
+  ties and top-p boundaries are fragile; this gives logits with std ~3."""
+  p = random_params(CFG, 0)
   p["final_norm"]["scale"] = p["final_norm"]["scale"] * 25.0
   return p
 
