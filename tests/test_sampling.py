@@ -3,7 +3,6 @@
 import io
 import logging
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
