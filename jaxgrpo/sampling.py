@@ -195,11 +195,8 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, *, cfg: model_lib.Mo
       gen_k=tuple(jnp.zeros(gen_shape, dt) for _ in ks),
       gen_v=tuple(jnp.zeros(gen_shape, dt) for _ in vs))
   if mesh is not None:  # keep caches split by rows (and KV heads) through the loop
-    cs = sharding_lib.cache_shardings(mesh)
-    cache = model_lib.KVCache(
-        *(tuple(jax.lax.with_sharding_constraint(x, s) for x in field)
-          if isinstance(field, tuple) else jax.lax.with_sharding_constraint(field, s)
-          for field, s in zip(cache, cs)))
+    # One sharding per field is a tree prefix: it applies to every layer's array.
+    cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh))
 
   def pick(logits_BxGxV, i, done_BxG):
     u = jax.random.uniform(jax.random.fold_in(key, i), (b, g))
