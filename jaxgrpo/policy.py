@@ -66,7 +66,8 @@ class Policy:
     if profile not in self._samplers:
       self._samplers[profile] = sampling.compile_sampler(
           self.cfg, profile, eos_id=self.eos_id, pad_id=self.pad_id, mesh=self.mesh)
-    return self._samplers[profile](self.params, tokens, mask, jax.random.key(seed))
+    rows = np.arange(tokens.shape[0], dtype=np.int32)
+    return self._samplers[profile](self.params, tokens, mask, jax.random.key(seed), rows)
 
 
 def _as_batch(prompts, mask, pad_id):

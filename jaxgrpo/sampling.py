@@ -181,11 +181,30 @@ def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxP, prompt_mask_B
   return logits[:, -1], kv
 
 
-def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, *, cfg: model_lib.ModelConfig,
-           profile: Profile, eos_id: int | None, pad_id: int, mesh=None) -> Rollout:
-  """The pure sampler (jit it with `profile` static). eos_id None: always max_new_tokens."""
+def row_uniforms(key, row_ids_B, step, num_samples: int):
+  """u_BxG in [0, 1): prompt b's draws depend only on (key, row_ids_B[b], step).
+
+  So a prompt's samples do not depend on which batch, position or device it landed in:
+  validation keys its prompts by their index in the validation set, and the same
+  parameters give the same samples whatever the batch size or mesh.
+  """
+  def one(row_id):
+    return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, row_id), step),
+                              (num_samples,))
+  return jax.vmap(one)(row_ids_B)
+
+
+def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
+           cfg: model_lib.ModelConfig, profile: Profile, eos_id: int | None, pad_id: int,
+           mesh=None) -> Rollout:
+  """The pure sampler (jit it with `profile` static). eos_id None: always max_new_tokens.
+
+  Prompt b's random draws come from (key, row_ids_B[b]) alone (default: its row number).
+  """
   sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxP.shape[0]
+  if row_ids_B is None:
+    row_ids_B = jnp.arange(b, dtype=jnp.int32)
   logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP)
   prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
   dt = model_lib.DTYPES[cfg.dtype]
@@ -199,7 +218,7 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, *, cfg: model_lib.Mo
     cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh))
 
   def pick(logits_BxGxV, i, done_BxG):
-    u = jax.random.uniform(jax.random.fold_in(key, i), (b, g))
+    u = row_uniforms(key, row_ids_B, i, g)
     token, logp, raw = draw(logits_BxGxV, u, sp)
     token = jnp.where(done_BxG, pad_id, token)
     zero = jnp.zeros_like(logp)
@@ -257,17 +276,17 @@ def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad
                     on_trace=None):
   """jit(sample) for one profile with explicit shardings: rows over the data axes."""
 
-  def traced(params, tokens, mask, key):
+  def traced(params, tokens, mask, key, row_ids):
     if on_trace is not None:
       on_trace()  # runs once per trace, i.e. once per compilation
-    return sample(params, tokens, mask, key, cfg=cfg, profile=profile, eos_id=eos_id,
+    return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile, eos_id=eos_id,
                   pad_id=pad_id, mesh=mesh)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(
       traced,
       in_shardings=(sharding_lib.param_shardings(cfg, mesh), rows2, rows2,
-                    sharding_lib.replicated(mesh)),
+                    sharding_lib.replicated(mesh), rows1),
       out_shardings=Rollout(rows2, rows2, rows2, rows2, rows1, rows1))
 
 
@@ -304,9 +323,13 @@ class RolloutEngine:
     return self.profiles[name]
 
   def sample(self, name: str, params, prompt_tokens_BxP, prompt_mask_BxP, *,
-             step: int | None = None, key=None) -> Rollout:
+             step: int | None = None, key=None, row_ids_B=None) -> Rollout:
     """Samples with profile `name`. Without `step` or `key` each call draws a fresh key
-    (a per-profile counter); pass `key` to reuse one on purpose (fixed validation key)."""
+    (a per-profile counter); pass `key` to reuse one on purpose (fixed validation key).
+
+    row_ids_B: an id per prompt (default 0..B-1); prompt b's draws depend only on the key
+    and its id, so validation passes each prompt's index in the validation set.
+    """
     self.profile(name)
     if key is not None and step is not None:
       raise ValueError("pass either step= (a key folded from the run seed) or key=, not both")
@@ -325,7 +348,12 @@ class RolloutEngine:
       self._calls[name] = step + 1
     tokens, mask = left_pad(prompt_tokens_BxP, prompt_mask_BxP, self.max_prompt_length,
                             self.pad_id)
-    return self._samplers[name](params, tokens, mask, key)
+    if row_ids_B is None:
+      row_ids_B = np.arange(rows, dtype=np.int32)
+    row_ids_B = np.asarray(row_ids_B, np.int32)
+    if row_ids_B.shape != (rows,):
+      raise ValueError(f"row_ids_B has shape {row_ids_B.shape}; expected ({rows},)")
+    return self._samplers[name](params, tokens, mask, key, row_ids_B)
 
 
 # log(1e-30): the log-prob given to a token that fell outside a truncated profile's

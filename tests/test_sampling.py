@@ -434,6 +434,24 @@ def test_keys_differ_per_profile_and_step(engine):
   np.testing.assert_array_equal(data(engine.key("val", 3)), data(engine.key("val", 3)))
 
 
+def test_a_prompts_draws_follow_its_row_id_not_its_position(engine, params, prompts):
+  # Reversing the batch and its row ids together gives every prompt the same samples: its
+  # draws depend on (key, row id) only, which is what makes validation independent of
+  # batching. Other ids for the same rows draw other samples.
+  tokens, mask = prompts
+  key = engine.key("train", 7)
+  ids = np.arange(8, dtype=np.int32) + 100
+  out = engine.sample("train", params, tokens, mask, key=key, row_ids_B=ids)
+  rev = engine.sample("train", params, tokens[::-1], mask[::-1], key=key, row_ids_B=ids[::-1])
+  by_prompt = lambda x: np.asarray(x).reshape(8, G, -1)
+  np.testing.assert_array_equal(by_prompt(rev.tokens_NxT)[::-1], by_prompt(out.tokens_NxT))
+  np.testing.assert_allclose(by_prompt(rev.logp_NxT)[::-1], by_prompt(out.logp_NxT), atol=1e-5)
+  other = engine.sample("train", params, tokens, mask, key=key, row_ids_B=ids + 8)
+  assert not np.array_equal(other.tokens_NxT, out.tokens_NxT)
+  with pytest.raises(ValueError, match=r"row_ids_B has shape \(3,\); expected \(8,\)"):
+    engine.sample("train", params, tokens, mask, key=key, row_ids_B=ids[:3])
+
+
 def test_inverse_cdf_pick_two_levels_is_exact():
   # K=10 gives blocks of width ceil(sqrt(10))=4 (3 blocks, 2 padded slots). probs (unnormalised)
   # put mass 1,0,3,0 | 0,2,0,0 | 4,0 → total 10, cdf 1,1,4,4,4,6,6,6,10,10. With u on a grid
