@@ -1,0 +1,193 @@
+"""Draws a run's validation curves into `<workdir>/validation.png`.
+
+One chart: `accuracy` and every logged `pass@j` against the training step, each with a shaded
++- stderr band where the stderr is finite, plus the early-stop threshold as a dashed line when the
+run's config sets one. It answers "is validation still improving, and how far from stopping?"
+at a glance, which the per-metric grid in `plots/val.png` (written by `MetricsWriter.close`) does
+not: there every metric has its own small axes and no uncertainty.
+
+It reads only `metrics.jsonl` and `config.json`, so it works on a finished, crashed or still
+running workdir, also on a machine without jax:
+
+    python -m jaxgrpo.plot <workdir>
+"""
+
+import json
+import math
+import numbers
+import os
+import re
+import sys
+import warnings
+from typing import Any, Optional, Sequence
+
+from jaxgrpo import metrics as metrics_lib
+
+PNG_NAME = "validation.png"
+CONFIG_NAME = "config.json"
+USAGE = f"""usage: python -m jaxgrpo.plot <workdir>
+
+Draws <workdir>/{PNG_NAME} from <workdir>/{metrics_lib.JSONL_NAME} (the validation rows:
+accuracy and pass@j with +- stderr bands) and the early-stop threshold from
+<workdir>/{CONFIG_NAME}, then prints the PNG's path."""
+_PASS_AT = re.compile(r"^pass@(\d+)$")
+
+
+def _finite(value: Any) -> bool:
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
+def _series_names(val_rows: dict[int, dict[str, Any]]) -> list[str]:
+  """`accuracy` first, then the pass@j keys by j as a number, so pass@16 follows pass@4."""
+  keys = {k for record in val_rows.values() for k in record}
+  pass_at = sorted((k for k in keys if _PASS_AT.match(k)),
+                   key=lambda k: int(_PASS_AT.match(k).group(1)))
+  return (["accuracy"] if "accuracy" in keys else []) + pass_at
+
+
+def _title(val_rows: dict[int, dict[str, Any]]) -> str:
+  """The last row's validation size: a noisy curve over 50 prompts reads differently."""
+  last = val_rows[max(val_rows)] if val_rows else {}
+  prompts, rollouts = last.get("num_prompts"), last.get("num_rollouts")
+  if not _finite(prompts):
+    return "validation"
+  prompts = int(prompts)
+  if not _finite(rollouts):
+    return f"validation ({prompts} prompts)"
+  if prompts and rollouts % prompts == 0:
+    return f"validation ({prompts} prompts x {int(rollouts) // prompts})"
+  return f"validation ({prompts} prompts, {int(rollouts)} rollouts)"
+
+
+def figure(val_rows: dict[int, dict[str, Any]], stop_metric: Optional[str] = None,
+           threshold: Optional[float] = None):
+  """Builds the validation chart; pure (no files), so tests can inspect the artists.
+
+  Args:
+    val_rows: step -> validation record, step-sorted (as `metrics._latest_per_step` gives).
+    stop_metric: the metric early stopping watches; with `threshold`, drawn as a dashed line.
+    threshold: the value of `stop_metric` that stops the run.
+
+  Returns:
+    A matplotlib `Figure` attached to an Agg canvas, ready for `savefig`.
+  """
+  # The object API with an explicit Agg canvas never touches pyplot's global backend, so no
+  # display is opened and a caller's own pyplot state is left alone (as in metrics._plot).
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
+
+  fig = Figure(figsize=(8, 5), layout="constrained")
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  for i, name in enumerate(_series_names(val_rows)):
+    points = [(s, r[name], r.get(f"{name}_stderr")) for s, r in val_rows.items()
+              if _finite(r.get(name))]
+    if not points:
+      continue
+    is_accuracy = name == "accuracy"
+    color = f"C{i % 10}"
+    steps, values, _ = zip(*points)
+    ax.plot(steps, values, color=color, label=name, marker="o" if is_accuracy else ".",
+            linewidth=2.0 if is_accuracy else 1.2, markersize=5 if is_accuracy else 4,
+            zorder=3 if is_accuracy else 2)
+    # Band only where the stderr is known: a missing/NaN stderr means "not measured", not 0.
+    banded = [(s, v, e) for s, v, e in points if _finite(e)]
+    if banded:
+      b_steps, b_values, b_errs = zip(*banded)
+      ax.fill_between(b_steps, [max(v - e, 0.0) for v, e in zip(b_values, b_errs)],
+                      [min(v + e, 1.0) for v, e in zip(b_values, b_errs)],
+                      color=color, alpha=0.25 if is_accuracy else 0.12, linewidth=0)
+  if stop_metric is not None and _finite(threshold):
+    ax.axhline(threshold, color="0.3", linestyle="--", linewidth=1.2,
+               label=f"stop: {stop_metric} >= {threshold:g}")
+  ax.set_ylim(-0.02, 1.02)
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # Steps are whole numbers.
+  ax.set_xlabel("step")
+  ax.set_ylabel("value")
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(loc="best", fontsize=9)
+  ax.set_title(_title(val_rows))
+  return fig
+
+
+def _stop_rule(workdir: str) -> tuple[Optional[str], Optional[float]]:
+  """(metric, threshold) from the run's config; (None, None) when absent or unreadable."""
+  path = os.path.join(workdir, CONFIG_NAME)
+  if not os.path.exists(path):
+    return None, None
+  try:
+    with open(path) as f:
+      grpo = json.load(f).get("grpo") or {}
+  except (OSError, ValueError, AttributeError) as e:
+    # The curves are still worth drawing; only the threshold line is lost.
+    warnings.warn(f"{path}: cannot read the stop threshold ({e}); drawing without it")
+    return None, None
+  metric = grpo.get("stop_at_validation_metric")
+  threshold = grpo.get("stop_at_validation_threshold")
+  if metric is None or not _finite(threshold):
+    return None, None
+  return str(metric), float(threshold)
+
+
+def _val_rows(path: str) -> dict[int, dict[str, Any]]:
+  """Validation records by step, step-sorted; a later line for a step wins (a resumed run)."""
+  records = [r for r in metrics_lib.read_metrics(path)
+             if r.get("split") == "val" and isinstance(r.get("step"), int)]
+  return metrics_lib._latest_per_step(records).get("val", {})  # pylint: disable=protected-access
+
+
+def validation_plot(workdir: str) -> Optional[str]:
+  """Writes `<workdir>/validation.png` and returns its path; None when nothing was validated.
+
+  Raises:
+    FileNotFoundError: `<workdir>/metrics.jsonl` does not exist.
+    ValueError: a line of the log other than the last is not JSON.
+  """
+  val_rows = _val_rows(os.path.join(workdir, metrics_lib.JSONL_NAME))
+  if not val_rows:
+    return None
+  stop_metric, threshold = _stop_rule(workdir)
+  path = os.path.join(workdir, PNG_NAME)
+  figure(val_rows, stop_metric, threshold).savefig(path, dpi=100)
+  return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """The command; returns the exit status (0 drawn, 2 bad input) instead of raising."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  if any(a in ("-h", "--help") for a in args):
+    print(USAGE)
+    return 0
+
+  def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+  if len(args) != 1 or args[0].startswith("-"):
+    return fail(f"expected exactly one argument, the run's workdir; got {args!r} "
+                "(usage: python -m jaxgrpo.plot <workdir>)")
+  workdir = args[0]
+  log = os.path.join(workdir, metrics_lib.JSONL_NAME)
+  if not os.path.isdir(workdir):
+    return fail(f"{workdir}: no such directory; expected a run's workdir holding "
+                f"{metrics_lib.JSONL_NAME}")
+  if not os.path.isfile(log):
+    return fail(f"{log}: not found; expected the run's metrics log in the workdir")
+  try:
+    path = validation_plot(workdir)
+  except ValueError as e:  # read_metrics names the file and line.
+    return fail(str(e).replace("\n", " "))
+  except OSError as e:
+    return fail(f"{e.filename or workdir}: {e.strerror or e}; expected a readable log and a "
+                "writable workdir")
+  if path is None:
+    return fail(f'{log}: no validation rows; expected at least one line with "split": "val"')
+  print(path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
