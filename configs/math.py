@@ -14,6 +14,7 @@ exact answers ("0579" for "123+456=") and the accuracy climbs.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config(arg=None):
@@ -37,16 +38,25 @@ def get_config(arg=None):
   # Reward name -> weight; zero-weight rewards are not computed.
   c.rewards = ml_collections.ConfigDict(dict(exact_match=1.0, math=0.0, format=0.0))
 
-  # The training sampling profile: every field explicit, no model defaults.
+  # Two sampling profiles, every field explicit (no model defaults). val_* left unset
+  # (None) follow the training value, also when that is overridden on the command line;
+  # setting one, e.g. --config.generation.val_temperature=0.3, never moves the training value.
   c.generation = ml_collections.ConfigDict(dict(
-      temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5))
+      temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5, backend="native",
+      val_temperature=config_dict.placeholder(float),
+      val_top_p=config_dict.placeholder(float),
+      val_top_k=config_dict.placeholder(int)))
 
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts_per_step=32, num_generations_per_prompt=8, num_iterations=1,
       beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28, loss_agg="token_mean",
       scale_rewards="group", mask_truncated_completions=False, max_num_steps=500,
       val_period=100, val_at_start=True, val_at_end=True, val_batch_size=128,
-      max_val_samples=500))
+      max_val_samples=500,  # prompts; each is sampled val_num_generations_per_prompt times
+      val_num_generations_per_prompt=4, val_pass_threshold=0.0, val_seed=0,
+      # e.g. "pass@4" and 0.9: stop (with a checkpoint) once a validation reaches it.
+      stop_at_validation_metric=config_dict.placeholder(str),
+      stop_at_validation_threshold=config_dict.placeholder(float)))
 
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=2e-4, warmup_steps=10, weight_decay=0.0, grad_clip=1.0,
@@ -61,6 +71,7 @@ def get_config(arg=None):
     c.grpo.val_period = 2
     c.grpo.val_batch_size = 16
     c.grpo.max_val_samples = 32
+    c.grpo.val_num_generations_per_prompt = 2
     c.data.num_train_examples = 200
     c.data.num_val_examples = 32
     c.logging.plots = False

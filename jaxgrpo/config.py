@@ -71,6 +71,24 @@ def _dtype(v):
   return _choice("float32", "bfloat16")(v)
 
 
+def _optional(check):
+  """None (unset) or a value `check` accepts."""
+  def optional(v):
+    if v is not None:
+      problem = check(v)
+      return problem and f"None or {problem}"
+  return optional
+
+
+# Each validation sampling key and the training key it follows while unset (None).
+VAL_FOLLOWS = {"val_temperature": "temperature", "val_top_p": "top_p", "val_top_k": "top_k"}
+
+# What each rollout backend cannot do: backend -> {generation key: why}. The native sampler
+# honours every setting; an adapter (issue 10's JetStream) lists its limits here, and the
+# validator refuses them at startup instead of ignoring them.
+BACKEND_LIMITS: dict[str, dict[str, Callable[[Any], str | None]]] = {"native": {}}
+
+
 SCHEMA: dict[str, Any] = {
     "seed": _int(0),
     "model": {
@@ -87,7 +105,10 @@ SCHEMA: dict[str, Any] = {
     "rewards": None,  # name -> weight, checked against the reward registry below
     "generation": {
         "temperature": _num(0, lo_open=True), "top_p": _num(0, 1, lo_open=True),
-        "top_k": _int(0), "max_new_tokens": _int(1)},
+        "top_k": _int(0), "max_new_tokens": _int(1), "backend": _choice(*BACKEND_LIMITS),
+        # None follows the training value (resolved by `validate`); 0 is greedy.
+        "val_temperature": _optional(_num(0)), "val_top_p": _optional(_num(0, 1, lo_open=True)),
+        "val_top_k": _optional(_int(0))},
     "grpo": {
         "num_prompts_per_step": _int(1), "num_generations_per_prompt": _int(2),
         "num_iterations": _int(1), "beta": _num(0), "kl_type": _choice(*grpo_names.KL_TYPES),
@@ -97,7 +118,10 @@ SCHEMA: dict[str, Any] = {
         "scale_rewards": _choice(*grpo_names.SCALE_REWARDS),
         "mask_truncated_completions": _bool, "max_num_steps": _int(1), "val_period": _int(0),
         "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _int(1),
-        "max_val_samples": _int(0)},
+        "max_val_samples": _int(0), "val_num_generations_per_prompt": _int(1),
+        "val_pass_threshold": _num(), "val_seed": _int(0),
+        "stop_at_validation_metric": _optional(_str),
+        "stop_at_validation_threshold": _optional(_num())},
     "optim": {
         "learning_rate": _num(0, lo_open=True), "warmup_steps": _int(0),
         "weight_decay": _num(0), "grad_clip": _num(0),
@@ -109,6 +133,7 @@ SCHEMA: dict[str, Any] = {
 _REASONS = {
     "grpo.num_generations_per_prompt": "GRPO compares samples within a group",
     "generation.temperature": "training samples must come from a distribution (0 is greedy)",
+    "grpo.val_num_generations_per_prompt": "each validation prompt is sampled k times",
 }
 
 
@@ -143,6 +168,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collecti
   """Checks and resolves a run config; returns a locked copy. Raises ConfigError."""
   config = ml_collections.ConfigDict(config.to_dict())  # a copy: the caller's stays as is
   _check_keys("", config, SCHEMA)
+  _resolve_val_profile(config.generation)
   _check_rewards(config.rewards)
   _check_cross_fields(config, num_devices)
   config.lock()
@@ -162,6 +188,48 @@ def _check_rewards(weights):
   if not any(w > 0 for w in weights.values()):
     raise ConfigError("config.rewards: every weight is 0; give at least one reward a "
                       "positive weight")
+
+
+def _resolve_val_profile(gen):
+  """Unset validation sampling keys take the training value; set ones never move it."""
+  for val_key, train_key in VAL_FOLLOWS.items():
+    if gen[val_key] is None:
+      gen[val_key] = gen[train_key]
+  for key, limit in BACKEND_LIMITS[gen.backend].items():
+    problem = limit(gen[key])
+    if problem:
+      raise ConfigError(f"config.generation.{key}={gen[key]!r}: the {gen.backend!r} rollout "
+                        f"backend cannot honour it ({problem}); change the key or "
+                        "config.generation.backend")
+
+
+def _check_stop_rule(g):
+  """The stop metric must be one validation reports with this k, and come with a threshold."""
+  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  metric, threshold = g.stop_at_validation_metric, g.stop_at_validation_threshold
+  k = g.val_num_generations_per_prompt
+  names = validation.stop_metric_names(k)
+  if metric is None:
+    if threshold is not None:
+      raise ConfigError(
+          f"config.grpo.stop_at_validation_metric=None: stop_at_validation_threshold="
+          f"{threshold} is set but names no metric; allowed: {', '.join(names)} (or unset "
+          "the threshold)")
+    return
+  if metric not in names:
+    j = metric[len("pass@"):] if metric.startswith("pass@") else ""
+    if metric == "pass_k":
+      why = f"reported only when val_num_generations_per_prompt > 1 (it is {k})"
+    elif j.isdigit() and int(j) > k:
+      why = f"needs {j} samples per prompt but val_num_generations_per_prompt={k}"
+    else:
+      why = "validation does not report this metric"
+    raise ConfigError(f"config.grpo.stop_at_validation_metric={metric!r}: {why}; allowed: "
+                      f"{', '.join(names)} (with val_num_generations_per_prompt={k})")
+  if threshold is None:
+    raise ConfigError(
+        f"config.grpo.stop_at_validation_threshold=None: stop_at_validation_metric={metric!r} "
+        f"needs a threshold; allowed: a number, the value of {metric} at which the run stops")
 
 
 def _check_cross_fields(c, num_devices: int):
@@ -192,9 +260,11 @@ def _check_cross_fields(c, num_devices: int):
         _fail(f"model.{key}", m[key], f"a multiple of mesh.tensor={sizes[2]}")
   if sizes[1] > 1 and m.d_model % sizes[1]:
     _fail("model.d_model", m.d_model, f"a multiple of mesh.fsdp={sizes[1]}")
-  if c.generation.top_k > m.vocab_size:
-    _fail("generation.top_k", c.generation.top_k, f"0 (off) or at most model.vocab_size="
-          f"{m.vocab_size}")
+  for key in ("top_k", "val_top_k"):
+    if c.generation[key] > m.vocab_size:
+      _fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="
+            f"{m.vocab_size}")
+  _check_stop_rule(g)
   d = c.data
   if d.source == "jsonl" and not d.train_path:
     _fail("data.train_path", d.train_path, "a JSONL file path when data.source='jsonl'")

@@ -9,12 +9,13 @@ One step (DESIGN.md's data flow):
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
 import numpy as np
 
-from jaxgrpo import grpo, metrics, sampling, validation
+from jaxgrpo import checkpoint, grpo, metrics, plot, sampling, validation
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 
@@ -28,15 +29,8 @@ def build(setup):
   else:
     params = sharding_lib.shard_params(setup.host_params, setup.model_cfg, mesh)
   gen, g = c.generation, c.grpo
-  train_sp = sampling.SamplingParams(gen.temperature, gen.top_p, gen.top_k)
-  # Until grouped validation lands, validation samples once per prompt with the train
-  # settings; it still has its own compiled profile and a fixed key.
-  profiles = {"train": sampling.Profile(train_sp, g.num_generations_per_prompt,
-                                        gen.max_new_tokens),
-              "val": sampling.Profile(train_sp, 1, gen.max_new_tokens)}
-  engine = sampling.RolloutEngine(
-      setup.model_cfg, mesh, profiles, max_prompt_length=c.data.max_prompt_length,
-      eos_id=setup.tokenizer.eos_id, pad_id=setup.tokenizer.pad_id, seed=c.seed)
+  engine = make_engine(c, setup.model_cfg, setup.tokenizer, mesh)
+  train_sp = engine.profile("train").sampling
   total_updates = g.max_num_steps * g.num_iterations
   o = c.optim
   optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps, total_updates,
@@ -52,6 +46,21 @@ def build(setup):
   update = grpo.compile_update(state, ref_params, cfg=setup.model_cfg, loss=loss_cfg,
                                sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
   return engine, state, ref_params, update
+
+
+def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
+  """The rollout engine with the config's two profiles (val_k overrides k, for benchmarks)."""
+  gen, g = c.generation, c.grpo
+  train_sp = sampling.SamplingParams(gen.temperature, gen.top_p, gen.top_k)
+  # The validator resolved unset val_* keys to the training values.
+  val_sp = sampling.SamplingParams(gen.val_temperature, gen.val_top_p, gen.val_top_k)
+  profiles = {"train": sampling.Profile(train_sp, g.num_generations_per_prompt,
+                                        gen.max_new_tokens),
+              "val": sampling.Profile(val_sp, val_k or g.val_num_generations_per_prompt,
+                                      gen.max_new_tokens)}
+  return sampling.RolloutEngine(
+      model_cfg, mesh, profiles, max_prompt_length=c.data.max_prompt_length,
+      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=c.seed)
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step):
@@ -96,48 +105,79 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
 
 
 def run(setup) -> int:
+  """The loop: train, validate on schedule, stop early when the stop metric is reached."""
   c, g = setup.config, setup.config.grpo
   t_start = time.time()
   engine, state, ref_params, update = build(setup)
   log = c.logging
+  primary = jax.process_index() == 0
   writer = metrics.MetricsWriter(setup.workdir, tensorboard=log.tensorboard, plots=log.plots,
                                  console=log.console, total_steps=g.max_num_steps,
-                                 is_primary=jax.process_index() == 0)
-  val_key = engine.key("val", 0)  # fixed: validation moves only when the policy moves
-  weights = c.rewards.to_dict()
-  val_history = {}
+                                 is_primary=primary)
+  validator = validation.Validator(
+      engine, setup.val_batches, setup.tokenizer, c.rewards.to_dict(),
+      threshold=g.val_pass_threshold, seed=g.val_seed, mesh=engine.mesh,
+      samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None)
+  checkpoints = checkpoint.Checkpoints(setup.workdir)
+  val_history, stop, step = {}, None, 0
 
   def validate(step):
-    result = validation.run(engine, state.params, setup.val_batches, setup.tokenizer,
-                            weights, val_key)
-    val_history[step] = result["accuracy"]
+    result = validator(state.params, step)
+    val_history[step] = result
     writer.write(step, "val", result)
+    return validation.stop_message(result, g.stop_at_validation_metric,
+                                   g.stop_at_validation_threshold, step)
 
   if g.val_at_start:
-    validate(0)
-  for step in range(1, g.max_num_steps + 1):
-    state, step_metrics = train_step(setup, engine, state, ref_params, update,
-                                     next(setup.train_batches), step)
+    stop = validate(0)
+  while stop is None and step < g.max_num_steps:
+    step += 1
+    batch = next(setup.train_batches)
+    state, step_metrics = train_step(setup, engine, state, ref_params, update, batch, step)
     writer.write(step, "train", step_metrics)
     if (g.val_period and step % g.val_period == 0) or (g.val_at_end and
                                                        step == g.max_num_steps):
-      validate(step)
-  summary = {"wall_time_s": round(time.time() - t_start, 2),
-             "sampler_compilations": dict(engine.compilations)}
-  if val_history:
-    first, last = min(val_history), max(val_history)
-    summary.update(initial_val_accuracy=val_history[first],
-                   final_val_accuracy=val_history[last],
-                   val_accuracy_gain=val_history[last] - val_history[first])
+      stop = validate(step)
+  if stop and primary:
+    print(stop, flush=True)
+  saved = None
+  if step > 0:  # the policy this run produced, under its step number
+    saved = checkpoints.save(step, state, {"step": step, "reason": "early_stop" if stop
+                                           else "end", "data": setup.train_batches.get_state()})
+  checkpoints.close()
+  summary = _summary(val_history, g, stop, step, saved)
+  summary.update(wall_time_s=round(time.time() - t_start, 2),
+                 sampler_compilations=dict(engine.compilations))
   writer.close(summary)
-  if jax.process_index() == 0:
-    print(_summary_line(summary, g.max_num_steps, setup.workdir), flush=True)
+  if primary:
+    if log.plots and val_history:
+      plot.validation_plot(setup.workdir)
+    print(_summary_line(summary, setup.workdir), flush=True)
   return 0
 
 
-def _summary_line(summary, steps, workdir) -> str:
-  line = f"finished {steps} steps in {summary['wall_time_s']:.0f}s"
+def _summary(val_history, g, stop, step, saved) -> dict:
+  summary = {"steps": step, "stopped_early": stop is not None, "checkpoint": saved}
+  if stop:
+    metric = g.stop_at_validation_metric
+    summary["early_stop"] = {"step": step, "metric": metric,
+                             "value": val_history[step][metric],
+                             "threshold": g.stop_at_validation_threshold, "message": stop}
+  if val_history:
+    first, last = min(val_history), max(val_history)
+    summary.update(initial_val_accuracy=val_history[first]["accuracy"],
+                   final_val_accuracy=val_history[last]["accuracy"],
+                   val_accuracy_gain=(val_history[last]["accuracy"] -
+                                      val_history[first]["accuracy"]))
+  return summary
+
+
+def _summary_line(summary, workdir) -> str:
+  verb = "stopped early after" if summary["stopped_early"] else "finished"
+  line = f"{verb} {summary['steps']} steps in {summary['wall_time_s']:.0f}s"
   if "final_val_accuracy" in summary:
     line += (f"; val accuracy {summary['initial_val_accuracy']:.3f} -> "
              f"{summary['final_val_accuracy']:.3f} ({summary['val_accuracy_gain']:+.3f})")
+  if summary["checkpoint"]:
+    line += f"; checkpoint {summary['checkpoint']}"
   return line + f"; results in {workdir}"

@@ -1,7 +1,9 @@
 """config.validate: every bad value is one line naming the key, the value and what is allowed."""
 
 import importlib.util
+import json
 import os
+import re
 
 import pytest
 
@@ -100,3 +102,93 @@ def test_jsonl_source_needs_a_train_path():
   c.data.source = "jsonl"
   with pytest.raises(config_lib.ConfigError, match="config.data.train_path"):
     config_lib.validate(c, num_devices=1)
+
+
+def parse_overrides(*overrides):
+  """The config as `--config=configs/math.py --config.X=...` gives it, then validated.
+
+  A fresh FlagValues per call, so absl's parse-once rule does not apply.
+  """
+  import sys
+  from absl import flags
+  from ml_collections import config_flags
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, "", flag_values=fv)
+  argv = ["train", f"--config={ROOT}/configs/math.py", *overrides]
+  saved, sys.argv = sys.argv, argv  # config_flags reads overrides from sys.argv
+  try:
+    fv(argv)
+    return config_lib.validate(holder.value, num_devices=8)
+  finally:
+    sys.argv = saved
+
+
+def test_val_profile_follows_train_unless_set():
+  c = parse_overrides("--config.generation.temperature=0.7", "--config.generation.top_k=5")
+  assert (c.generation.val_temperature, c.generation.val_top_k) == (0.7, 5)
+  assert c.generation.val_top_p == c.generation.top_p == 1.0
+  c = parse_overrides("--config.generation.val_temperature=0.1")
+  assert c.generation.val_temperature == 0.1 and c.generation.temperature == 1.0
+  c = parse_overrides("--config.generation.temperature=0.5",
+                      "--config.generation.val_temperature=0")
+  assert (c.generation.temperature, c.generation.val_temperature) == (0.5, 0)
+  # The resolved values of both profiles are what config.json shows.
+  shown = json.loads(config_lib.to_json(c))["generation"]
+  assert shown["val_temperature"] == 0 and shown["val_top_p"] == 1.0 and shown["val_top_k"] == 0
+
+
+@pytest.mark.parametrize("path,value,expect", [
+    ("grpo.val_num_generations_per_prompt", 0, "config.grpo.val_num_generations_per_prompt=0"),
+    ("generation.val_temperature", -0.5, "None or a number >= 0"),
+    ("generation.val_top_p", 0.0, "None or a number > 0 and <= 1"),
+    ("generation.val_top_p", 1.5, "config.generation.val_top_p=1.5"),
+    ("generation.val_top_k", -1, "None or an integer >= 0"),
+    ("generation.val_top_k", 17, "at most model.vocab_size=16"),
+    ("grpo.stop_at_validation_metric", "pass@8", "needs 8 samples per prompt but "
+     "val_num_generations_per_prompt=4; allowed: accuracy, reward_mean, pass@1, pass@2, "
+     "pass@4, pass_k"),
+    ("grpo.stop_at_validation_metric", "acc", "validation does not report this metric"),
+    ("grpo.stop_at_validation_metric", "pass@3", "allowed: accuracy"),
+])
+def test_validation_keys_are_checked(path, value, expect):
+  c = math_config()
+  section, key = path.split(".")
+  c[section][key] = value
+  if key == "stop_at_validation_metric":
+    c.grpo.stop_at_validation_threshold = 0.5
+  with pytest.raises(config_lib.ConfigError, match=re.escape(expect)):
+    config_lib.validate(c, num_devices=8)
+
+
+def test_stop_rule_needs_both_halves_and_pass_k_needs_k_above_one():
+  c = math_config()
+  c.grpo.stop_at_validation_metric = "pass@4"
+  with pytest.raises(config_lib.ConfigError, match="stop_at_validation_threshold=None"):
+    config_lib.validate(c, num_devices=8)
+  c = math_config()
+  c.grpo.stop_at_validation_threshold = 0.9
+  with pytest.raises(config_lib.ConfigError, match="stop_at_validation_metric=None: stop_at_validation_threshold=0.9 is set"):
+    config_lib.validate(c, num_devices=8)
+  c = math_config()
+  c.grpo.val_num_generations_per_prompt = 1
+  c.grpo.stop_at_validation_metric, c.grpo.stop_at_validation_threshold = "pass_k", 0.5
+  with pytest.raises(config_lib.ConfigError, match=r"pass_k'?: reported only when .* \(it is 1\)"):
+    config_lib.validate(c, num_devices=8)
+  c.grpo.val_num_generations_per_prompt = 2  # now it is reported
+  assert config_lib.validate(c, num_devices=8).grpo.stop_at_validation_metric == "pass_k"
+
+
+def test_a_backend_limit_is_refused_with_backend_and_key(monkeypatch):
+  # The native sampler honours every setting; an adapter with limits (issue 10's JetStream)
+  # registers them, and a config asking for more is refused, never silently ignored.
+  monkeypatch.setitem(config_lib.BACKEND_LIMITS, "fake",
+                      {"val_top_p": lambda v: v != 1 and "no nucleus sampling"})
+  monkeypatch.setitem(config_lib.SCHEMA["generation"], "backend",
+                      config_lib._choice(*config_lib.BACKEND_LIMITS))
+  c = math_config()
+  c.generation.backend = "fake"
+  config_lib.validate(c, num_devices=8)  # val_top_p follows top_p=1: fine
+  c.generation.val_top_p = 0.9
+  with pytest.raises(config_lib.ConfigError, match="val_top_p=0.9: the 'fake' rollout backend "
+                     "cannot honour it \\(no nucleus sampling\\)"):
+    config_lib.validate(c, num_devices=8)

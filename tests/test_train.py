@@ -90,10 +90,60 @@ def test_architecture_must_match_checkpoint(tmp_path):
   assert_clean_error(proc, "config.model.d_model=64", "has 128")
 
 
+# Each validation setting the validator refuses, with the fragments its one line must hold.
+REFUSED = [
+    (["--config.grpo.val_num_generations_per_prompt=0"],
+     ["config.grpo.val_num_generations_per_prompt=0", "integer >= 1"]),
+    (["--config.grpo.stop_at_validation_metric=pass_k",
+      "--config.grpo.stop_at_validation_threshold=0.5",
+      "--config.grpo.val_num_generations_per_prompt=1"],
+     ["stop_at_validation_metric='pass_k'", "val_num_generations_per_prompt > 1",
+      "allowed: accuracy, reward_mean, pass@1"]),
+    (["--config.grpo.stop_at_validation_metric=pass@4",
+      "--config.grpo.stop_at_validation_threshold=0.5"],  # smoke: k=2
+     ["stop_at_validation_metric='pass@4'", "needs 4 samples per prompt",
+      "allowed: accuracy, reward_mean, pass@1, pass@2, pass_k"]),
+    (["--config.grpo.stop_at_validation_metric=acuracy",
+      "--config.grpo.stop_at_validation_threshold=0.5"],
+     ["stop_at_validation_metric='acuracy'", "does not report", "allowed: accuracy"]),
+    (["--config.grpo.stop_at_validation_metric=accuracy"],
+     ["config.grpo.stop_at_validation_threshold=None", "needs a threshold"]),
+    (["--config.grpo.stop_at_validation_threshold=0.8"],
+     ["config.grpo.stop_at_validation_metric=None", "names no metric", "allowed: accuracy"]),
+    (["--config.generation.val_temperature=-0.1"],
+     ["config.generation.val_temperature=-0.1", "a number >= 0"]),
+    (["--config.generation.val_top_p=1.5"], ["config.generation.val_top_p=1.5", "<= 1"]),
+    (["--config.generation.val_top_p=0"], ["config.generation.val_top_p=0", "> 0"]),
+    (["--config.generation.val_top_k=-2"], ["config.generation.val_top_k=-2", "integer >= 0"]),
+    (["--config.generation.backend=jetstream"], ["config.generation.backend='jetstream'",
+                                                 "allowed: one of 'native'"]),
+]
+
+
+def test_validation_settings_are_refused_at_startup(tmp_path):
+  # One CLI process per case, run concurrently: each spends its few seconds importing jax.
+  env = dict(os.environ, JAX_LOG_COMPILES="1", JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "jaxgrpo.train", f"--workdir={tmp_path / str(i)}",
+       f"--config={MATH}:smoke", *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=env, cwd=ROOT) for i, (overrides, _) in enumerate(REFUSED)]
+  for i, (proc, (overrides, fragments)) in enumerate(zip(procs, REFUSED)):
+    stdout, stderr = proc.communicate(timeout=600)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    try:
+      assert_clean_error(done, *fragments)
+      assert not os.path.exists(tmp_path / str(i))  # nothing written for a refused run
+    except AssertionError as e:
+      raise AssertionError(f"case {overrides}: {e}") from None
+
+
 @pytest.mark.slow
 def test_smoke_run_writes_results(tmp_path):
   workdir = tmp_path / "run"
-  proc = run_train(f"--config={MATH}:smoke", workdir=workdir)
+  # A training-temperature override moves the (unset) validation temperature with it.
+  proc = run_train(f"--config={MATH}:smoke", "--config.generation.temperature=0.9",
+                   "--config.logging.plots=True", workdir=workdir)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "finished 3 steps" in proc.stdout
   records = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
@@ -106,14 +156,25 @@ def test_smoke_run_writes_results(tmp_path):
               "loss", "kl", "clip_fraction", "grad_norm", "learning_rate",
               "rollout_tokens_per_s", "reward/exact_match"):
     assert key in train[0], key
-  assert 0 <= val[0]["accuracy"] <= 1 and val[0]["num_samples"] == 32
+  # Smoke validation: 32 prompts x k=2.
+  for key in ("accuracy", "accuracy_stderr", "pass@1", "pass@2", "pass_k", "avg_length",
+              "truncated_fraction", "wall_time_s"):
+    assert key in val[0], key
+  assert val[0]["num_prompts"] == 32 and val[0]["num_rollouts"] == 64
+  assert val[0]["pass@2"] == val[0]["pass_k"] and 0 <= val[0]["accuracy"] <= 1
+  samples = [json.loads(l) for l in open(workdir / "val_samples" / "step_2.jsonl")]
+  assert len(samples) == 32 and all(len(s["completions"]) == 2 for s in samples)
   config = json.load(open(workdir / "config.json"))
   assert config["grpo"]["max_num_steps"] == 3 and config["mesh"]["data"] == 1
+  assert config["generation"]["val_temperature"] == 0.9
   summary = json.load(open(workdir / "summary.json"))
   # Each profile compiled exactly once over the whole run.
   assert summary["sampler_compilations"] == {"train": 1, "val": 1}
-  assert "final_val_accuracy" in summary
+  assert "final_val_accuracy" in summary and summary["stopped_early"] is False
+  assert summary["checkpoint"].endswith(os.path.join("checkpoints", "3"))
   assert os.listdir(workdir / "tb" / "train")
+  with open(workdir / "validation.png", "rb") as f:
+    assert f.read(4) == b"\x89PNG"
 
 
 def test_help_exits_zero(tmp_path):

@@ -1,13 +1,15 @@
 """The device loop's pieces, in process: build() and one train_step on the smoke preset."""
 
 import dataclasses
+import json
 import os
 
 import ml_collections
 import numpy as np
 import pytest
 
-from jaxgrpo import train, trainer
+from jaxgrpo import checkpoint, train, trainer
+from jaxgrpo import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,3 +41,62 @@ def test_reference_policy_only_when_beta_positive(smoke, beta):
   # 8 prompts x 4 samples, sharded over 8 devices; each profile compiled once.
   assert engine.compilations["train"] == 1
 
+
+
+def variant(smoke, workdir, **grpo):
+  """The smoke setup with other grpo values and its own workdir (no second flag parse)."""
+  config = ml_collections.ConfigDict(smoke.config.to_dict())
+  for key, value in grpo.items():
+    config.grpo[key] = value
+  return dataclasses.replace(smoke, config=config, workdir=str(workdir))
+
+
+def rows(workdir, split):
+  return [r for r in metrics_lib.read_metrics(str(workdir)) if r["split"] == split]
+
+
+def test_early_stop_after_a_met_validation_saves_that_step(smoke, tmp_path):
+  # accuracy >= 0 holds at the first validation, which (no val_at_start) is at step 2.
+  setup = variant(smoke, tmp_path, val_at_start=False, val_period=2, max_num_steps=3,
+                  stop_at_validation_metric="accuracy", stop_at_validation_threshold=0.0)
+  assert trainer.run(setup) == 0
+  assert [r["step"] for r in rows(tmp_path, "train")] == [1, 2]
+  assert [r["step"] for r in rows(tmp_path, "val")] == [2]
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["stopped_early"] and summary["early_stop"]["step"] == 2
+  assert summary["early_stop"]["metric"] == "accuracy"
+  ckpts = checkpoint.Checkpoints(str(tmp_path))
+  assert ckpts.steps() == [2]
+  restored, meta = ckpts.restore(2)
+  assert int(restored["step"]) == 2 and meta["reason"] == "early_stop"
+  assert meta["data"]["num_rows"] == 200  # the data iterator's state went with it
+  ckpts.close()
+
+
+def test_early_stop_at_start_trains_nothing_and_pass_k_can_stop_alone(smoke, tmp_path):
+  # First learn the initial validation's numbers (same params and val_seed every time).
+  probe = variant(smoke, tmp_path / "probe", val_at_start=True,
+                  stop_at_validation_metric="accuracy", stop_at_validation_threshold=0.0)
+  assert trainer.run(probe) == 0
+  assert rows(tmp_path / "probe", "train") == []  # stopped before any training step
+  assert not os.path.exists(tmp_path / "probe" / "checkpoints" / "0")  # nothing to save
+  first = rows(tmp_path / "probe", "val")[0]
+  assert first["pass_k"] > first["accuracy"]  # k=2 samples: some prompts pass only once
+  threshold = (first["accuracy"] + first["pass_k"]) / 2
+  # pass_k reaches the threshold while accuracy does not: the pass_k rule stops the run.
+  setup = variant(smoke, tmp_path / "pass_k", val_at_start=True,
+                  stop_at_validation_metric="pass_k", stop_at_validation_threshold=threshold)
+  assert trainer.run(setup) == 0
+  val = rows(tmp_path / "pass_k", "val")
+  assert len(val) == 1 and val[0]["accuracy"] < threshold <= val[0]["pass_k"]
+  assert rows(tmp_path / "pass_k", "train") == []
+  assert json.load(open(tmp_path / "pass_k" / "summary.json"))["stopped_early"]
+
+
+def test_a_missing_stop_metric_fails_loudly(smoke, tmp_path):
+  # The validator refuses this at startup; past it (a bug), the loop must not train on.
+  setup = variant(smoke, tmp_path, val_at_start=True, stop_at_validation_metric="pass@3",
+                  stop_at_validation_threshold=0.5)
+  with pytest.raises(KeyError, match=r"'pass@3'.*accuracy, accuracy_stderr"):
+    trainer.run(setup)
+  assert rows(tmp_path, "train") == []

@@ -1,8 +1,105 @@
-"""Validation: which reward counts as correctness, and scoring only the real rows."""
+"""Grouped validation: metric numbers by hand, row layout, keys, the stop rule."""
 
+import fractions
+import json
+import math
+
+import jax
 import numpy as np
+import pytest
 
-from jaxgrpo import validation
+from jaxgrpo import data, model, sampling, sharding, validation
+from jaxgrpo.tokenizer import Tokenizer
+
+from numpy_params import random_params  # tests/numpy_params.py
+
+
+def metrics_of(scores, k, valid=None, threshold=0.0, devices=1):
+  """grouped_metrics through its jitted, sharded call site, as the Validator calls it."""
+  scores = np.asarray(scores, np.float32)
+  p = len(scores) // k
+  valid = np.ones(p, bool) if valid is None else np.asarray(valid, bool)
+  mesh = sharding.make_mesh({"data": devices, "fsdp": 1, "tensor": 1},
+                            devices=jax.devices()[:devices])
+  fn = validation.compile_metrics(mesh, k, threshold)
+  out = fn(scores, scores, np.full(len(scores), 3, np.int32), np.zeros(len(scores), bool),
+           valid)
+  return {name: float(v) for name, v in jax.device_get(out).items()}
+
+
+def test_two_prompts_k4_by_hand():
+  # Prompt 0: n=4, c=1. pass@1 = 1/4; pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 1/2;
+  # pass@4 = 1 - C(3,4)/C(4,4) = 1 - 0 = 1. Prompt 1: c=0, every pass@j is 0.
+  # Averages over the 2 prompts: 0.125, 0.25, 0.5; accuracy = 1/8 rollouts = 0.125.
+  m = metrics_of([1, 0, 0, 0, 0, 0, 0, 0], k=4)
+  assert m["accuracy"] == pytest.approx(0.125)
+  assert m["pass_k"] == pytest.approx(0.5)
+  assert m["pass@1"] == pytest.approx(0.125)
+  assert m["pass@2"] == pytest.approx(0.25)
+  assert m["pass@4"] == pytest.approx(0.5)
+  assert set(k for k in m if k.startswith("pass@") and "_" not in k) == {"pass@1", "pass@2",
+                                                                         "pass@4"}
+  # Per-prompt means 0.25 and 0: sample std (ddof 1) = sqrt(2 * 0.125^2 / 1) = 0.1768,
+  # over sqrt(2) prompts = 0.125.
+  assert m["accuracy_stderr"] == pytest.approx(0.125)
+  assert m["num_prompts"] == 2 and m["num_rollouts"] == 8
+  assert m["avg_length"] == 3 and m["truncated_fraction"] == 0
+
+
+def test_rows_are_prompt_major_and_padding_is_left_out():
+  # The same rewards laid out the other way round (sample-major) would give prompt rows
+  # [1,0,0,0] and [0,0,0,0] too, so use a layout where the two readings differ: with
+  # prompt-major rows [1,1,0,0 | 0,0,0,0], prompt 0 has c=2 -> pass_k 0.5; read
+  # sample-major, each prompt would hold one pass -> pass_k 1.0.
+  m = metrics_of([1, 1, 0, 0, 0, 0, 0, 0], k=4)
+  assert m["pass_k"] == pytest.approx(0.5)
+  # A third, padding prompt with all passes changes nothing.
+  padded = metrics_of([1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1], k=4, valid=[1, 1, 0])
+  assert padded == pytest.approx(m)
+
+
+def test_threshold_is_strict():
+  # Rewards equal to the threshold do not pass; accuracy is the plain mean either way.
+  m = metrics_of([0.5, 0.5, 1.0, 0.0], k=2, threshold=0.5)
+  assert m["pass@2"] == pytest.approx(0.5) and m["accuracy"] == pytest.approx(0.5)
+
+
+def test_sharded_metrics_match_one_device():
+  rng = np.random.default_rng(0)
+  scores = (rng.random(16 * 4) < 0.3).astype(np.float32)
+  assert metrics_of(scores, 4, devices=8) == pytest.approx(metrics_of(scores, 4))
+
+
+def test_pass_at_j_matches_exact_combinatorics():
+  # Random sample counts n, every c in 0..n at once, and random j <= n (each (n, j) compiles,
+  # so a few of each): against 1 - C(n-c, j) / C(n, j) in exact rationals.
+  rng = np.random.default_rng(1)
+  pass_at_j = jax.jit(validation.pass_at_j, static_argnums=(1, 2))  # one compile per (n, j)
+  for n in sorted(set(rng.integers(1, 33, size=6).tolist())):
+    c = np.arange(n + 1)
+    for j in sorted({1, n, *rng.integers(1, n + 1, size=2).tolist()}):
+      got = np.asarray(pass_at_j(c, n, j))
+      exact = [1 - fractions.Fraction(math.comb(n - ci, j), math.comb(n, j)) for ci in c]
+      np.testing.assert_allclose(got, np.array(exact, float), atol=1e-6, err_msg=f"{n=} {j=}")
+
+
+def test_reported_names():
+  assert validation.pass_js(1) == (1,) and validation.pass_js(8) == (1, 2, 4, 8)
+  assert validation.pass_js(6) == (1, 2, 4, 6)
+  assert "pass_k" not in validation.stop_metric_names(1)
+  assert validation.stop_metric_names(4) == ["accuracy", "reward_mean", "pass@1", "pass@2",
+                                             "pass@4", "pass_k"]
+
+
+def test_stop_message():
+  m = {"accuracy": 0.4, "pass_k": 0.8, "pass@2": float("nan")}
+  assert validation.stop_message(m, None, None, 3) is None
+  assert validation.stop_message(m, "accuracy", 0.5, 3) is None
+  line = validation.stop_message(m, "pass_k", 0.5, 3)  # accuracy is below, pass_k is not
+  assert "step 3" in line and "pass_k=0.8" in line and "0.5" in line
+  assert validation.stop_message(m, "pass@2", 0.0, 3) is None  # NaN never stops a run
+  with pytest.raises(KeyError, match="pass@4.*accuracy, pass@2, pass_k"):
+    validation.stop_message(m, "pass@4", 0.5, 3)
 
 
 def test_correctness_prefers_math_then_exact_match():
@@ -12,41 +109,84 @@ def test_correctness_prefers_math_then_exact_match():
       validation.correctness({"math": 1.0, "exact_match": 1.0}, total, breakdown), [1, 0])
   np.testing.assert_array_equal(
       validation.correctness({"math": 0.0, "exact_match": 1.0}, total, breakdown), [0, 1])
-  # Neither active: a row is correct when its total reward is positive.
+  # Neither active: a row is correct when its total reward is positive; validation's reward
+  # is then the total itself.
   np.testing.assert_array_equal(
       validation.correctness({"format": 1.0}, [0.0, 0.5], breakdown), [0, 1])
+  np.testing.assert_array_equal(
+      validation.validation_rewards({"format": 1.0}, [0.0, 0.5], breakdown), [0, 0.5])
 
 
-class _FakeEngine:
-  """Answers '0579' for every row: the scoring is what is under test."""
+# --- The Validator on a real (tiny, random) model. -------------------------------------------
 
-  def __init__(self, tok):
-    self.tok = tok
-
-  def profile(self, name):
-    assert name == "val"
-    return type("P", (), {"num_samples": 1})()
-
-  def sample(self, name, params, tokens, mask, key):
-    import jaxgrpo.sampling as s
-    n = len(tokens)
-    row = self.tok.encode("0579", add_bos=False) + [self.tok.eos_id]
-    toks = np.array([row] * n, np.int32)
-    return s.Rollout(toks, np.zeros(toks.shape), np.zeros(toks.shape), np.ones(toks.shape, bool),
-                     np.full(n, 5), np.zeros(n, bool))
+TOK = Tokenizer.char_level("0123456789+=")
+CFG = model.ModelConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                        head_dim=16, mlp_dim=64)
+ROWS = data.arithmetic_examples(12, num_digits=3, seed=5)
 
 
-def test_run_counts_only_valid_rows():
-  import jax
-  from jaxgrpo import data
-  from jaxgrpo.tokenizer import Tokenizer
-  tok = Tokenizer.char_level("0123456789+=")
-  rows = [{"question": "123+456=", "answer": "0579"}, {"question": "001+001=", "answer": "0002"},
-          {"question": "100+479=", "answer": "0579"}]
-  # Batches of 2: the last batch is padded with a repeat of row 3, flagged invalid, so the
-  # accuracy is 2 right of 3 rows (not 3 of 4).
-  batches = data.validation_batches(rows, tok, 2, 9, process_index=0, process_count=1)
-  result = validation.run(_FakeEngine(tok), None, batches, tok, {"exact_match": 1.0},
-                          jax.random.key(0))
-  assert result["num_samples"] == 3
-  assert abs(result["accuracy"] - 2 / 3) < 1e-9
+def make_validator(val_sp, k, batch_size, tmp_path=None, devices=1, seed=0):
+  mesh = sharding.make_mesh({"data": devices, "fsdp": 1, "tensor": 1},
+                            devices=jax.devices()[:devices])
+  train = sampling.Profile(sampling.SamplingParams(1.0, 1.0, 0), 2, 5)
+  engine = sampling.RolloutEngine(
+      CFG, mesh, {"train": train, "val": sampling.Profile(val_sp, k, 5)},
+      max_prompt_length=9, eos_id=TOK.eos_id, pad_id=TOK.pad_id, seed=123)
+  batches = data.validation_batches(ROWS, TOK, batch_size, 9, process_index=0, process_count=1)
+  validator = validation.Validator(
+      engine, batches, TOK, {"exact_match": 1.0}, threshold=0.0, seed=seed, mesh=mesh,
+      samples_dir=None if tmp_path is None else str(tmp_path / "val_samples"))
+  params = sharding.shard_params(random_params(CFG, 0), CFG, mesh)
+  return validator, params
+
+
+def samples_of(tmp_path, step=0):
+  with open(tmp_path / "val_samples" / f"step_{step}.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_val_profile_reaches_the_sampler(tmp_path):
+  greedy, params = make_validator(sampling.SamplingParams(0.0, 1.0, 0), 4, 4, tmp_path)
+  metrics = greedy(params, step=0)
+  records = samples_of(tmp_path)
+  assert [r["prompt_index"] for r in records] == list(range(12))  # padding rows left out
+  assert metrics["num_prompts"] == 12 and metrics["num_rollouts"] == 48
+  # Temperature 0: the k samples of each prompt are one and the same completion.
+  assert all(len(set(r["completions"])) == 1 for r in records)
+  hot, params = make_validator(sampling.SamplingParams(1.0, 1.0, 0), 4, 4, tmp_path / "hot")
+  hot(params, step=0)
+  # Temperature 1 on a random 16-token model: the samples of a prompt differ.
+  assert sum(len(set(r["completions"])) > 1 for r in samples_of(tmp_path / "hot")) >= 10
+
+
+def test_same_params_same_seed_same_metrics_whatever_the_batching(tmp_path):
+  sp = sampling.SamplingParams(1.0, 1.0, 0)
+  validator, params = make_validator(sp, 3, 4, tmp_path)
+  first = validator(params, step=0)
+  second = validator(params, step=5)
+  strip = lambda m: {k: v for k, v in m.items() if k != "wall_time_s"}
+  assert strip(first) == strip(second)
+  assert samples_of(tmp_path, 0) == samples_of(tmp_path, 5)
+  # Keys come from (val_seed, prompt index): other batch sizes and 8 devices draw the same
+  # samples for every prompt.
+  other, params8 = make_validator(sp, 3, 8, tmp_path / "b8", devices=8)
+  assert strip(other(params8, step=0)) == pytest.approx(strip(first))
+  assert samples_of(tmp_path / "b8") == samples_of(tmp_path)
+  # Another val_seed draws other samples.
+  reseeded, params = make_validator(sp, 3, 4, tmp_path / "s1", seed=1)
+  reseeded(params, step=0)
+  assert samples_of(tmp_path / "s1") != samples_of(tmp_path)
+
+
+def test_each_prompts_rollouts_land_in_its_row(tmp_path):
+  # Greedy, k=3: each prompt's three rows must hold what the sampler gives that prompt
+  # alone (k=1), so rows were neither interleaved nor shifted between prompts.
+  greedy = sampling.SamplingParams(0.0, 1.0, 0)
+  grouped, params = make_validator(greedy, 3, 4, tmp_path / "k3")
+  grouped(params, step=0)
+  single, params = make_validator(greedy, 1, 4, tmp_path / "k1")
+  single(params, step=0)
+  alone = {r["prompt_index"]: r["completions"][0] for r in samples_of(tmp_path / "k1")}
+  assert len(set(alone.values())) > 1  # the prompts do get different completions
+  for r in samples_of(tmp_path / "k3"):
+    assert r["completions"] == [alone[r["prompt_index"]]] * 3
