@@ -1,4 +1,4 @@
-"""Benchmarks, one JSON line per measurement: `python -m jaxgrpo.bench sampler --preset tiny`.
+"""Benchmarks, one JSON line per measurement: `python -m jaxgrpo.bench {sampler,validation}`.
 
 `sampler` times the compiled sampler on the workload of the Tunix peer benchmark
 (shared/peers/tunix_bench.py): its 8 prompts as byte-level tokens (0=pad, 1=bos, 2=eos,
@@ -13,11 +13,24 @@ is reported as `first_call_s`; `tokens_per_s` is generated tokens / the median o
 to 64 (the next power of two of the longest prompt), so the shapes match. One difference:
 the peer prefills all 32 rows, while here each prompt is prefilled once and its 4 samples
 share that prefill (the sampler's design).
+
+`validation` measures what grouped validation buys, on the embedded default
+(configs/math.py: the `@embedded/arith3` warm start, its 500 validation prompts of 3-digit
+addition, the val profile = the training one: temperature 1, top_p 1, top_k 0, 5 new
+tokens), one CPU device. For each k in `--ks` (one engine, compiled once, whose val profile
+draws k samples per prompt) it validates the same parameters with val seeds 0..`--seeds`-1
+after one uncounted warm-up (compile) call, and reports each seed's `accuracy`, their sample
+std (ddof 1) across seeds next to the mean within-run `accuracy_stderr`, the mean pass@k and
+the median wall time. The summary line compares the smallest and largest k:
+`std_ratio` = std_kmin / std_kmax (how much steadier the number is) and `wall_ratio` =
+wall_kmax / ((kmax / kmin) * wall_kmin) (what k samples cost against kmax / kmin separate
+validations; below 1 because each prompt's prefill is shared and the k samples form one batch).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -29,9 +42,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxgrpo import config as config_lib  # noqa: E402
+from jaxgrpo import data as data_lib  # noqa: E402
 from jaxgrpo import model as model_lib  # noqa: E402
 from jaxgrpo import policy as policy_lib  # noqa: E402
 from jaxgrpo import sampling  # noqa: E402
+from jaxgrpo import sharding as sharding_lib  # noqa: E402
+from jaxgrpo import train as train_lib  # noqa: E402
+from jaxgrpo import trainer  # noqa: E402
+from jaxgrpo import validation  # noqa: E402
 
 PAD, BOS = 0, 1
 NUM_SAMPLES = 4
@@ -92,6 +111,12 @@ def _loadavg() -> list[str]:
     return []
 
 
+def _machine(devices, loadavg_start) -> dict:
+  """The fields every result carries: what ran where, and how busy the machine was."""
+  return dict(jax=jax.__version__, device=str(devices[0]), platform=devices[0].platform,
+              cpu_count=os.cpu_count(), loadavg_start=loadavg_start, loadavg_end=_loadavg())
+
+
 def bench_sampler(policy: policy_lib.Policy, mode: str, reps: int, new_tokens: int) -> dict:
   """Times `reps` full sampler calls after a first (compiling) one; returns the stats."""
   sp = MODES[mode]
@@ -135,12 +160,92 @@ def run_sampler(args) -> list[dict]:
   results = []
   for mode in modes:
     stats = bench_sampler(policy, mode, args.reps, args.new_tokens)
-    results.append(dict(
-        bench="sampler", preset=args.preset, n_params=policy.num_params, **stats,
-        jax=jax.__version__, device=str(devices[0]), platform=devices[0].platform,
-        cpu_count=os.cpu_count(), loadavg_start=loadavg_start, loadavg_end=_loadavg()))
+    results.append(dict(bench="sampler", preset=args.preset, n_params=policy.num_params,
+                        **stats, **_machine(devices, loadavg_start)))
     loadavg_start = _loadavg()
   return results
+
+
+def default_config():
+  """configs/math.py's get_config(), loaded from the repository (configs/ is no package)."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "configs", "math.py")
+  if not os.path.isfile(path):
+    raise SystemExit(f"validation bench: {path} not found; run it from a jaxgrpo checkout")
+  spec = importlib.util.spec_from_file_location("jaxgrpo_bench_math_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def run_validation(args) -> list[dict]:
+  """The `validation` subcommand: one result per k, then the summary comparing min / max k."""
+  loadavg_start = _loadavg()
+  devices = jax.devices()[:1]
+  config = default_config()
+  config.grpo.max_val_samples = args.max_val_samples
+  config = config_lib.validate(config, len(devices))
+  # The trainer's loader: it also checks that config.model matches the checkpoint.
+  model_cfg, host_params, tokenizer = train_lib._load_policy(config)  # pylint: disable=W0212
+  mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
+  params = sharding_lib.shard_params(host_params, model_cfg, mesh)
+  d, g, gen = config.data, config.grpo, config.generation
+  val_rows = data_lib.make_sources(d)[1][:g.max_val_samples]
+  batches = data_lib.validation_batches(val_rows, tokenizer, g.val_batch_size,
+                                        d.max_prompt_length, template=d.prompt_template)
+  results = []
+  for k in args.ks:
+    engine = trainer.make_engine(config, model_cfg, tokenizer, mesh, val_k=k)
+    val_sp = engine.profile("val").sampling
+    validator = validation.Validator(engine, batches, tokenizer, config.rewards.to_dict(),
+                                     threshold=g.val_pass_threshold, seed=0, mesh=mesh)
+    first = validator(params, 0)["wall_time_s"]  # compiles the sampler and the metrics
+    runs = []
+    for seed in range(args.seeds):
+      # The key Validator(seed=seed) would hold; a new Validator per seed would recompile
+      # its metrics function (about 1 s on CPU) inside every timed call.
+      validator.key = jax.random.key(seed)
+      runs.append(validator(params, 0))
+    accuracy = [r["accuracy"] for r in runs]
+    walls = [r["wall_time_s"] for r in runs]
+    results.append(dict(
+        bench="validation", preset="embedded-default", checkpoint=config.model.checkpoint,
+        k=k, sampling=dict(temperature=val_sp.temperature, top_p=val_sp.top_p,
+                           top_k=val_sp.top_k, max_new_tokens=gen.max_new_tokens),
+        workload=dict(prompts=runs[0]["num_prompts"], rollouts=runs[0]["num_rollouts"],
+                      val_batch_size=g.val_batch_size, dtype=model_cfg.dtype),
+        val_seeds=list(range(args.seeds)), accuracy=accuracy,
+        accuracy_mean=statistics.fmean(accuracy),
+        accuracy_std_across_seeds=statistics.stdev(accuracy), ddof=1,
+        accuracy_stderr_mean=statistics.fmean(r["accuracy_stderr"] for r in runs),
+        pass_k_mean=statistics.fmean(r[f"pass@{k}"] for r in runs),
+        first_call_s=round(first, 3), median_wall_s=round(statistics.median(walls), 4),
+        all_wall_s=[round(t, 4) for t in walls],
+        sampler_compilations=engine.compilations["val"], **_machine(devices, loadavg_start)))
+    loadavg_start = _loadavg()
+  lo, hi = results[0], results[-1]
+  kmin, kmax = lo["k"], hi["k"]
+  std_hi = hi["accuracy_std_across_seeds"]
+  results.append(dict(
+      bench="validation", preset="embedded-default", summary=True, ks=list(args.ks),
+      std_ratio=lo["accuracy_std_across_seeds"] / std_hi if std_hi > 0 else None,
+      std_ratio_is=f"std_k{kmin} / std_k{kmax} (accuracy across seeds, ddof 1)",
+      wall_ratio=hi["median_wall_s"] * kmin / (kmax * lo["median_wall_s"]),
+      wall_ratio_is=f"(wall_k{kmax} / {kmax}) / (wall_k{kmin} / {kmin}) (median wall, per sample)",
+      **_machine(devices, loadavg_start)))
+  return results
+
+
+def _ks(text: str) -> tuple[int, ...]:
+  """--ks: at least two distinct sample counts >= 1, e.g. '1,8'; returned sorted."""
+  try:
+    ks = tuple(sorted({int(x) for x in text.split(",")}))
+  except ValueError:
+    ks = ()
+  if len(ks) < 2 or ks[0] < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected two or more distinct integers >= 1, "
+                                     "e.g. 1,8")
+  return ks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,16 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--out", default=None, help="also append the JSON line(s) to this file")
   s.add_argument("--new_tokens", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
   s.set_defaults(run=run_sampler)
+  v = sub.add_parser("validation", help="grouped validation: seed spread and cost per k")
+  v.add_argument("--ks", type=_ks, default=(1, 8), help="samples per prompt, e.g. 1,8")
+  v.add_argument("--seeds", type=int, default=10, help="val seeds 0..N-1 per k (N >= 2)")
+  v.add_argument("--max_val_samples", type=int, default=500, help="validation prompts")
+  v.add_argument("--out", default=None, help="also append the JSON lines to this file")
+  v.set_defaults(run=run_validation)
   return parser
 
 
 def main(argv=None) -> list[dict]:
   """Parses `argv`, runs the benchmark, prints (and optionally appends) one line per result."""
   args = build_parser().parse_args(argv)
-  if args.reps < 1:
-    raise SystemExit(f"--reps={args.reps}: must be >= 1")
-  if args.new_tokens < 1:
-    raise SystemExit(f"--new_tokens={args.new_tokens}: must be >= 1")
+  # Each subcommand has its own flags; a flag another subcommand lacks passes as its minimum.
+  for flag, lowest in (("reps", 1), ("new_tokens", 1), ("seeds", 2), ("max_val_samples", 1)):
+    if getattr(args, flag, lowest) < lowest:
+      raise SystemExit(f"--{flag}={getattr(args, flag)}: must be >= {lowest}")
   results = args.run(args)
   lines = [json.dumps(r) for r in results]
   for line in lines:

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.bench: the sampler bench's workload and its JSON line (no timing checks)."""
+"""Tests for jaxgrpo.bench: the sampler and validation benches' JSON lines (no timing checks)."""
 
 import json
 
@@ -51,3 +51,52 @@ def test_sampler_bench_prints_and_appends_one_json_line(tmp_path, capsys):
 def test_bad_arguments_exit(argv):
   with pytest.raises(SystemExit):
     bench.main(argv)
+
+
+def test_validation_bench_reports_each_k_and_the_summary(tmp_path, capsys):
+  # 64 prompts fit the config's one validation batch of 128; 3 seeds give a nonzero spread.
+  out = tmp_path / "bench.jsonl"
+  results = bench.main(["validation", "--ks", "2,1", "--seeds", "3", "--max_val_samples", "64",
+                        "--out", str(out)])
+  printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  appended = [json.loads(line) for line in out.read_text().splitlines()]
+  assert printed == appended == results and len(results) == 3
+  *per_k, summary = results
+  assert [r["k"] for r in per_k] == [1, 2]  # sorted
+  for r in per_k:
+    assert {"jax", "device", "platform", "cpu_count", "loadavg_start", "loadavg_end"} <= set(r)
+    assert (r["bench"], r["preset"], r["checkpoint"]) == (
+        "validation", "embedded-default", "@embedded/arith3")
+    assert r["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 5}
+    assert r["workload"]["prompts"] == 64 and r["workload"]["rollouts"] == 64 * r["k"]
+    assert r["val_seeds"] == [0, 1, 2] and len(r["accuracy"]) == len(r["all_wall_s"]) == 3
+    assert all(0 <= a <= 1 for a in r["accuracy"]) and 0 <= r["pass_k_mean"] <= 1
+    assert r["accuracy_mean"] == pytest.approx(sum(r["accuracy"]) / 3)
+    assert r["ddof"] == 1 and r["accuracy_std_across_seeds"] > 0
+    assert 0 < r["accuracy_stderr_mean"] < 1
+    assert r["median_wall_s"] > 0 and r["first_call_s"] > 0
+    assert r["sampler_compilations"] == 1  # seeds change the key, not the compiled shapes
+  # The seeds really differ: one shared key would give one accuracy.
+  assert len(set(per_k[0]["accuracy"])) > 1
+  assert summary["summary"] and summary["ks"] == [1, 2] and "loadavg_end" in summary
+  assert summary["std_ratio"] == pytest.approx(
+      per_k[0]["accuracy_std_across_seeds"] / per_k[1]["accuracy_std_across_seeds"])
+  assert summary["wall_ratio"] == pytest.approx(
+      per_k[1]["median_wall_s"] / (2 * per_k[0]["median_wall_s"]))
+  assert summary["std_ratio"] > 0 and summary["wall_ratio"] > 0
+
+
+@pytest.mark.parametrize("argv", [["validation", "--ks", "8"], ["validation", "--ks", "0,8"],
+                                  ["validation", "--ks", "1,x"], ["validation", "--seeds", "1"],
+                                  ["validation", "--max_val_samples", "0"]])
+def test_bad_validation_arguments_exit(argv):
+  with pytest.raises(SystemExit):
+    bench.main(argv)
+
+
+def test_validation_bench_without_the_repository_config_fails_in_one_line(tmp_path, monkeypatch):
+  # Installed without the checkout: configs/math.py is not next to the package.
+  monkeypatch.setattr(bench, "__file__", str(tmp_path / "jaxgrpo" / "bench.py"))
+  with pytest.raises(SystemExit, match="configs/math.py not found") as e:
+    bench.default_config()
+  assert "\n" not in str(e.value)
