@@ -53,7 +53,7 @@ def get_config(arg=None):
       scale_rewards="group", mask_truncated_completions=False, max_num_steps=500,
       val_period=100, val_at_start=True, val_at_end=True, val_batch_size=128,
       max_val_samples=500,  # prompts; each is sampled val_num_generations_per_prompt times
-      val_num_generations_per_prompt=4, val_pass_threshold=0.0, val_seed=0,
+      val_num_generations_per_prompt=1, val_pass_threshold=0.0, val_seed=0,
       # e.g. "pass@4" and 0.9: stop (with a checkpoint) once a validation reaches it.
       stop_at_validation_metric=config_dict.placeholder(str),
       stop_at_validation_threshold=config_dict.placeholder(float)))

@@ -152,6 +152,7 @@ def test_val_profile_follows_train_unless_set():
 ])
 def test_validation_keys_are_checked(path, value, expect):
   c = math_config()
+  c.grpo.val_num_generations_per_prompt = 4
   section, key = path.split(".")
   c[section][key] = value
   if key == "stop_at_validation_metric":
@@ -162,12 +163,13 @@ def test_validation_keys_are_checked(path, value, expect):
 
 def test_stop_rule_needs_both_halves_and_pass_k_needs_k_above_one():
   c = math_config()
-  c.grpo.stop_at_validation_metric = "pass@4"
+  c.grpo.stop_at_validation_metric = "pass@1"
   with pytest.raises(config_lib.ConfigError, match="stop_at_validation_threshold=None"):
     config_lib.validate(c, num_devices=8)
   c = math_config()
   c.grpo.stop_at_validation_threshold = 0.9
-  with pytest.raises(config_lib.ConfigError, match="stop_at_validation_metric=None: stop_at_validation_threshold=0.9 is set"):
+  with pytest.raises(config_lib.ConfigError,
+                     match="stop_at_validation_metric=None: stop_at_validation_threshold=0.9"):
     config_lib.validate(c, num_devices=8)
   c = math_config()
   c.grpo.val_num_generations_per_prompt = 1
