@@ -62,6 +62,13 @@ def get_config(arg=None):
       learning_rate=2e-4, warmup_steps=10, weight_decay=0.0, grad_clip=1.0,
       schedule="cosine"))
 
+  # Checkpoints under <workdir>/checkpoints: every save_period steps (0: only at the end, an
+  # early stop or a preemption), the newest max_to_keep plus the best_to_keep best by
+  # best_metric (e.g. "pass@1"). resume: 'auto' continues the workdir's run, 'never', or a path.
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      save_period=100, max_to_keep=3, resume="auto",
+      best_metric=config_dict.placeholder(str), best_to_keep=1))
+
   c.logging = ml_collections.ConfigDict(dict(tensorboard=True, plots=True, console=True))
 
   if arg == "smoke":
@@ -74,6 +81,7 @@ def get_config(arg=None):
     c.grpo.val_num_generations_per_prompt = 2
     c.data.num_train_examples = 200
     c.data.num_val_examples = 32
+    c.checkpoint.save_period = 2
     c.logging.plots = False
   elif arg not in (None, ""):
     raise ValueError(f"configs/math.py: unknown preset {arg!r}; allowed: smoke")

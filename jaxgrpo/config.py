@@ -126,6 +126,9 @@ SCHEMA: dict[str, Any] = {
         "learning_rate": _num(0, lo_open=True), "warmup_steps": _int(0),
         "weight_decay": _num(0), "grad_clip": _num(0),
         "schedule": _choice("cosine", "constant")},
+    "checkpoint": {
+        "save_period": _int(0), "max_to_keep": _int(1), "resume": _str,
+        "best_metric": _optional(_str), "best_to_keep": _int(1)},
     "logging": {"tensorboard": _bool, "plots": _bool, "console": _bool},
 }
 
@@ -232,6 +235,21 @@ def _check_stop_rule(g):
         f"needs a threshold; allowed: a number, the value of {metric} at which the run stops")
 
 
+def _check_checkpoint(ck, g):
+  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  if not ck.resume:
+    _fail("checkpoint.resume", ck.resume, "'auto', 'never' or a checkpoint folder")
+  names = validation.stop_metric_names(g.val_num_generations_per_prompt)
+  if ck.best_metric is not None and ck.best_metric not in names:
+    raise ConfigError(
+        f"config.checkpoint.best_metric={ck.best_metric!r}: validation does not report it "
+        f"with val_num_generations_per_prompt={g.val_num_generations_per_prompt}; allowed: "
+        f"{', '.join(names)}")
+  if ck.best_metric is not None and not g.val_period:
+    _fail("checkpoint.best_metric", ck.best_metric,
+          "None while grpo.val_period=0 (best checkpoints are saved at validations)")
+
+
 def _check_cross_fields(c, num_devices: int):
   from jaxgrpo import sharding
   try:
@@ -265,6 +283,7 @@ def _check_cross_fields(c, num_devices: int):
       _fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="
             f"{m.vocab_size}")
   _check_stop_rule(g)
+  _check_checkpoint(c.checkpoint, g)
   d = c.data
   if d.source == "jsonl" and not d.train_path:
     _fail("data.train_path", d.train_path, "a JSONL file path when data.source='jsonl'")

@@ -101,6 +101,26 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
   return records
 
 
+def truncate_jsonl(path: str, step: int) -> int:
+  """Keeps the lines of a step-keyed JSONL log with "step" <= `step` (a torn last line goes
+  too); rewritten atomically. Returns how many lines were dropped. A missing file is fine."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = [line for line in f.read().split("\n") if line.strip()]
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line)["step"] <= step:
+        kept.append(line)
+    except (json.JSONDecodeError, KeyError, TypeError):
+      pass  # a torn line from a killed writer
+  with open(path + ".tmp", "w") as f:
+    f.writelines(line + "\n" for line in kept)
+  os.replace(path + ".tmp", path)
+  return len(lines) - len(kept)
+
+
 def _latest_per_step(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
   """Groups records by split and step, step-sorted; a later line for a step replaces an earlier
   one, so a run resumed from an older checkpoint does not plot the abandoned steps twice."""
@@ -119,7 +139,8 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, plots: bool = True,
                console: bool = True, total_steps: Optional[int] = None,
-               stream: Optional[TextIO] = None, is_primary: bool = True):
+               stream: Optional[TextIO] = None, is_primary: bool = True,
+               resumed_step: Optional[int] = None):
     """Creates the writer; on the primary host, creates `workdir` and opens the log.
 
     Args:
@@ -131,6 +152,9 @@ class MetricsWriter:
       stream: console stream; None means `sys.stderr` at construction time (read late so that
         test harnesses that swap sys.stderr are honoured).
       is_primary: False on every host but process 0 of a pod: then nothing is written anywhere.
+      resumed_step: the step a resumed run continues from. Rows logged after it by the
+        interrupted run (steps it will redo) are dropped from `metrics.jsonl` first, and
+        TensorBoard purges its events after it, so no step appears twice.
     """
     self.workdir = workdir
     self.total_steps = total_steps
@@ -147,8 +171,11 @@ class MetricsWriter:
     self._last_train_step: Optional[int] = None
     self._closed = False
     self._jsonl = None
+    self._purge_step = None if resumed_step is None else int(resumed_step) + 1
     if is_primary:
       os.makedirs(workdir, exist_ok=True)
+      if resumed_step is not None:
+        truncate_jsonl(os.path.join(workdir, JSONL_NAME), resumed_step)
       self._jsonl = open(os.path.join(workdir, JSONL_NAME), "a")
 
   def __enter__(self) -> "MetricsWriter":
@@ -217,7 +244,8 @@ class MetricsWriter:
     if split not in self._tb_writers:
       # Imported late: runs with tensorboard=False never pay for (or need) the import.
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb_writers[split] = SummaryWriter(os.path.join(self.workdir, "tb", split))
+      self._tb_writers[split] = SummaryWriter(os.path.join(self.workdir, "tb", split),
+                                              purge_step=self._purge_step)
     return self._tb_writers[split]
 
   def _summarize(self, by_split: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:

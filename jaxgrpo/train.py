@@ -39,6 +39,7 @@ class Setup:
   tokenizer: object
   train_batches: object
   val_batches: list
+  resume: tuple | None = None  # (checkpoints folder, step or None for the newest intact)
 
 
 def prepare(argv) -> Setup:
@@ -68,11 +69,76 @@ def prepare(argv) -> Setup:
   val_batches = data_lib.validation_batches(val_rows, tokenizer, g.val_batch_size // procs,
                                             d.max_prompt_length, template=d.prompt_template)
   workdir = _WORKDIR.value or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+  resume = _resume_point(config, workdir, model_cfg, train_batches)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config_lib.to_json(config))
-  return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches)
+    _write_config(workdir, config_lib.to_json(config))
+  return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
+               resume)
+
+
+def _resume_point(config, workdir: str, model_cfg, train_batches):
+  """Where the run resumes from, checked on the host: (folder, step or None) or None."""
+  from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
+  want = config.checkpoint.resume
+  own = os.path.join(workdir, checkpoint.DIR_NAME)
+  if want == "never":
+    if checkpoint.step_dirs(own):
+      raise config_lib.ConfigError(
+          f"config.checkpoint.resume='never': {own} already holds checkpoints (steps "
+          f"{checkpoint.step_dirs(own)}) that a fresh run would mix with; allowed: 'auto' to "
+          "continue that run, or another --workdir")
+    return None
+  if want == "auto":
+    if not checkpoint.step_dirs(own):
+      return None
+    directory, step = own, None
+  else:
+    directory, step = checkpoint.locate(want)
+    steps = checkpoint.step_dirs(directory)
+    if not steps or (step is not None and step not in steps):
+      raise config_lib.ConfigError(
+          f"config.checkpoint.resume={want!r}: no checkpoint there; allowed: 'auto', 'never', "
+          "a checkpoints folder or one step's folder (<workdir>/checkpoints/<step>)")
+  # The newest readable candidate's architecture must match: a mismatch is a config error
+  # now, not a shape error from deep inside orbax after compilation.
+  for candidate in sorted(checkpoint.step_dirs(directory), reverse=True):
+    if step is not None and candidate > step:
+      continue
+    try:
+      meta = checkpoint.read_meta(directory, candidate)
+    except Exception:  # pylint: disable=broad-except
+      continue  # unreadable: the restore falls back past it, with a warning
+    saved = meta.get("model", {})
+    for key, value in dataclasses.asdict(model_cfg).items():
+      if key in saved and saved[key] != value:
+        raise config_lib.ConfigError(
+            f"config.model.{key}={value!r}: the checkpoint {directory}/{candidate} to resume "
+            f"from has {saved[key]!r}; allowed: the checkpoint's value, or "
+            "checkpoint.resume='never' with another --workdir")
+    try:  # same data, seed, batch size and hosts, or the resumed data order would differ
+      train_batches.set_state(meta["data"])
+    except data_lib.DataError as e:
+      raise config_lib.ConfigError(f"config.checkpoint.resume: {directory}/{candidate}: "
+                                   f"{e}") from None
+    break
+  return directory, step
+
+
+def _write_config(workdir: str, text: str) -> None:
+  """config.json of this run; a different one from an earlier run in the same workdir is
+  kept as config.<n>.json, never overwritten."""
+  path = os.path.join(workdir, "config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      old = f.read()
+    if old != text:
+      n = 1
+      while os.path.exists(os.path.join(workdir, f"config.{n}.json")):
+        n += 1
+      os.replace(path, os.path.join(workdir, f"config.{n}.json"))
+  with open(path, "w") as f:
+    f.write(text)
 
 
 def _flag_error(e: Exception, argv) -> str:

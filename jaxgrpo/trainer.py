@@ -9,13 +9,16 @@ One step (DESIGN.md's data flow):
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import sys
 import time
 
 import jax
 import numpy as np
 
-from jaxgrpo import checkpoint, grpo, metrics, plot, sampling, validation
+from jaxgrpo import checkpoint, faults, grpo, metrics, plot, sampling, validation
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 
@@ -76,6 +79,8 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
   answers = [a for a in batch["answers"] for _ in range(g)]
   total, breakdown = rewards_lib.compute(weights, completions, answers)
   rewards_N = np.asarray(total, np.float32)
+  if step == faults.nan_injection_step():  # test hook (faults.py): a poisoned update
+    rewards_N = np.full_like(rewards_N, np.nan)
   t1 = time.perf_counter()
   update_batch = {
       "prompt_tokens_BxP": batch["prompt_tokens_BxL"],
@@ -105,75 +110,179 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
 
 
 def run(setup) -> int:
-  """The loop: train, validate on schedule, stop early when the stop metric is reached."""
-  c, g = setup.config, setup.config.grpo
+  """The loop: train, validate and checkpoint on schedule; stop early, on a signal or a fault.
+
+  Returns the exit status: 0 when the run finished, stopped early or was preempted (and
+  saved), 1 on a numerical fault (nothing saved over the last good checkpoint).
+  """
+  c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
   t_start = time.time()
   engine, state, ref_params, update = build(setup)
-  log = c.logging
   primary = jax.process_index() == 0
+  checkpoints = checkpoint.Checkpoints(
+      os.path.join(setup.workdir, checkpoint.DIR_NAME), max_to_keep=ck.max_to_keep,
+      best_metric=ck.best_metric, best_to_keep=ck.best_to_keep)
+  start, resumed_from = 0, None
+  if setup.resume:
+    start, state, resumed_from = _resume(setup, checkpoints, state)
+  log = c.logging
   writer = metrics.MetricsWriter(setup.workdir, tensorboard=log.tensorboard, plots=log.plots,
                                  console=log.console, total_steps=g.max_num_steps,
-                                 is_primary=primary)
+                                 is_primary=primary, resumed_step=start if resumed_from else None)
   validator = validation.Validator(
       engine, setup.val_batches, setup.tokenizer, c.rewards.to_dict(),
       threshold=g.val_pass_threshold, seed=g.val_seed, mesh=engine.mesh,
       samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None)
-  checkpoints = checkpoint.Checkpoints(setup.workdir)
-  val_history, stop, step = {}, None, 0
+  prompts_log = os.path.join(setup.workdir, PROMPTS_LOG)
+  val_history, saved, stop, fault, step = {}, {}, None, None, start
 
   def validate(step):
     result = validator(state.params, step)
     val_history[step] = result
     writer.write(step, "val", result)
+    return result
+
+  def stop_rule(result, step):
     return validation.stop_message(result, g.stop_at_validation_metric,
                                    g.stop_at_validation_threshold, step)
 
-  if g.val_at_start:
-    stop = validate(0)
-  while stop is None and step < g.max_num_steps:
-    step += 1
-    batch = next(setup.train_batches)
-    state, step_metrics = train_step(setup, engine, state, ref_params, update, batch, step)
-    writer.write(step, "train", step_metrics)
-    if (g.val_period and step % g.val_period == 0) or (g.val_at_end and
-                                                       step == g.max_num_steps):
-      stop = validate(step)
-  if stop and primary:
-    print(stop, flush=True)
-  saved = None
-  if step > 0:  # the policy this run produced, under its step number
-    saved = checkpoints.save(step, state, {"step": step, "reason": "early_stop" if stop
-                                           else "end", "data": setup.train_batches.get_state()})
-  checkpoints.close()
-  summary = _summary(val_history, g, stop, step, saved)
+  def save(step, reason, result=None):
+    meta = {"step": step, "reason": reason, "seed": c.seed, "time": time.time(),
+            "data": setup.train_batches.get_state(),
+            "model": dataclasses.asdict(setup.model_cfg)}
+    saved[step] = checkpoints.save(step, state, meta, result)
+
+  with faults.Preemption() as preemption:
+    if start == 0 and g.val_at_start:
+      stop = stop_rule(validate(0), 0)
+    elif start > 0:  # the validation logged at the resumed step decides as it did then
+      stop = _logged_stop(setup.workdir, start, stop_rule)
+    while stop is None and step < g.max_num_steps and not preemption.requested:
+      step += 1
+      batch = next(setup.train_batches)
+      if primary:
+        _append_jsonl(prompts_log, {"step": step, "row_ids": batch["row_ids_B"].tolist()})
+      state, step_metrics = train_step(setup, engine, state, ref_params, update, batch, step)
+      writer.write(step, "train", step_metrics)
+      try:
+        faults.check_finite(step_metrics, step)
+      except faults.NumericalFault as e:
+        fault = e
+        break
+      result = None
+      if (g.val_period and step % g.val_period == 0) or (g.val_at_end and
+                                                         step == g.max_num_steps):
+        result = validate(step)
+        stop = stop_rule(result, step)
+      reason = ("early_stop" if stop else "preempted" if preemption.requested else
+                "end" if step == g.max_num_steps else "period")
+      if (reason != "period" or (ck.save_period and step % ck.save_period == 0)
+          or (result and ck.best_metric)):
+        save(step, reason, result)
+    if stop and primary:
+      print(stop, flush=True)
+    if fault is None and step > start and step not in saved:  # a signal between two checks
+      save(step, "preempted" if preemption.requested else "end", val_history.get(step))
+    checkpoints.wait()  # every pending write, also on a second signal's way out
+    kept = checkpoints.steps()
+    checkpoints.close()
+  summary = _summary(setup.workdir, g, stop, step, saved.get(step))
   summary.update(wall_time_s=round(time.time() - t_start, 2),
-                 sampler_compilations=dict(engine.compilations))
+                 sampler_compilations=dict(engine.compilations), resumed_from=resumed_from,
+                 preempted=preemption.name or None)
+  summary.update(_best(setup.workdir, ck.best_metric, kept))
+  if fault:
+    last_good = max(saved) if saved else None
+    summary["fault"] = str(fault)
+    message = (f"error: {fault}; stopped without saving it; the last good checkpoint is "
+               + (checkpoints.path(last_good) if last_good is not None else
+                  (resumed_from or "none (no checkpoint was written)")))
   writer.close(summary)
   if primary:
-    if log.plots and val_history:
+    if log.plots and (val_history or resumed_from):
       plot.validation_plot(setup.workdir)
-    print(_summary_line(summary, setup.workdir), flush=True)
-  return 0
+    if fault:
+      print(message, file=sys.stderr, flush=True)
+    else:
+      print(_summary_line(summary, setup.workdir, preemption.name), flush=True)
+  return 1 if fault else 0
 
 
-def _summary(val_history, g, stop, step, saved) -> dict:
+PROMPTS_LOG = "train_prompts.jsonl"  # per step: the training rows it sampled (resume checks)
+
+
+def _resume(setup, checkpoints, state):
+  """Restores the newest intact checkpoint (falling back past broken ones) and the data
+  iterator; sets aside newer checkpoints and trims the logs the resumed run will redo."""
+  directory, at_most = setup.resume
+  source = checkpoints if directory == checkpoints.directory else checkpoint.Checkpoints(
+      directory, read_only=True)
+  found = source.restore_latest(state, at_most=at_most)
+  if found is None:
+    raise RuntimeError(f"no checkpoint under {directory} to resume from")
+  start, state, meta = found
+  setup.train_batches.set_state(meta["data"])
+  path = source.path(start)
+  if source is not checkpoints:
+    source.close()
+  if jax.process_index() == 0:
+    if checkpoint.set_aside_after(checkpoints.directory, start):
+      checkpoints.reload()
+    metrics.truncate_jsonl(os.path.join(setup.workdir, PROMPTS_LOG), start)
+    samples = os.path.join(setup.workdir, "val_samples")
+    for name in os.listdir(samples) if os.path.isdir(samples) else []:
+      if name.startswith("step_") and int(name[5:].split(".")[0]) > start:
+        os.remove(os.path.join(samples, name))
+    print(f"resuming from {path} at step {start}", flush=True)
+  return start, state, path
+
+
+def _logged_stop(workdir, step, stop_rule):
+  """The stop rule applied to the validation logged at `step`, if any (a resumed run that had
+  stopped early stays stopped unless the rule changed)."""
+  rows = [r for r in metrics.read_metrics(workdir) if r["split"] == "val" and r["step"] == step]
+  return stop_rule(rows[-1], step) if rows else None
+
+
+def _best(workdir, metric, steps) -> dict:
+  """The kept checkpoint with the best logged value of `metric` (summary's best_checkpoint)."""
+  if not metric or not os.path.exists(os.path.join(workdir, metrics.JSONL_NAME)):
+    return {}
+  vals = {r["step"]: r[metric] for r in metrics.read_metrics(workdir)
+          if r["split"] == "val" and r["step"] in steps and np.isfinite(r.get(metric, np.nan))}
+  if not vals:
+    return {}
+  best = max(vals, key=lambda s: (vals[s], -s))
+  return {"best_checkpoint": {"metric": metric, "step": best, "value": vals[best]}}
+
+
+def _append_jsonl(path, record) -> None:
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
+
+
+def _summary(workdir, g, stop, step, saved) -> dict:
+  """The run's outcome; validation figures from metrics.jsonl, so a resumed run's summary
+  covers the whole run, not just its last leg."""
   summary = {"steps": step, "stopped_early": stop is not None, "checkpoint": saved}
+  path = os.path.join(workdir, metrics.JSONL_NAME)
+  val = {r["step"]: r for r in (metrics.read_metrics(path) if os.path.exists(path) else [])
+         if r["split"] == "val"}
   if stop:
     metric = g.stop_at_validation_metric
     summary["early_stop"] = {"step": step, "metric": metric,
-                             "value": val_history[step][metric],
+                             "value": val.get(step, {}).get(metric),
                              "threshold": g.stop_at_validation_threshold, "message": stop}
-  if val_history:
-    first, last = min(val_history), max(val_history)
-    summary.update(initial_val_accuracy=val_history[first]["accuracy"],
-                   final_val_accuracy=val_history[last]["accuracy"],
-                   val_accuracy_gain=(val_history[last]["accuracy"] -
-                                      val_history[first]["accuracy"]))
+  if val:
+    first, last = val[min(val)]["accuracy"], val[max(val)]["accuracy"]
+    summary.update(initial_val_accuracy=first, final_val_accuracy=last,
+                   val_accuracy_gain=last - first)
   return summary
 
 
-def _summary_line(summary, workdir) -> str:
-  verb = "stopped early after" if summary["stopped_early"] else "finished"
+def _summary_line(summary, workdir, preempted="") -> str:
+  verb = ("stopped early after" if summary["stopped_early"] else
+          f"preempted ({preempted}) after" if preempted else "finished")
   line = f"{verb} {summary['steps']} steps in {summary['wall_time_s']:.0f}s"
   if "final_val_accuracy" in summary:
     line += (f"; val accuracy {summary['initial_val_accuracy']:.3f} -> "

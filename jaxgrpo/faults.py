@@ -1,0 +1,83 @@
+"""What a run does when something goes wrong: preemption signals and numerical faults.
+
+Preemption (a TPU VM being reclaimed, a scheduler's SIGTERM, Ctrl-C): the first SIGTERM or
+SIGINT only sets a flag; the loop finishes the step it is in, saves a checkpoint and exits 0.
+A second signal exits at once (status 128 + signal number): orbax writes each checkpoint into
+a temporary folder and renames it when complete, so the last finished checkpoint is intact.
+
+Numerical faults: a non-finite loss or gradient norm ends the run before anything is saved,
+since the parameters after that update are already poisoned. The last good checkpoint stays
+the newest one, and a resume starts from it.
+
+Test hook: the environment variable JAXGRPO_TEST_NAN_AT_STEP=N makes step N's rewards NaN (so
+its loss and gradients are NaN); it exists for the fault tests and does nothing when unset.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+from typing import Mapping
+
+NAN_STEP_ENV = "JAXGRPO_TEST_NAN_AT_STEP"
+WATCHED = ("loss", "grad_norm")
+
+
+class NumericalFault(RuntimeError):
+  """A non-finite training quantity; the message names which, and the step."""
+
+
+def check_finite(metrics: Mapping[str, float], step: int) -> None:
+  bad = {k: metrics[k] for k in WATCHED if k in metrics and not math.isfinite(metrics[k])}
+  if bad:
+    shown = ", ".join(f"{k}={v}" for k, v in bad.items())
+    raise NumericalFault(f"non-finite {shown} at step {step}")
+
+
+def nan_injection_step() -> int | None:
+  value = os.environ.get(NAN_STEP_ENV)
+  return int(value) if value else None
+
+
+class Preemption:
+  """Context manager: SIGTERM / SIGINT request a clean stop; a second one exits at once."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self, stream=None):
+    self.signum: int | None = None
+    self._stream = stream
+    self._previous = {}
+
+  @property
+  def requested(self) -> bool:
+    return self.signum is not None
+
+  @property
+  def name(self) -> str:
+    return signal.Signals(self.signum).name if self.signum else ""
+
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+    stream = self._stream or sys.stderr
+    if self.signum is None:
+      self.signum = signum
+      print(f"received {signal.Signals(signum).name}: finishing this step, then saving a "
+            "checkpoint (send it again to exit at once)", file=stream, flush=True)
+      return
+    print(f"received {signal.Signals(signum).name}, a second signal: exiting now; the last "
+          "finished checkpoint is intact", file=stream, flush=True)
+    os._exit(128 + signum)  # pylint: disable=protected-access
+
+  def __enter__(self) -> "Preemption":
+    for sig in self.SIGNALS:
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: leave signals to whoever owns them
+        pass
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
