@@ -1,7 +1,32 @@
-"""Test setup: 8 fake CPU devices, set before jax is first imported."""
+"""Test setup: 8 fake CPU devices, set before jax is first imported, and one persistent
+compilation cache for the session (this process and every CLI subprocess it starts), so a
+computation compiled by one test is loaded from disk by the next that needs it."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="jaxgrpo-test-jit-cache-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+import pytest  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory):
+  """tests/cli.py's ARGS run once through the CLI, uninterrupted: (workdir, process).
+
+  The smoke test reads its outputs and the fault tests compare interrupted runs with it.
+  """
+  import cli  # tests/cli.py  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path_factory.mktemp("straight")
+  return workdir, cli.run_train(*cli.ARGS, workdir=workdir)

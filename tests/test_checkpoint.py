@@ -1,10 +1,17 @@
-"""Checkpoints: a sharded train state and its metadata come back exactly, under their step."""
+"""Checkpoints: exact round trips, retention (latest + best), fallback past a broken one, and
+the resume checks the command line makes before any compilation."""
+
+import os
+import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
+from cli import MATH, assert_clean_error, run_train  # tests/cli.py
 from jaxgrpo import checkpoint, grpo, model, sharding
 
 from numpy_params import random_params  # tests/numpy_params.py
@@ -13,17 +20,22 @@ CFG = model.ModelConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=2, nu
                         head_dim=16, mlp_dim=64)
 
 
+def small_state(step=0):
+  params = {"w": jnp.arange(16.0).reshape(4, 4), "b": jnp.zeros(4)}
+  return grpo.TrainState(jnp.int32(step), params, optax.adam(1e-3).init(params))
+
+
 def test_sharded_state_round_trips(tmp_path):
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   params = sharding.shard_params(random_params(CFG, 0), CFG, mesh)
   state = grpo.init_state(params, optax.adam(1e-3), mesh)
   state = state._replace(step=jnp.int32(7))
-  ckpts = checkpoint.Checkpoints(str(tmp_path))
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "checkpoints"))
   path = ckpts.save(7, state, {"reason": "end", "data": {"iterator": "{}", "seed": 0}})
   ckpts.close()  # waits for the asynchronous write
   assert path == str(tmp_path / "checkpoints" / "7")
 
-  reopened = checkpoint.Checkpoints(str(tmp_path))
+  reopened = checkpoint.Checkpoints(str(tmp_path / "checkpoints"))
   assert reopened.steps() == [7]
   restored, meta = reopened.restore(7, state)
   reopened.close()
@@ -31,3 +43,85 @@ def test_sharded_state_round_trips(tmp_path):
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert got.sharding == want.sharding  # restored straight onto the mesh layout
+  assert checkpoint.read_meta(str(tmp_path / "checkpoints"), 7)["reason"] == "end"
+
+
+def test_keeps_the_latest_and_the_best(tmp_path):
+  # Ten saves; validations at 2, 4, 6, 8 with pass@4 0.5, 0.9, 0.3, 0.4. max_to_keep=2
+  # keeps 9 and 10, best_to_keep=1 keeps 4 (0.9): everything else goes.
+  ckpts = checkpoint.Checkpoints(str(tmp_path), max_to_keep=2, best_metric="pass@4")
+  values = {2: 0.5, 4: 0.9, 6: 0.3, 8: 0.4}
+  for step in range(1, 11):
+    ckpts.save(step, small_state(step), {"step": step},
+               {"pass@4": values[step], "accuracy": 0.1} if step in values else None)
+  ckpts.close()
+  assert checkpoint.step_dirs(str(tmp_path)) == [4, 9, 10]
+
+
+def test_restore_latest_falls_back_past_a_broken_one(tmp_path):
+  ckpts = checkpoint.Checkpoints(str(tmp_path))
+  for step in (1, 2, 3):
+    ckpts.save(step, small_state(step), {"step": step})
+  ckpts.close()
+  shutil.rmtree(tmp_path / "3" / "state")  # as if killed mid-write
+  ckpts = checkpoint.Checkpoints(str(tmp_path))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step, state, meta = ckpts.restore_latest(small_state())
+  ckpts.close()
+  assert step == 2 and int(state.step) == 2 and meta == {"step": 2}
+  message = str(caught[0].message)
+  assert f"{tmp_path}/3 is unreadable" in message and f"resuming from {tmp_path}/2" in message
+
+
+def test_set_aside_moves_newer_checkpoints_and_locate_reads_paths(tmp_path):
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "checkpoints"))
+  for step in (2, 4, 6):
+    ckpts.save(step, small_state(step), {"step": step})
+  ckpts.close()
+  with pytest.warns(UserWarning, match="moved the newer checkpoint"):
+    moved = checkpoint.set_aside_after(str(tmp_path / "checkpoints"), 2)
+  assert moved == [f"{tmp_path}/checkpoints.set_aside/4-0",
+                   f"{tmp_path}/checkpoints.set_aside/6-0"]
+  assert checkpoint.step_dirs(str(tmp_path / "checkpoints")) == [2]
+  assert checkpoint.locate(str(tmp_path)) == (str(tmp_path / "checkpoints"), None)
+  assert checkpoint.locate(f"{tmp_path}/checkpoints/2/") == (str(tmp_path / "checkpoints"), 2)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+  """A workdir with checkpoints of the smoke run (random init, d_model 128)."""
+  workdir = tmp_path_factory.mktemp("saved")
+  ckpts = checkpoint.Checkpoints(str(workdir / "checkpoints"))
+  arch = dict(vocab_size=16, d_model=128, num_layers=2)
+  ckpts.save(2, small_state(2), {"step": 2, "model": arch})
+  ckpts.close()
+  return workdir
+
+
+def test_resume_settings_are_checked_before_compiling(saved_run, tmp_path):
+  proc = run_train(f"--config={MATH}:smoke", "--config.checkpoint.resume=never",
+                   workdir=saved_run)
+  assert_clean_error(proc, "config.checkpoint.resume='never'", "already holds checkpoints",
+                     "(steps [2])", "allowed: 'auto'")
+  proc = run_train(f"--config={MATH}:smoke", f"--config.checkpoint.resume={tmp_path}/nope",
+                   workdir=tmp_path / "w")
+  assert_clean_error(proc, f"config.checkpoint.resume='{tmp_path}/nope'", "no checkpoint there")
+  proc = run_train(f"--config={MATH}:smoke", "--config.model.checkpoint=",
+                   "--config.model.d_model=64", f"--config.checkpoint.resume={saved_run}",
+                   workdir=tmp_path / "w")
+  assert_clean_error(proc, "config.model.d_model=64", f"{saved_run}/checkpoints/2", "has 128")
+  assert os.listdir(saved_run / "checkpoints") == ["2"]  # nothing saved was touched
+
+
+
+def test_resume_with_another_seed_is_refused(saved_run, tmp_path):
+  # The saved data state says seed 0; a run with seed 1 would sample another data order.
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "checkpoints"))
+  data_state = {"iterator": "{}", "seed": 0, "num_rows": 200, "batch_size": 8,
+                "process_index": 0, "process_count": 1}
+  ckpts.save(4, small_state(4), {"step": 4, "data": data_state})
+  ckpts.close()
+  proc = run_train(f"--config={MATH}:smoke", "--config.seed=1", workdir=tmp_path)
+  assert_clean_error(proc, "config.checkpoint.resume", f"{tmp_path}/checkpoints/4",
+                     "'seed': 0", "'seed': 1", "data order would differ")

@@ -194,3 +194,22 @@ def test_a_backend_limit_is_refused_with_backend_and_key(monkeypatch):
   with pytest.raises(config_lib.ConfigError, match="val_top_p=0.9: the 'fake' rollout backend "
                      "cannot honour it \\(no nucleus sampling\\)"):
     config_lib.validate(c, num_devices=8)
+
+
+def test_checkpoint_keys_are_checked():
+  c = math_config()
+  c.checkpoint.best_metric = "pass@2"  # k=1 reports pass@1 only
+  with pytest.raises(config_lib.ConfigError, match=re.escape(
+      "config.checkpoint.best_metric='pass@2': validation does not report it with "
+      "val_num_generations_per_prompt=1; allowed: accuracy, reward_mean, pass@1")):
+    config_lib.validate(c, num_devices=8)
+  c = math_config()
+  c.checkpoint.best_metric, c.grpo.val_period = "accuracy", 0
+  with pytest.raises(config_lib.ConfigError, match="grpo.val_period=0"):
+    config_lib.validate(c, num_devices=8)
+  for key, value in (("max_to_keep", 0), ("save_period", -1), ("best_to_keep", 0),
+                     ("resume", "")):
+    c = math_config()
+    c.checkpoint[key] = value
+    with pytest.raises(config_lib.ConfigError, match=f"config.checkpoint.{key}="):
+      config_lib.validate(c, num_devices=8)

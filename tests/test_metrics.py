@@ -205,3 +205,19 @@ def test_resumed_run_appends_and_later_lines_win(tmp_path):
   assert len(metrics.read_metrics(str(tmp_path))) == 3
   with open(tmp_path / "summary.json") as f:
     assert json.load(f)["last"]["train"]["loss"] == 1.0
+
+
+def test_resumed_writer_drops_rows_after_the_resumed_step(tmp_path):
+  # A run logged steps 1..5 (and a torn line) but its newest checkpoint is step 3: the
+  # resumed writer keeps 1..3 and appends from there, so no step appears twice.
+  with metrics.MetricsWriter(str(tmp_path), tensorboard=False, plots=False, console=False) as w:
+    for step in range(1, 6):
+      w.write(step, "train", {"loss": float(step)})
+    w.write(4, "val", {"accuracy": 0.5})
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 6, "spl')
+  with metrics.MetricsWriter(str(tmp_path), tensorboard=False, plots=False, console=False,
+                             resumed_step=3) as w:
+    w.write(4, "train", {"loss": 40.0})
+  steps = [(r["split"], r["step"], r["loss"]) for r in metrics.read_metrics(str(tmp_path))]
+  assert steps == [("train", 1, 1.0), ("train", 2, 2.0), ("train", 3, 3.0), ("train", 4, 40.0)]

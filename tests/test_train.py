@@ -1,7 +1,6 @@
 """The command line: bad input gets one line and exit status 2; the smoke run writes its files.
 
-The CLI runs in subprocesses (as a user runs it). JAX_LOG_COMPILES makes jax log every
-compilation, so "no compilation before the error" is checked, not assumed.
+The CLI runs in subprocesses (as a user runs it), through tests/cli.py.
 """
 
 import json
@@ -11,30 +10,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MATH = os.path.join(ROOT, "configs", "math.py")
-
-
-def run_train(*args, workdir):
-  env = dict(os.environ, JAX_LOG_COMPILES="1", JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-  return subprocess.run(
-      [sys.executable, "-m", "jaxgrpo.train", f"--workdir={workdir}", *args],
-      capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-
-
-def assert_clean_error(proc, *fragments):
-  err = proc.stderr.strip()
-  assert proc.returncode == 2, (proc.returncode, err[-2000:])
-  assert "Traceback" not in err, err
-  lines = [l for l in err.splitlines() if l.strip()]
-  # JAX_LOG_COMPILES also logs tracing (shape checks use jax.eval_shape, which compiles
-  # nothing); what must never appear before the error is a compilation.
-  assert not any("Compiling" in l or "compil" in l.lower() for l in lines), lines
-  lines = [l for l in lines if "Finished tracing" not in l]
-  assert len(lines) == 1, lines
-  for fragment in fragments:
-    assert fragment in lines[0], lines[0]
+from cli import MATH, ROOT, assert_clean_error, env, run_train  # tests/cli.py
 
 
 def write(path, text):
@@ -122,12 +98,10 @@ REFUSED = [
 
 def test_validation_settings_are_refused_at_startup(tmp_path):
   # One CLI process per case, run concurrently: each spends its few seconds importing jax.
-  env = dict(os.environ, JAX_LOG_COMPILES="1", JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
   procs = [subprocess.Popen(
       [sys.executable, "-m", "jaxgrpo.train", f"--workdir={tmp_path / str(i)}",
        f"--config={MATH}:smoke", *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True, env=env, cwd=ROOT) for i, (overrides, _) in enumerate(REFUSED)]
+      text=True, env=env(), cwd=ROOT) for i, (overrides, _) in enumerate(REFUSED)]
   for i, (proc, (overrides, fragments)) in enumerate(zip(procs, REFUSED)):
     stdout, stderr = proc.communicate(timeout=600)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
@@ -139,18 +113,18 @@ def test_validation_settings_are_refused_at_startup(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_run_writes_results(tmp_path):
-  workdir = tmp_path / "run"
-  # A training-temperature override moves the (unset) validation temperature with it.
-  proc = run_train(f"--config={MATH}:smoke", "--config.generation.temperature=0.9",
-                   "--config.logging.plots=True", workdir=workdir)
+def test_smoke_run_writes_results(straight_run):
+  # conftest.py's run of tests/cli.py's ARGS: the smoke preset for 8 steps, a training
+  # temperature of 0.9 that the unset validation temperature follows (plots off: drawing
+  # them costs seconds per run; validation.png is drawn on demand below).
+  workdir, proc = straight_run
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "finished 3 steps" in proc.stdout
+  assert "finished 8 steps" in proc.stdout
   records = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
   train = [r for r in records if r["split"] == "train"]
   val = [r for r in records if r["split"] == "val"]
-  assert [r["step"] for r in train] == [1, 2, 3]
-  assert [r["step"] for r in val] == [0, 2, 3]  # at start, every val_period=2, at end
+  assert [r["step"] for r in train] == list(range(1, 9))
+  assert [r["step"] for r in val] == [0, 2, 4, 6, 8]  # at start, every val_period=2
   for key in ("reward_mean", "reward_std", "accuracy", "zero_std_group_fraction",
               "completion_length_mean", "completion_length_max", "truncated_fraction",
               "loss", "kl", "clip_fraction", "grad_norm", "learning_rate",
@@ -165,16 +139,17 @@ def test_smoke_run_writes_results(tmp_path):
   samples = [json.loads(l) for l in open(workdir / "val_samples" / "step_2.jsonl")]
   assert len(samples) == 32 and all(len(s["completions"]) == 2 for s in samples)
   config = json.load(open(workdir / "config.json"))
-  assert config["grpo"]["max_num_steps"] == 3 and config["mesh"]["data"] == 1
-  assert config["generation"]["val_temperature"] == 0.9
+  assert config["grpo"]["max_num_steps"] == 8 and config["mesh"]["data"] == 1
+  assert config["generation"]["temperature"] == config["generation"]["val_temperature"] == 0.9
   summary = json.load(open(workdir / "summary.json"))
   # Each profile compiled exactly once over the whole run.
   assert summary["sampler_compilations"] == {"train": 1, "val": 1}
   assert "final_val_accuracy" in summary and summary["stopped_early"] is False
-  assert summary["checkpoint"].endswith(os.path.join("checkpoints", "3"))
+  assert summary["checkpoint"].endswith(os.path.join("checkpoints", "8"))
   assert os.listdir(workdir / "tb" / "train")
-  with open(workdir / "validation.png", "rb") as f:
-    assert f.read(4) == b"\x89PNG"
+  plot = subprocess.run([sys.executable, "-m", "jaxgrpo.plot", str(workdir)],
+                        capture_output=True, text=True, timeout=120)
+  assert plot.returncode == 0 and plot.stdout.strip() == str(workdir / "validation.png")
 
 
 def test_help_exits_zero(tmp_path):

@@ -65,7 +65,7 @@ def test_early_stop_after_a_met_validation_saves_that_step(smoke, tmp_path):
   summary = json.load(open(tmp_path / "summary.json"))
   assert summary["stopped_early"] and summary["early_stop"]["step"] == 2
   assert summary["early_stop"]["metric"] == "accuracy"
-  ckpts = checkpoint.Checkpoints(str(tmp_path))
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "checkpoints"), read_only=True)
   assert ckpts.steps() == [2]
   restored, meta = ckpts.restore(2)
   assert int(restored["step"]) == 2 and meta["reason"] == "early_stop"

@@ -1,0 +1,58 @@
+"""Running `python -m jaxgrpo.train` as a user does, in subprocesses (shared by CLI tests).
+
+The subprocesses inherit the session's JAX persistent compilation cache (conftest.py), so
+the runs after the first load their compiled sampler and update step from disk (about
+25 s -> 10 s for a smoke run on 2 cores). JAX_LOG_COMPILES makes jax log each compilation,
+so "no compilation before the error" is checked, not assumed.
+
+`ARGS` is the end-to-end run several test files share: the smoke preset for 8 steps
+(validation and a checkpoint every 2), a best-checkpoint metric, and a training
+temperature override that the unset validation temperature must follow.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MATH = os.path.join(ROOT, "configs", "math.py")
+ARGS = (f"--config={MATH}:smoke", "--config.grpo.max_num_steps=8",
+        "--config.generation.temperature=0.9", "--config.checkpoint.best_metric=accuracy")
+
+
+def env(**extra):
+  out = dict(os.environ, JAX_LOG_COMPILES="1", JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  out.update(extra)
+  return out
+
+
+def command(*args, workdir):
+  return [sys.executable, "-m", "jaxgrpo.train", f"--workdir={workdir}", *args]
+
+
+def run_train(*args, workdir, **extra_env):
+  return subprocess.run(command(*args, workdir=workdir), capture_output=True, text=True,
+                        env=env(**extra_env), cwd=ROOT, timeout=600)
+
+
+def start_train(*args, workdir, **extra_env):
+  """The CLI in the background (for signals); stdout and stderr are pipes."""
+  return subprocess.Popen(command(*args, workdir=workdir), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env(**extra_env), cwd=ROOT)
+
+
+def assert_clean_error(proc, *fragments):
+  """Exit status 2, one stderr line holding every fragment, no traceback, nothing compiled."""
+  err = proc.stderr.strip()
+  assert proc.returncode == 2, (proc.returncode, err[-2000:])
+  assert "Traceback" not in err, err
+  lines = [l for l in err.splitlines() if l.strip()]
+  # JAX_LOG_COMPILES also logs tracing (shape checks use jax.eval_shape, which compiles
+  # nothing); what must never appear before the error is a compilation.
+  assert not any("Compiling" in l or "compil" in l.lower() for l in lines), lines
+  lines = [l for l in lines if "Finished tracing" not in l]
+  assert len(lines) == 1, lines
+  for fragment in fragments:
+    assert fragment in lines[0], lines[0]
+
