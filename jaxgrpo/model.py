@@ -20,6 +20,7 @@ function that `lax.while_loop` can carry.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -49,6 +50,12 @@ class ModelConfig:
   qk_norm: bool = False
   param_dtype: str = "float32"
   dtype: str = "float32"
+  qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections
+  # Llama 3.1+ "llama3" RoPE frequency scaling; factor 0 = off (plain RoPE).
+  rope_scaling_factor: float = 0.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -117,13 +124,33 @@ class RMSNorm(nn.Module):
     return (x32 * scale.astype(jnp.float32)).astype(DTYPES[self.cfg.dtype])
 
 
-def rope(x, positions, theta):
+def rope_frequencies(cfg: ModelConfig, d: int):
+  """inv_freq_i = theta^(-2i/d), then Llama 3's scaling when rope_scaling_factor > 0.
+
+  The scaling is transformers' `_compute_llama3_parameters`: wavelengths longer than
+  original_max / low_freq_factor are divided by the factor, shorter than original_max /
+  high_freq_factor are kept, and the band between is interpolated.
+  """
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  factor = cfg.rope_scaling_factor
+  if not factor:
+    return inv_freq
+  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  old_len = cfg.rope_original_max_positions
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, inv_freq):
   """Rotary embedding, Hugging Face "rotate_half" convention (first half / second half).
 
   x: [..., T, H, D] (or [..., H, D] with positions [...]); positions broadcast over heads.
   """
   d = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
   angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [..., 1, D/2]
   sin, cos = jnp.sin(angles), jnp.cos(angles)
   x32 = x.astype(jnp.float32)
@@ -149,6 +176,14 @@ class Attention(nn.Module):
                      ("embed", "kv_heads", "head_dim"), c)
     self.wo = _param(self, "o", _fan_in_init(c.num_heads * c.head_dim),
                      (c.num_heads, c.head_dim, c.d_model), ("q_heads", "head_dim", "embed"), c)
+    if c.qkv_bias:
+      zeros = nn.initializers.zeros
+      self.bq = _param(self, "q_bias", zeros, (c.num_heads, c.head_dim),
+                       ("q_heads", "head_dim"), c)
+      self.bk = _param(self, "k_bias", zeros, (c.num_kv_heads, c.head_dim),
+                       ("kv_heads", "head_dim"), c)
+      self.bv = _param(self, "v_bias", zeros, (c.num_kv_heads, c.head_dim),
+                       ("kv_heads", "head_dim"), c)
     if c.qk_norm:
       self.q_norm = RMSNorm(c, c.head_dim)
       self.k_norm = RMSNorm(c, c.head_dim)
@@ -158,10 +193,12 @@ class Attention(nn.Module):
     q = jnp.einsum("...d,dhk->...hk", x, self.wq.astype(dt))
     k = jnp.einsum("...d,dhk->...hk", x, self.wk.astype(dt))
     v = jnp.einsum("...d,dhk->...hk", x, self.wv.astype(dt))
+    if self.cfg.qkv_bias:
+      q, k, v = q + self.bq.astype(dt), k + self.bk.astype(dt), v + self.bv.astype(dt)
     if self.cfg.qk_norm:  # Qwen3 normalises each head before the rotation.
       q, k = self.q_norm(q), self.k_norm(k)
-    theta = self.cfg.rope_theta
-    return rope(q, positions, theta), rope(k, positions, theta), v
+    inv_freq = rope_frequencies(self.cfg, self.cfg.head_dim)
+    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
 
   def _out(self, o):
     return jnp.einsum("...hk,hkd->...d", o, self.wo.astype(DTYPES[self.cfg.dtype]))

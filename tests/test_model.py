@@ -28,7 +28,12 @@ VARIANTS = {
 }
 
 _forward = jax.jit(model.forward, static_argnums=1)
-_rope = jax.jit(model.rope, static_argnums=2)
+@functools.partial(jax.jit, static_argnums=2)
+def _rope(x, positions, theta):
+  """rope with plain frequencies theta^(-2i/d) (no scaling)."""
+  cfg = model.ModelConfig(vocab_size=1, d_model=1, num_layers=1, num_heads=1, num_kv_heads=1,
+                          head_dim=x.shape[-1], mlp_dim=1, rope_theta=theta)
+  return model.rope(x, positions, model.rope_frequencies(cfg, x.shape[-1]))
 
 
 def _random_params(cfg, seed):
@@ -238,3 +243,17 @@ def test_config_from_dict_rejects_unknown_key():
 def test_config_rejects_non_positive_size():
   with pytest.raises(ValueError, match=r"model\.head_dim"):
     dataclasses.replace(BASE, head_dim=0)
+
+
+def test_llama3_rope_scaling_by_hand():
+  # d=8, theta=10000: inv_freq = [1, 0.1, 0.01, 0.001], wavelengths 2*pi/f = [6.28, 62.8,
+  # 628, 6283]. With original_max 64, low 1, high 4: low_wavelen 64, high_wavelen 16.
+  # f=1 (6.28 < 16) keeps 1; f=0.001 and f=0.01 (> 64) become f/8; f=0.1 (62.8, between)
+  # is smoothed: s = (64/62.83 - 1) / 3 = 0.00620, (1-s) * 0.1/8 + s * 0.1 = 0.013043.
+  cfg = model.ModelConfig(vocab_size=1, d_model=1, num_layers=1, num_heads=1, num_kv_heads=1,
+                          head_dim=8, mlp_dim=1, rope_theta=10_000.0, rope_scaling_factor=8.0,
+                          rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                          rope_original_max_positions=64)
+  s = (64 / (2 * np.pi / 0.1) - 1) / 3
+  want = [1.0, (1 - s) * 0.1 / 8 + s * 0.1, 0.01 / 8, 0.001 / 8]
+  np.testing.assert_allclose(model.rope_frequencies(cfg, 8), want, rtol=1e-5)
