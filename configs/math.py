@@ -24,15 +24,19 @@ def get_config(arg=None):
   # Architecture of the shipped checkpoint (the loader checks that they agree).
   c.model = ml_collections.ConfigDict(dict(
       checkpoint="@embedded/arith3",  # '' = random init with a char-level tokenizer
+      hf_checkpoint="",  # or a Hugging Face model folder (see configs/gsm8k.py)
       vocab_size=16, d_model=128, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32,
       mlp_dim=512, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=False,
+      qkv_bias=False, rope_scaling_factor=0.0, rope_low_freq_factor=1.0,
+      rope_high_freq_factor=4.0, rope_original_max_positions=8192,
       param_dtype="float32", dtype="float32"))
 
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
 
   c.data = ml_collections.ConfigDict(dict(
       source="arithmetic", train_path="", val_path="", question_key="question",
-      answer_key="answer", prompt_template="{question}", max_prompt_length=9,
+      answer_key="answer", prompt_template="{question}", use_chat_template=False,
+      max_prompt_length=9,
       num_digits=3, num_train_examples=20_000, num_val_examples=500))
 
   # Reward name -> weight; zero-weight rewards are not computed.

@@ -71,8 +71,8 @@ def read_meta(directory: str, step: int) -> dict[str, Any]:
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)  # orbax logs a warning per read-only manager
   try:
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-        read_only=True, create=False), item_names=("meta",))
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    manager = ocp.CheckpointManager(directory, options=options, item_names=("meta",))
     try:
       return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     finally:
@@ -93,13 +93,18 @@ class Checkpoints:
     if best_metric:
       keep.append(policies.BestN(get_metric_fn=lambda m: m[best_metric], n=best_to_keep,
                                  keep_checkpoints_without_metrics=False))
+    verbosity = logging.get_verbosity()
     if read_only:  # another run's folder, resumed from: never written or pruned
+      logging.set_verbosity(logging.ERROR)  # orbax warns that it is read-only, as asked
       options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     else:
       options = ocp.CheckpointManagerOptions(
           create=True, enable_async_checkpointing=True, cleanup_tmp_directories=True,
           preservation_policy=policies.AnyPreservationPolicy(keep))
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    try:
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
+    finally:
+      logging.set_verbosity(verbosity)
 
   def save(self, step: int, state: Any, meta: dict[str, Any],
            metrics: dict[str, float] | None = None) -> str:

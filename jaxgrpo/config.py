@@ -91,15 +91,24 @@ BACKEND_LIMITS: dict[str, dict[str, Callable[[Any], str | None]]] = {"native": {
 
 SCHEMA: dict[str, Any] = {
     "seed": _int(0),
+    # Architecture keys may be None: then the checkpoint says (and a random init refuses).
     "model": {
-        "checkpoint": _str, "vocab_size": _int(1), "d_model": _int(1), "num_layers": _int(1),
-        "num_heads": _int(1), "num_kv_heads": _int(1), "head_dim": _int(1), "mlp_dim": _int(1),
-        "rope_theta": _num(0, lo_open=True), "norm_eps": _num(0),
-        "tie_embeddings": _bool, "qk_norm": _bool, "param_dtype": _dtype, "dtype": _dtype},
+        "checkpoint": _str, "hf_checkpoint": _str,
+        "vocab_size": _optional(_int(1)), "d_model": _optional(_int(1)),
+        "num_layers": _optional(_int(1)), "num_heads": _optional(_int(1)),
+        "num_kv_heads": _optional(_int(1)), "head_dim": _optional(_int(1)),
+        "mlp_dim": _optional(_int(1)), "rope_theta": _optional(_num(0, lo_open=True)),
+        "norm_eps": _optional(_num(0)), "tie_embeddings": _optional(_bool),
+        "qk_norm": _optional(_bool), "qkv_bias": _optional(_bool),
+        "rope_scaling_factor": _optional(_num(0)), "rope_low_freq_factor": _optional(_num(0)),
+        "rope_high_freq_factor": _optional(_num(0)),
+        "rope_original_max_positions": _optional(_int(1)),
+        "param_dtype": _dtype, "dtype": _dtype},
     "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1)},
     "data": {
         "source": _choice("arithmetic", "jsonl"), "train_path": _str, "val_path": _str,
         "question_key": _str, "answer_key": _str, "prompt_template": _str,
+        "use_chat_template": _bool,
         "max_prompt_length": _int(1), "num_digits": _int(1), "num_train_examples": _int(0),
         "num_val_examples": _int(0)},
     "rewards": None,  # name -> weight, checked against the reward registry below
@@ -137,6 +146,8 @@ _REASONS = {
     "grpo.num_generations_per_prompt": "GRPO compares samples within a group",
     "generation.temperature": "training samples must come from a distribution (0 is greedy)",
     "grpo.val_num_generations_per_prompt": "each validation prompt is sampled k times",
+    "model.hf_checkpoint": "name the Hugging Face model folder to train, e.g. "
+                           "--config.model.hf_checkpoint=/path/to/Qwen2.5-1.5B-Instruct",
 }
 
 
@@ -270,25 +281,42 @@ def _check_cross_fields(c, num_devices: int):
     _fail("grpo.epsilon_high", g.epsilon_high,
           f"a number >= grpo.epsilon={g.epsilon} (the upper clip is at least the lower)")
   m = c.model
-  if m.num_heads % m.num_kv_heads:
-    _fail("model.num_heads", m.num_heads, f"a multiple of model.num_kv_heads={m.num_kv_heads}")
-  if sizes[2] > 1:
-    for key in ("num_kv_heads", "num_heads", "mlp_dim", "vocab_size"):
-      if m[key] % sizes[2]:
-        _fail(f"model.{key}", m[key], f"a multiple of mesh.tensor={sizes[2]}")
-  if sizes[1] > 1 and m.d_model % sizes[1]:
-    _fail("model.d_model", m.d_model, f"a multiple of mesh.fsdp={sizes[1]}")
-  for key in ("top_k", "val_top_k"):
-    if c.generation[key] > m.vocab_size:
-      _fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="
-            f"{m.vocab_size}")
+  if m.checkpoint and m.hf_checkpoint:
+    _fail("model.hf_checkpoint", m.hf_checkpoint,
+          f"'' while model.checkpoint={m.checkpoint!r} is set (one source of weights)")
+  if not m.checkpoint and not m.hf_checkpoint:
+    for key, value in m.items():
+      if value is None:
+        _fail(f"model.{key}", value, "a value, or a checkpoint to take it from "
+              "(model.hf_checkpoint=/path/to/hf/model or model.checkpoint)")
+  _check_model_shapes(c, m, sizes)
   _check_stop_rule(g)
   _check_checkpoint(c.checkpoint, g)
   d = c.data
   if d.source == "jsonl" and not d.train_path:
     _fail("data.train_path", d.train_path, "a JSONL file path when data.source='jsonl'")
+  if d.use_chat_template and not m.hf_checkpoint:
+    _fail("data.use_chat_template", True, "False unless model.hf_checkpoint names a Hugging "
+          "Face folder (its tokenizer_config.json holds the chat template)")
   if "{question}" not in d.prompt_template:
     _fail("data.prompt_template", d.prompt_template, "a template containing {question}")
+
+
+def _check_model_shapes(c, m, sizes):
+  """Divisibility rules for the architecture keys that are set (a checkpoint's own values are
+  checked again once it is read)."""
+  if m.num_heads and m.num_kv_heads and m.num_heads % m.num_kv_heads:
+    _fail("model.num_heads", m.num_heads, f"a multiple of model.num_kv_heads={m.num_kv_heads}")
+  if sizes[2] > 1:
+    for key in ("num_kv_heads", "num_heads", "mlp_dim", "vocab_size"):
+      if m[key] is not None and m[key] % sizes[2]:
+        _fail(f"model.{key}", m[key], f"a multiple of mesh.tensor={sizes[2]}")
+  if sizes[1] > 1 and m.d_model is not None and m.d_model % sizes[1]:
+    _fail("model.d_model", m.d_model, f"a multiple of mesh.fsdp={sizes[1]}")
+  for key in ("top_k", "val_top_k"):
+    if m.vocab_size is not None and c.generation[key] > m.vocab_size:
+      _fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="
+            f"{m.vocab_size}")
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

@@ -142,8 +142,13 @@ def arithmetic_examples(num_examples: int, num_digits: int = 3, seed: int = 0,
   return rows
 
 
-def render_prompt(template: str, row: dict[str, Any]) -> str:
-  """Fills `template` from the row's fields, e.g. "Question: {question}\\nAnswer:"."""
+def render_prompt(template, row: dict[str, Any]) -> str:
+  """Fills `template` from the row's fields, e.g. "Question: {question}\\nAnswer:".
+
+  `template` may also be a callable row -> text (a chat-formatted prompt, see ChatPrompt).
+  """
+  if callable(template):
+    return template(row)
   try:
     return template.format(**row)
   except (KeyError, IndexError) as e:
@@ -207,7 +212,8 @@ def _prepare(rows: Sequence[dict[str, Any]], row_ids: Sequence[int], tokenizer: 
              template: str, max_prompt_length: int) -> list[dict[str, Any]]:
   """Renders and tokenizes rows `row_ids` once, so a too-long prompt fails at startup."""
   prompts = [render_prompt(template, rows[i]) for i in row_ids]
-  ids_list = tokenizer.encode_batch(prompts)
+  # A chat template writes its own begin-of-text marker, so no second BOS is added.
+  ids_list = tokenizer.encode_batch(prompts, add_bos=getattr(template, "add_bos", True))
   _check_lengths(ids_list, prompts, row_ids, max_prompt_length)
   return [{"prompt": p, "ids": ids, "row_id": i, "question": rows[i]["question"],
            "answer": rows[i]["answer"]} for p, ids, i in zip(prompts, ids_list, row_ids)]
@@ -221,6 +227,22 @@ def _collate(records: Sequence[dict[str, Any]], pad_id: int,
           "prompts": [r["prompt"] for r in records],
           "questions": [r["question"] for r in records],
           "answers": [r["answer"] for r in records]}
+
+
+class ChatPrompt:
+  """A row -> chat-formatted prompt: the user turn is `template` filled from the row, then
+  the model's chat template renders it with the assistant's turn opened."""
+
+  add_bos = False
+
+  def __init__(self, template: str, chat):
+    self.template, self.chat = template, chat
+
+  def __call__(self, row: dict[str, Any]) -> str:
+    return self.chat.render([{"role": "user", "content": render_prompt(self.template, row)}])
+
+  def __repr__(self) -> str:
+    return f"ChatPrompt({self.template!r})"
 
 
 class PromptBatches:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import flax.linen as nn
 import jax
 import numpy as np
+import safetensors
 import safetensors.numpy
 
 from jaxgrpo import model as model_lib
@@ -109,3 +111,300 @@ def load_pretrained(path: str):
 def _flatten_shapes(abstract) -> dict[str, tuple]:
   return {_name(path): tuple(leaf.shape)
           for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(abstract))}
+
+
+# ----------------------------------------------------------- Hugging Face model folders
+
+HF_CONFIG = "config.json"
+HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
+# architecture -> (qk_norm, qkv_bias): the three families' only structural differences.
+SUPPORTED = {"Qwen2ForCausalLM": (False, True), "Qwen3ForCausalLM": (True, False),
+             "LlamaForCausalLM": (False, False)}
+
+
+def is_hf_folder(path: str) -> bool:
+  return os.path.isfile(os.path.join(resolve(path), HF_CONFIG))
+
+
+def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfig:
+  """config.json -> ModelConfig. Sampling settings in generation_config.json are never read:
+  sampling is always the run config's explicit profile."""
+  path = os.path.join(folder, HF_CONFIG)
+  try:
+    with open(path) as f:
+      hf = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise PretrainedError(f"{path}: cannot read ({e})") from None
+  arch = (hf.get("architectures") or [None])[0]
+  if arch not in SUPPORTED:
+    raise PretrainedError(f"{path}: architecture {arch!r} is not supported; allowed: "
+                          f"{', '.join(SUPPORTED)}")
+  qk_norm, qkv_bias = SUPPORTED[arch]
+  if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+    raise PretrainedError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise PretrainedError(f"{path}: hidden_act={hf['hidden_act']!r}; allowed: 'silu'")
+  if hf.get("use_sliding_window"):
+    raise PretrainedError(f"{path}: use_sliding_window=true is not supported")
+  scaling = {}
+  rs = hf.get("rope_scaling")
+  if rs:
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind != "llama3":
+      raise PretrainedError(f"{path}: rope_scaling type {kind!r} is not supported; allowed: "
+                            "none or 'llama3'")
+    scaling = dict(rope_scaling_factor=float(rs["factor"]),
+                   rope_low_freq_factor=float(rs["low_freq_factor"]),
+                   rope_high_freq_factor=float(rs["high_freq_factor"]),
+                   rope_original_max_positions=int(rs["original_max_position_embeddings"]))
+  heads = hf["num_attention_heads"]
+  try:
+    return model_lib.ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        mlp_dim=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10_000.0)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=qk_norm,
+        qkv_bias=qkv_bias, param_dtype=dtype, dtype=dtype, **scaling)
+  except KeyError as e:
+    raise PretrainedError(f"{path}: missing key {e}") from None
+  except ValueError as e:
+    raise PretrainedError(f"{path}: {e}") from None
+
+
+def _hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
+  """Our tensor name -> (Hugging Face tensor name, how to convert it)."""
+  names = {"embedding": ("model.embed_tokens.weight", "same"),
+           "final_norm/scale": ("model.norm.weight", "same")}
+  if not cfg.tie_embeddings:
+    names["lm_head"] = ("lm_head.weight", "T")
+  for i in range(cfg.num_layers):
+    ours, hf = f"layer_{i}", f"model.layers.{i}"
+    names.update({
+        f"{ours}/attn_norm/scale": (f"{hf}.input_layernorm.weight", "same"),
+        f"{ours}/mlp_norm/scale": (f"{hf}.post_attention_layernorm.weight", "same"),
+        f"{ours}/attn/q": (f"{hf}.self_attn.q_proj.weight", "in_heads"),
+        f"{ours}/attn/k": (f"{hf}.self_attn.k_proj.weight", "in_heads"),
+        f"{ours}/attn/v": (f"{hf}.self_attn.v_proj.weight", "in_heads"),
+        f"{ours}/attn/o": (f"{hf}.self_attn.o_proj.weight", "heads_out"),
+        f"{ours}/mlp/gate": (f"{hf}.mlp.gate_proj.weight", "T"),
+        f"{ours}/mlp/up": (f"{hf}.mlp.up_proj.weight", "T"),
+        f"{ours}/mlp/down": (f"{hf}.mlp.down_proj.weight", "T")})
+    if cfg.qkv_bias:
+      for p in "qkv":
+        names[f"{ours}/attn/{p}_bias"] = (f"{hf}.self_attn.{p}_proj.bias", "heads")
+    if cfg.qk_norm:
+      for p in "qk":
+        names[f"{ours}/attn/{p}_norm/scale"] = (f"{hf}.self_attn.{p}_norm.weight", "same")
+  return names
+
+
+def _from_hf(x: np.ndarray, how: str, shape: tuple) -> np.ndarray:
+  """A torch-layout tensor ([out, in] for Linear) to ours of `shape`."""
+  if how in ("same", "heads"):
+    return x.reshape(shape)
+  if how == "T":
+    return x.T
+  if how == "in_heads":  # [H*Dh, D] -> [D, H, Dh]
+    return x.T.reshape(shape)
+  return x.T.reshape(shape)  # heads_out: [D, H*Dh] -> [H, Dh, D]
+
+
+def _to_hf(x: np.ndarray, how: str) -> np.ndarray:
+  if how == "same":
+    return x
+  if how == "heads":  # [H, Dh] -> [H*Dh]
+    return x.reshape(-1)
+  if how == "T":
+    return x.T
+  if how == "in_heads":  # [D, H, Dh] -> [H*Dh, D]
+    return x.reshape(x.shape[0], -1).T
+  return x.reshape(-1, x.shape[-1]).T  # heads_out: [H, Dh, D] -> [D, H*Dh]
+
+
+def _weight_files(folder: str) -> dict[str, str]:
+  """Tensor name -> safetensors file, from the index of a sharded folder or the one file."""
+  index = os.path.join(folder, HF_INDEX)
+  if os.path.isfile(index):
+    with open(index) as f:
+      mapping = json.load(f)["weight_map"]
+    return {name: os.path.join(folder, file) for name, file in mapping.items()}
+  single = os.path.join(folder, HF_WEIGHTS)
+  if not os.path.isfile(single):
+    raise PretrainedError(f"{folder}: no {HF_WEIGHTS} or {HF_INDEX} (a Hugging Face model "
+                          "folder holds its weights as safetensors)")
+  with safetensors.safe_open(single, framework="numpy") as f:
+    return {name: single for name in f.keys()}
+
+
+def inspect_hf(path: str, *, dtype: str = "float32"):
+  """(ModelConfig, Tokenizer) of a Hugging Face folder, with every tensor's name and shape
+  checked from the safetensors headers (no weights read): all on the host, so a bad folder
+  is one clear error before any device work."""
+  folder = resolve(path)
+  if not os.path.isdir(folder):
+    raise PretrainedError(f"{path}: no such model folder")
+  cfg = hf_model_config(folder, dtype)
+  tokenizer = hf_tokenizer(folder)
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise PretrainedError(f"{folder}/tokenizer.json: {tokenizer.vocab_size} tokens but the "
+                          f"embedding has vocab_size={cfg.vocab_size} rows ({HF_CONFIG})")
+  files, expected = _weight_files(folder), _expected_shapes(cfg)
+  for ours, (theirs, how) in _hf_names(cfg).items():
+    if theirs not in files:
+      raise PretrainedError(f"{folder}: tensor {theirs} is missing from the safetensors files")
+    with safetensors.safe_open(files[theirs], framework="numpy") as f:
+      tensor = f.get_slice(theirs)
+      shape, kind = tuple(tensor.get_shape()), tensor.get_dtype()
+    if kind not in _FLOAT_KINDS:
+      raise PretrainedError(f"{files[theirs]}: {theirs} is stored as {kind}; allowed: "
+                            f"{', '.join(_FLOAT_KINDS)} (quantized weights are not supported)")
+    if _hf_shape(expected[ours], how) != shape:
+      raise PretrainedError(f"{files[theirs]}: {theirs} has shape {shape}; {HF_CONFIG} "
+                            f"implies {_hf_shape(expected[ours], how)}")
+  return cfg, tokenizer
+
+
+_FLOAT_KINDS = ("F32", "BF16", "F16")
+
+
+def _expected_shapes(cfg) -> dict[str, tuple]:
+  return _flatten_shapes(jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0))))
+
+
+def _hf_shape(shape: tuple, how: str) -> tuple:
+  return tuple(_to_hf(np.empty(shape, np.int8), how).shape)
+
+
+def _read_tensor(file: str, name: str) -> np.ndarray:
+  """One tensor as numpy; bfloat16 (which safetensors' numpy reader refuses) via ml_dtypes."""
+  with safetensors.safe_open(file, framework="numpy") as f:
+    try:
+      return f.get_tensor(name)
+    except (TypeError, ValueError):
+      pass
+  with safetensors.safe_open(file, framework="flax") as f:
+    return np.asarray(jax.device_get(f.get_tensor(name)))
+
+
+def load_hf(path: str, *, dtype: str = "float32", mesh=None):
+  """Loads a Hugging Face Qwen2/Qwen3/Llama folder: (ModelConfig, params, Tokenizer).
+
+  Tensors are read one at a time; with a mesh each goes straight onto its sharding, so a
+  large model is never whole in one host's memory. Without one, numpy arrays come back.
+  """
+  cfg, tokenizer = inspect_hf(path, dtype=dtype)
+  folder = resolve(path)
+  files, expected = _weight_files(folder), _expected_shapes(cfg)
+  shardings = None
+  if mesh is not None:
+    from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+    shardings = {_name(p): s for p, s in jax.tree_util.tree_leaves_with_path(
+        sharding_lib.param_shardings(cfg, mesh))}
+  np_dtype = np.dtype(model_lib.DTYPES[dtype])
+  flat = {}
+  for ours, (theirs, how) in _hf_names(cfg).items():
+    value = _from_hf(_read_tensor(files[theirs], theirs), how, expected[ours]).astype(np_dtype)
+    flat[ours] = value if shardings is None else jax.device_put(value, shardings[ours])
+  return cfg, _unflatten(flat), tokenizer
+
+
+def hf_tokenizer(folder: str) -> Tokenizer:
+  """tokenizer.json with the end and pad tokens named in tokenizer_config.json.
+
+  The end of a completion is tokenizer_config's `eos_token` (`<|im_end|>` for Qwen instruct
+  models, `<|eot_id|>` for Llama 3 instruct): the end of the assistant's turn.
+  """
+  tok_file = os.path.join(folder, "tokenizer.json")
+  if not os.path.isfile(tok_file):
+    raise PretrainedError(f"{tok_file}: missing (the model folder needs its tokenizer)")
+  settings = _tokenizer_config(folder)
+  token = lambda v: v.get("content") if isinstance(v, dict) else v
+  try:
+    return Tokenizer.from_file(tok_file, eos_token=token(settings.get("eos_token")),
+                               pad_token=token(settings.get("pad_token")),
+                               bos_token=token(settings.get("bos_token")))
+  except (FileNotFoundError, ValueError) as e:
+    raise PretrainedError(f"{folder}/tokenizer_config.json: {e}") from None
+
+
+def _tokenizer_config(folder: str) -> dict:
+  path = os.path.join(folder, "tokenizer_config.json")
+  if not os.path.isfile(path):
+    return {}
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise PretrainedError(f"{path}: cannot read ({e})") from None
+
+
+def hf_architecture(cfg: model_lib.ModelConfig) -> str:
+  """The transformers class that computes what this ModelConfig computes."""
+  if cfg.qk_norm and not cfg.qkv_bias:
+    return "Qwen3ForCausalLM"
+  if cfg.qkv_bias and not cfg.qk_norm:
+    return "Qwen2ForCausalLM"
+  if not cfg.qkv_bias and not cfg.qk_norm:
+    return "LlamaForCausalLM"
+  raise PretrainedError("no Hugging Face architecture has both q/k norms and q/k/v biases")
+
+
+def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
+            source: str | None = None) -> list[str]:
+  """Writes a Hugging Face folder transformers and vLLM load: config.json, model.safetensors,
+  tokenizer files. `source` (the folder the run started from) lends its config.json keys,
+  tokenizer_config.json (chat template) and generation_config.json, which are copied as
+  they were. Returns the files written."""
+  os.makedirs(out, exist_ok=True)
+  source = resolve(source) if source else None
+  hf_cfg = {}
+  if source and is_hf_folder(source):
+    with open(os.path.join(source, HF_CONFIG)) as f:
+      hf_cfg = json.load(f)
+  arch = hf_architecture(cfg)
+  hf_cfg.update({
+      "architectures": [arch], "model_type": {"Qwen3ForCausalLM": "qwen3",
+                                              "Qwen2ForCausalLM": "qwen2"}.get(arch, "llama"),
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+      "intermediate_size": cfg.mlp_dim, "rope_theta": cfg.rope_theta,
+      "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+      "hidden_act": "silu", "torch_dtype": cfg.param_dtype})
+  hf_cfg.setdefault("max_position_embeddings", 32768)
+  if arch == "LlamaForCausalLM":
+    hf_cfg.setdefault("attention_bias", False)
+    hf_cfg.setdefault("mlp_bias", False)
+  if cfg.rope_scaling_factor:
+    hf_cfg["rope_scaling"] = {
+        "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_positions}
+  hf_cfg.setdefault("eos_token_id", tokenizer.eos_id)
+  if tokenizer.bos_id is not None:
+    hf_cfg.setdefault("bos_token_id", tokenizer.bos_id)
+  with open(os.path.join(out, HF_CONFIG), "w") as f:
+    json.dump(hf_cfg, f, indent=2)
+  flat = _flatten(params)
+  tensors = {theirs: np.ascontiguousarray(_to_hf(flat[ours], how))
+             for ours, (theirs, how) in _hf_names(cfg).items()}
+  safetensors.numpy.save_file(tensors, os.path.join(out, HF_WEIGHTS), metadata={"format": "pt"})
+  written = [HF_CONFIG, HF_WEIGHTS]
+  copied = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "generation_config.json")
+  for name in copied if source and is_hf_folder(source) else ():
+    if os.path.isfile(os.path.join(source, name)):
+      shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+      written.append(name)
+  if "tokenizer.json" not in written:  # jaxgrpo's own format: write what transformers reads
+    tokenizer.save(out)
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+      json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
+                 "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+                 "bos_token": tokenizer.bos_token}, f, indent=2)
+    written += ["tokenizer.json", "tokenizer_config.json"]
+  return written

@@ -62,12 +62,20 @@ def prepare(argv) -> Setup:
   if config.grpo.max_val_samples:
     val_rows = val_rows[:config.grpo.max_val_samples]
   d, g = config.data, config.grpo
+  template = d.prompt_template
+  if d.use_chat_template:
+    from jaxgrpo import chat  # pylint: disable=g-import-not-at-top
+    try:
+      template = data_lib.ChatPrompt(d.prompt_template, chat.ChatTemplate.from_folder(
+          hf.resolve(config.model.hf_checkpoint)))
+    except chat.ChatTemplateError as e:
+      raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
   procs = jax.process_count()
   train_batches = data_lib.PromptBatches(
       train_rows, tokenizer, g.num_prompts_per_step // procs, d.max_prompt_length,
-      template=d.prompt_template, seed=config.seed)
+      template=template, seed=config.seed)
   val_batches = data_lib.validation_batches(val_rows, tokenizer, g.val_batch_size // procs,
-                                            d.max_prompt_length, template=d.prompt_template)
+                                            d.max_prompt_length, template=template)
   workdir = _WORKDIR.value or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
   resume = _resume_point(config, workdir, model_cfg, train_batches)
   os.makedirs(workdir, exist_ok=True)
@@ -160,17 +168,34 @@ def _flag_error(e: Exception, argv) -> str:
 
 
 def _load_policy(config):
+  """(ModelConfig, host params or None, Tokenizer), all checked on the host.
+
+  A Hugging Face folder's weights are not read here: trainer.build streams them straight
+  onto their shardings (host params None); their names and shapes are checked now.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxgrpo import model as model_lib
   from jaxgrpo.tokenizer import Tokenizer
   m = config.model
-  arch = {k: v for k, v in m.items() if k != "checkpoint"}
-  if m.checkpoint:
-    cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
-    for key, value in dataclasses.asdict(cfg).items():
-      if arch[key] != value:
+  arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint")}
+  source = m.checkpoint or m.hf_checkpoint
+  if source:
+    if m.hf_checkpoint:
+      cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype)
+      cfg, params = dataclasses.replace(cfg, dtype=m.dtype), None
+    else:
+      cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
+      cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype)
+      np_dtype = np.dtype(model_lib.DTYPES[m.param_dtype])
+      params = jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), params)
+    key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
+    for name, value in dataclasses.asdict(cfg).items():
+      if arch[name] is not None and arch[name] != value:
         raise config_lib.ConfigError(
-            f"config.model.{key}={arch[key]!r}: the checkpoint {m.checkpoint} has {value!r}; "
-            "set it to match, or model.checkpoint='' for a random init")
+            f"config.model.{name}={arch[name]!r}: the checkpoint {source} has {value!r}; "
+            f"allowed: {value!r} or None (take the checkpoint's), or model.{key}='' for a "
+            "random init")
     return cfg, params, tokenizer
   alphabet = "0123456789+=" if config.data.source == "arithmetic" else _PRINTABLE
   tokenizer = Tokenizer.char_level(alphabet)

@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import checkpoint, faults, grpo, metrics, plot, sampling, validation
+from jaxgrpo import checkpoint, faults, grpo, hf, metrics, plot, sampling, validation
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 
@@ -27,7 +27,9 @@ def build(setup):
   """Mesh, sharded params, the two sampling profiles, optimizer state and update step."""
   c = setup.config
   mesh = sharding_lib.make_mesh(c.mesh.to_dict())
-  if setup.host_params is None:
+  if c.model.hf_checkpoint:  # streamed tensor by tensor onto the mesh (checked in prepare)
+    params = hf.load_hf(c.model.hf_checkpoint, dtype=c.model.param_dtype, mesh=mesh)[1]
+  elif setup.host_params is None:
     params = sharding_lib.init_sharded(setup.model_cfg, mesh, jax.random.key(c.seed))
   else:
     params = sharding_lib.shard_params(setup.host_params, setup.model_cfg, mesh)

@@ -59,3 +59,99 @@ def test_errors_name_the_file(saved, tmp_path):
   os.remove(bad / hf.WEIGHTS_FILE)
   with pytest.raises(hf.PretrainedError, match="model.safetensors: missing"):
     hf.load_pretrained(str(bad))
+
+
+# ------------------------------------------------------------ Hugging Face model folders
+
+from numpy_params import random_params  # noqa: E402  tests/numpy_params.py
+
+FAMILIES = {  # the three architectures' structural switches
+    "Qwen2ForCausalLM": dict(qkv_bias=True),
+    "Qwen3ForCausalLM": dict(qk_norm=True),
+    "LlamaForCausalLM": dict(tie_embeddings=False, rope_scaling_factor=8.0,
+                             rope_original_max_positions=64),
+}
+
+
+def hf_folder(path, arch="Qwen2ForCausalLM"):
+  cfg = model_lib.ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=8, mlp_dim=64,
+                              **{"tie_embeddings": True, **FAMILIES[arch]})
+  params = random_params(cfg, 0)
+  hf.save_hf(str(path), cfg, params, Tokenizer.char_level("0123456789+="))
+  return cfg, params
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_hf_save_load_round_trip_is_bitwise(tmp_path, arch):
+  cfg, params = hf_folder(tmp_path, arch)
+  config = json.load(open(tmp_path / "config.json"))
+  assert config["architectures"] == [arch]
+  loaded_cfg, loaded, tok = hf.load_hf(str(tmp_path))
+  assert loaded_cfg == cfg and tok.eos_id == 2
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(loaded)):
+    np.testing.assert_array_equal(a, b, err_msg=str(path))
+
+
+def test_hf_load_places_each_tensor_on_its_sharding(tmp_path):
+  from jaxgrpo import sharding
+  cfg, _ = hf_folder(tmp_path)
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  _, params, _ = hf.load_hf(str(tmp_path), mesh=mesh)
+  want = sharding.param_shardings(cfg, mesh)
+  for got, spec in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    assert got.sharding == spec
+
+
+def edit_json(path, **changes):
+  values = json.load(open(path))
+  values.update(changes)
+  json.dump(values, open(path, "w"))
+
+
+@pytest.mark.parametrize("breakage,fragments", [
+    ("no_weights", ["no model.safetensors or model.safetensors.index.json"]),
+    ("no_tokenizer", ["tokenizer.json: missing"]),
+    ("small_embedding", ["tokenizer.json: 16 tokens", "vocab_size=8"]),
+    ("architecture", ["architecture 'GPT2LMHeadModel' is not supported", "Qwen2ForCausalLM"]),
+    ("int8", ["is stored as I8", "allowed: F32, BF16, F16"]),
+    ("shape", ["model.norm.weight has shape (31,)", "implies (32,)"]),
+    ("rope", ["rope_scaling type 'yarn' is not supported"]),
+])
+def test_bad_hf_folders_name_the_file(tmp_path, breakage, fragments):
+  import safetensors.numpy
+  hf_folder(tmp_path)
+  weights = str(tmp_path / "model.safetensors")
+  if breakage == "no_weights":
+    os.remove(weights)
+  elif breakage == "no_tokenizer":
+    os.remove(tmp_path / "tokenizer.json")
+  elif breakage == "small_embedding":
+    edit_json(tmp_path / "config.json", vocab_size=8)
+  elif breakage == "architecture":
+    edit_json(tmp_path / "config.json", architectures=["GPT2LMHeadModel"])
+  elif breakage == "rope":
+    edit_json(tmp_path / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+  else:
+    tensors = safetensors.numpy.load_file(weights)
+    if breakage == "int8":
+      tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int8)
+    else:
+      tensors["model.norm.weight"] = tensors["model.norm.weight"][:31]
+    safetensors.numpy.save_file(tensors, weights)
+  with pytest.raises(hf.PretrainedError) as e:
+    hf.load_hf(str(tmp_path))
+  message = str(e.value)
+  assert "\n" not in message and str(tmp_path) in message
+  for fragment in fragments:
+    assert fragment in message, message
+
+
+def test_generation_config_sampling_defaults_are_never_read(tmp_path):
+  # A model folder's sampling defaults must not leak into jaxgrpo: nothing reads the file.
+  hf_folder(tmp_path)
+  json.dump({"do_sample": True, "temperature": 0.01, "top_k": 1},
+            open(tmp_path / "generation_config.json", "w"))
+  before = hf.load_hf(str(tmp_path))[0]
+  os.remove(tmp_path / "generation_config.json")
+  assert hf.load_hf(str(tmp_path))[0] == before

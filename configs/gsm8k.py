@@ -1,0 +1,91 @@
+"""GRPO on GSM8K with a Hugging Face instruct model (Qwen2.5, Qwen3, Llama 3.x), for a TPU slice.
+
+    python -m jaxgrpo.train --config=configs/gsm8k.py \
+        --config.model.hf_checkpoint=/path/to/Qwen2.5-1.5B-Instruct --workdir=runs/gsm8k
+
+The architecture, tokenizer, chat template and end-of-turn token come from the model folder
+(architecture keys left None here); sampling never reads its generation_config.json. The
+prompt is the model's chat template around the question and an instruction to put the final
+answer in \\boxed{}; `math` (math-verify) scores it against GSM8K's reference answer. The GSM8K
+files ship with jaxgrpo (`@gsm8k/`, MIT licence), so nothing is downloaded.
+
+Numerics: float32 parameters and optimizer state, bfloat16 compute. Mesh: fully sharded data
+parallel over every chip (fsdp=-1). Batches (64 prompts x 8) divide over up to 64 chips; on a
+larger slice raise num_prompts_per_step with it.
+
+`arg`: `cpu` shrinks lengths and batches to check the pipeline on a laptop with a tiny model.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  unset = lambda t: config_dict.placeholder(t)  # None: the checkpoint's value
+
+  c.model = ml_collections.ConfigDict(dict(
+      checkpoint="", hf_checkpoint=config_dict.placeholder(str),
+      vocab_size=unset(int), d_model=unset(int), num_layers=unset(int), num_heads=unset(int),
+      num_kv_heads=unset(int), head_dim=unset(int), mlp_dim=unset(int),
+      rope_theta=unset(float), norm_eps=unset(float), tie_embeddings=unset(bool),
+      qk_norm=unset(bool), qkv_bias=unset(bool), rope_scaling_factor=unset(float),
+      rope_low_freq_factor=unset(float), rope_high_freq_factor=unset(float),
+      rope_original_max_positions=unset(int), param_dtype="float32", dtype="bfloat16"))
+
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+
+  c.data = ml_collections.ConfigDict(dict(
+      source="jsonl", train_path="@gsm8k/train.jsonl", val_path="@gsm8k/test.jsonl",
+      question_key="question", answer_key="answer",
+      prompt_template=("{question}\nPlease reason step by step, and put your final answer "
+                       "within \\boxed{{}}."),
+      use_chat_template=True, max_prompt_length=256, num_digits=3, num_train_examples=0,
+      num_val_examples=0))
+
+  # math-verify against the reference's final answer; a small bonus for a \boxed{} answer
+  # can be switched on with --config.rewards.format=0.1.
+  c.rewards = ml_collections.ConfigDict(dict(exact_match=0.0, math=1.0, format=0.0))
+
+  c.generation = ml_collections.ConfigDict(dict(
+      temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=512, backend="native",
+      val_temperature=0.6, val_top_p=config_dict.placeholder(float),
+      val_top_k=config_dict.placeholder(int)))
+
+  c.grpo = ml_collections.ConfigDict(dict(
+      num_prompts_per_step=64, num_generations_per_prompt=8, num_iterations=1,
+      beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28, loss_agg="token_mean",
+      scale_rewards="group", mask_truncated_completions=True, max_num_steps=500,
+      val_period=50, val_at_start=True, val_at_end=True, val_batch_size=256,
+      max_val_samples=0,  # all 1319 test problems
+      val_num_generations_per_prompt=4, val_pass_threshold=0.0, val_seed=0,
+      stop_at_validation_metric=config_dict.placeholder(str),
+      stop_at_validation_threshold=config_dict.placeholder(float)))
+
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, grad_clip=1.0,
+      schedule="constant"))
+
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      save_period=50, max_to_keep=2, resume="auto", best_metric="accuracy", best_to_keep=1))
+
+  c.logging = ml_collections.ConfigDict(dict(tensorboard=True, plots=True, console=True))
+
+  if arg == "cpu":
+    c.mesh.fsdp = 1
+    c.mesh.data = -1
+    c.model.dtype = "float32"
+    c.data.max_prompt_length = 320
+    c.generation.max_new_tokens = 16
+    c.grpo.num_prompts_per_step = 8
+    c.grpo.num_generations_per_prompt = 4
+    c.grpo.max_num_steps = 2
+    c.grpo.val_period = 2
+    c.grpo.val_batch_size = 8
+    c.grpo.max_val_samples = 8
+    c.grpo.val_num_generations_per_prompt = 2
+    c.logging.plots = False
+  elif arg not in (None, ""):
+    raise ValueError(f"configs/gsm8k.py: unknown preset {arg!r}; allowed: cpu")
+  return c

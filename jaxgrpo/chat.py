@@ -1,0 +1,70 @@
+"""Chat templates: a model folder's `chat_template` (tokenizer_config.json), rendered with
+jinja2 the way transformers' `apply_chat_template` renders it, so instruct models see the
+prompt format they were tuned on.
+
+transformers compiles the template in an immutable sandbox with `trim_blocks` and
+`lstrip_blocks`, adds a `tojson` filter and the globals `raise_exception` and
+`strftime_now`, and passes the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as
+variables. The same is done here; `tools`, `documents` and other extras are not supported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any, Sequence
+
+import jinja2
+from jinja2 import sandbox
+
+
+class ChatTemplateError(ValueError):
+  """A missing or broken chat template, naming the file."""
+
+
+def _raise(message):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+class ChatTemplate:
+  """`render(messages, add_generation_prompt=True)` -> the prompt text."""
+
+  def __init__(self, source: str, template: str, special_tokens: dict[str, Any]):
+    self.source = source
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, separators=None, \
+        sort_keys=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii,
+                                    separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+      self._template = env.from_string(template)
+    except jinja2.exceptions.TemplateError as e:
+      raise ChatTemplateError(f"{source}: chat_template does not compile ({e})") from None
+    self._special = special_tokens
+
+  @classmethod
+  def from_folder(cls, folder: str) -> "ChatTemplate":
+    path = os.path.join(folder, "tokenizer_config.json")
+    try:
+      with open(path) as f:
+        settings = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise ChatTemplateError(f"{path}: cannot read ({e})") from None
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+      template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not template:
+      raise ChatTemplateError(f"{path}: no chat_template")
+    text = lambda v: v.get("content") if isinstance(v, dict) else v
+    special = {k: text(v) for k, v in settings.items() if k.endswith("_token")}
+    return cls(path, template, special)
+
+  def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    try:
+      return self._template.render(messages=list(messages),
+                                   add_generation_prompt=add_generation_prompt, **self._special)
+    except jinja2.exceptions.TemplateError as e:
+      raise ChatTemplateError(f"{self.source}: chat_template failed: {e}") from None
