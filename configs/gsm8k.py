@@ -41,7 +41,7 @@ def get_config(arg=None):
       question_key="question", answer_key="answer",
       prompt_template=("{question}\nPlease reason step by step, and put your final answer "
                        "within \\boxed{{}}."),
-      use_chat_template=True, max_prompt_length=256, num_digits=3, num_train_examples=0,
+      use_chat_template=True, max_prompt_length=400, num_digits=3, num_train_examples=0,
       num_val_examples=0))
 
   # math-verify against the reference's final answer; a small bonus for a \boxed{} answer
@@ -76,7 +76,7 @@ def get_config(arg=None):
     c.mesh.fsdp = 1
     c.mesh.data = -1
     c.model.dtype = "float32"
-    c.data.max_prompt_length = 320
+    c.data.max_prompt_length = 1024  # the fixtures' byte-level tokenizer: long prompts
     c.generation.max_new_tokens = 16
     c.grpo.num_prompts_per_step = 8
     c.grpo.num_generations_per_prompt = 4

@@ -147,8 +147,12 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
   if hf.get("use_sliding_window"):
     raise PretrainedError(f"{path}: use_sliding_window=true is not supported")
   scaling = {}
-  rs = hf.get("rope_scaling")
-  if rs:
+  # transformers 5 writes `rope_parameters` (theta and scaling together); 4.x wrote
+  # `rope_theta` and `rope_scaling`. Both are read.
+  rp = hf.get("rope_parameters") or {}
+  theta = hf.get("rope_theta", rp.get("rope_theta", 10_000.0))
+  rs = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+  if rs and rs.get("rope_type", rs.get("type")) != "default":
     kind = rs.get("rope_type", rs.get("type"))
     if kind != "llama3":
       raise PretrainedError(f"{path}: rope_scaling type {kind!r} is not supported; allowed: "
@@ -164,7 +168,7 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        mlp_dim=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10_000.0)),
+        mlp_dim=hf["intermediate_size"], rope_theta=float(theta),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=qk_norm,
         qkv_bias=qkv_bias, param_dtype=dtype, dtype=dtype, **scaling)

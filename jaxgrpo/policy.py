@@ -1,6 +1,7 @@
 """`jaxgrpo.Policy`: the model and its parameters behind two calls, for notebooks.
 
     policy = jaxgrpo.Policy.init(ModelConfig(...), seed=0)
+    policy = jaxgrpo.Policy.from_pretrained("/path/to/Qwen2.5-0.5B-Instruct")
     logits = policy.logits(tokens, mask)
     out = policy.generate([[1, 5, 6], [1, 7]], SamplingParams(0.7, 0.95, 0),
                           num_samples=4, max_new_tokens=32, seed=0)
@@ -42,6 +43,22 @@ class Policy:
                                                                 jax.devices()[:1])
     params = sharding_lib.init_sharded(cfg, mesh, jax.random.key(seed))
     return cls(cfg, params, mesh, **kwargs)
+
+  @classmethod
+  def from_pretrained(cls, path: str, mesh=None, dtype: str = "float32") -> "Policy":
+    """A Hugging Face folder (Qwen2/Qwen3/Llama) or a jaxgrpo checkpoint folder, its tensors
+    streamed onto `mesh` (default: one device). `policy.tokenizer` is its tokenizer; the
+    pad and end-of-turn ids come from it."""
+    from jaxgrpo import hf  # pylint: disable=g-import-not-at-top
+    mesh = mesh if mesh is not None else sharding_lib.make_mesh({"data": -1},
+                                                                jax.devices()[:1])
+    if hf.is_hf_folder(path):
+      cfg, params, tokenizer = hf.load_hf(path, dtype=dtype, mesh=mesh)
+    else:
+      cfg, params, tokenizer = hf.load_pretrained(path)
+    policy = cls(cfg, params, mesh, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
+    policy.tokenizer = tokenizer
+    return policy
 
   @property
   def num_params(self) -> int:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -155,3 +156,92 @@ def test_generation_config_sampling_defaults_are_never_read(tmp_path):
   before = hf.load_hf(str(tmp_path))[0]
   os.remove(tmp_path / "generation_config.json")
   assert hf.load_hf(str(tmp_path))[0] == before
+
+
+# ------------------------------------------------ parity with transformers (tests/fixtures/hf)
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
+
+
+def reference(name):
+  folder = os.path.join(FIXTURES, name)
+  return (folder, dict(np.load(os.path.join(folder, "reference.npz"))),
+          json.load(open(os.path.join(folder, "reference.json"))))
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+def pretrained(request):
+  from jaxgrpo import policy
+  folder, arrays, facts = reference(request.param)
+  return request.param, folder, arrays, facts, policy.Policy.from_pretrained(folder)
+
+
+def test_logits_match_transformers(pretrained):
+  # transformers' float32 eager logits for 3 prompts, two of them left-padded, positions
+  # counted from each row's first real token; padded query positions are not compared.
+  name, _, arrays, _, policy = pretrained
+  mask = arrays["attention_mask"].astype(bool)
+  logits = np.asarray(policy.logits(arrays["input_ids"], mask))
+  assert np.abs(logits - arrays["logits"])[mask].max() <= 1e-4, name
+
+
+def test_greedy_generation_matches_transformers(pretrained):
+  from jaxgrpo import sampling
+  name, _, arrays, facts, policy = pretrained
+  ids, mask = arrays["input_ids"], arrays["attention_mask"].astype(bool)
+  policy.eos_id = None  # transformers generated exactly 16 tokens, no end token
+  # transformers ran each prompt alone; here the three go as one left-padded batch.
+  prompts = [ids[row][mask[row]].tolist() for row in range(len(ids))]
+  out = policy.generate(prompts, sampling.SamplingParams(0.0, 1.0, 0), num_samples=1,
+                        max_new_tokens=facts["max_new_tokens"], seed=0)
+  np.testing.assert_array_equal(np.asarray(out.tokens_NxT), arrays["greedy_tokens"],
+                                err_msg=name)
+
+
+def test_tokenizer_and_chat_template_match_transformers(pretrained):
+  from jaxgrpo import chat
+  name, folder, _, facts, policy = pretrained
+  tok = policy.tokenizer
+  assert (tok.eos_token, tok.eos_id, tok.pad_id) == (facts["eos_token"], facts["eos_token_id"],
+                                                     facts["pad_token_id"]), name
+  for case in facts["encodings"]:
+    assert tok.encode(case["text"], add_bos=False) == case["ids"], case["text"]
+    assert tok.encode(case["text"], add_bos=True) == case["ids_add_special_tokens"]
+  template = chat.ChatTemplate.from_folder(folder)
+  assert template.render(facts["chat_messages"]) == facts["chat_prompt"]
+  assert template.render(facts["chat_messages_multi"]) == facts["chat_prompt_multi"]
+
+
+def test_transformers_4_config_layout_reads_the_same(pretrained, tmp_path):
+  # transformers 5 writes rope_parameters; hub checkpoints carry rope_theta / rope_scaling.
+  name, folder, _, _, policy = pretrained
+  shutil.copytree(folder, tmp_path / name)
+  os.replace(tmp_path / name / "legacy_config.json", tmp_path / name / "config.json")
+  assert hf.hf_model_config(str(tmp_path / name)) == policy.cfg
+
+
+def test_load_export_load_is_bitwise(pretrained, tmp_path):
+  name, folder, _, _, policy = pretrained
+  _, params, tok = hf.load_hf(folder)
+  written = hf.save_hf(str(tmp_path), policy.cfg, params, tok, source=folder)
+  assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+          "generation_config.json"} <= set(written)
+  cfg, again, _ = hf.load_hf(str(tmp_path))
+  assert cfg == policy.cfg, name
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_bfloat16_weights_load_in_the_run_dtype(tmp_path):
+  # Hub checkpoints are stored in bfloat16; the run's param_dtype decides what is loaded.
+  import ml_dtypes
+  cfg, params = hf_folder(tmp_path / "f32")
+  bf16 = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16), params)
+  hf.save_hf(str(tmp_path / "bf16"), cfg, bf16, Tokenizer.char_level("0123456789+="))
+  loaded_cfg, loaded, _ = hf.load_hf(str(tmp_path / "bf16"), dtype="float32")
+  assert loaded_cfg.param_dtype == "float32"
+  for a, b in zip(jax.tree.leaves(bf16), jax.tree.leaves(loaded)):
+    assert b.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(a, np.float32), b)
+  assert jax.tree.leaves(hf.load_hf(str(tmp_path / "bf16"), dtype="bfloat16")[1])[0].dtype \
+      == ml_dtypes.bfloat16

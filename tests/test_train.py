@@ -5,6 +5,7 @@ The CLI runs in subprocesses (as a user runs it), through tests/cli.py.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -155,3 +156,21 @@ def test_smoke_run_writes_results(straight_run):
 def test_help_exits_zero(tmp_path):
   proc = run_train("--help", workdir=tmp_path / "w")
   assert proc.returncode == 0 and "--config=FILE" in proc.stdout
+
+
+GSM8K = os.path.join(ROOT, "configs", "gsm8k.py")
+QWEN2 = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2")
+
+
+def test_gsm8k_config_needs_a_model_and_checks_it_before_compiling(tmp_path):
+  proc = run_train(f"--config={GSM8K}", workdir=tmp_path / "a")
+  assert_clean_error(proc, "config.model.hf_checkpoint=None", "--config.model.hf_checkpoint=")
+  proc = run_train(f"--config={GSM8K}:cpu", f"--config.model.hf_checkpoint={QWEN2}",
+                   "--config.model.d_model=32", workdir=tmp_path / "b")
+  assert_clean_error(proc, "config.model.d_model=32", f"the checkpoint {QWEN2} has 64")
+  broken = tmp_path / "qwen2"
+  shutil.copytree(QWEN2, broken)
+  os.remove(broken / "tokenizer.json")
+  proc = run_train(f"--config={GSM8K}:cpu", f"--config.model.hf_checkpoint={broken}",
+                   workdir=tmp_path / "c")
+  assert_clean_error(proc, f"{broken}/tokenizer.json: missing")
