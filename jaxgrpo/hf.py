@@ -327,11 +327,22 @@ def hf_tokenizer(folder: str) -> Tokenizer:
   settings = _tokenizer_config(folder)
   token = lambda v: v.get("content") if isinstance(v, dict) else v
   try:
-    return Tokenizer.from_file(tok_file, eos_token=token(settings.get("eos_token")),
-                               pad_token=token(settings.get("pad_token")),
-                               bos_token=token(settings.get("bos_token")))
+    tok = Tokenizer.from_file(tok_file, eos_token=token(settings.get("eos_token")),
+                              pad_token=token(settings.get("pad_token")),
+                              bos_token=token(settings.get("bos_token")))
   except (FileNotFoundError, ValueError) as e:
     raise PretrainedError(f"{folder}/tokenizer_config.json: {e}") from None
+  # The end ids the model's files list (the token ids only: no sampling setting is read).
+  ends = {tok.eos_id}
+  for name in (HF_CONFIG, "generation_config.json"):
+    path = os.path.join(folder, name)
+    if os.path.isfile(path):
+      with open(path) as f:
+        ids = json.load(f).get("eos_token_id")
+      ends.update(i for i in (ids if isinstance(ids, list) else [ids])
+                  if isinstance(i, int) and 0 <= i < tok.vocab_size)
+  tok.stop_ids = (tok.eos_id,) + tuple(sorted(ends - {tok.eos_id}))
+  return tok
 
 
 def _tokenizer_config(folder: str) -> dict:

@@ -56,7 +56,7 @@ class Policy:
       cfg, params, tokenizer = hf.load_hf(path, dtype=dtype, mesh=mesh)
     else:
       cfg, params, tokenizer = hf.load_pretrained(path)
-    policy = cls(cfg, params, mesh, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
+    policy = cls(cfg, params, mesh, pad_id=tokenizer.pad_id, eos_id=tokenizer.stop_ids)
     policy.tokenizer = tokenizer
     return policy
 
@@ -80,11 +80,14 @@ class Policy:
     """
     tokens, mask = _as_batch(prompts, prompt_mask_BxP, self.pad_id)
     profile = sampling.Profile(sampling_params, num_samples, max_new_tokens)
-    if profile not in self._samplers:
-      self._samplers[profile] = sampling.compile_sampler(
-          self.cfg, profile, eos_id=self.eos_id, pad_id=self.pad_id, mesh=self.mesh)
+    # The end ids are compiled in, so they are part of the key (eos_id may be reassigned).
+    ends = None if self.eos_id is None else tuple(np.atleast_1d(self.eos_id).tolist())
+    if (profile, ends, self.pad_id) not in self._samplers:
+      self._samplers[(profile, ends, self.pad_id)] = sampling.compile_sampler(
+          self.cfg, profile, eos_id=ends, pad_id=self.pad_id, mesh=self.mesh)
     rows = np.arange(tokens.shape[0], dtype=np.int32)
-    return self._samplers[profile](self.params, tokens, mask, jax.random.key(seed), rows)
+    return self._samplers[(profile, ends, self.pad_id)](self.params, tokens, mask,
+                                                        jax.random.key(seed), rows)
 
 
 def _as_batch(prompts, mask, pad_id):

@@ -195,9 +195,12 @@ def row_uniforms(key, row_ids_B, step, num_samples: int):
 
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
-           cfg: model_lib.ModelConfig, profile: Profile, eos_id: int | None, pad_id: int,
+           cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
            mesh=None) -> Rollout:
-  """The pure sampler (jit it with `profile` static). eos_id None: always max_new_tokens.
+  """The pure sampler (jit it with `profile` static).
+
+  eos_id: the id (or a tuple of ids: instruct models end a turn with any of several) that
+  ends a row; None: always max_new_tokens.
 
   Prompt b's random draws come from (key, row_ids_B[b]) alone (default: its row number).
   """
@@ -236,7 +239,9 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   token, logp, raw = pick(jnp.broadcast_to(logits_BxV[:, None], (b, g, cfg.vocab_size)), 0,
                           done0)
   buffers = record(buffers, 0, token, logp, raw, done0)
-  done = done0 | (token == eos_id) if eos_id is not None else done0
+  stops = None if eos_id is None else jnp.asarray(np.atleast_1d(eos_id), jnp.int32)
+  is_stop = lambda t: jnp.any(t[..., None] == stops, axis=-1)
+  done = done0 | is_stop(token) if stops is not None else done0
 
   def cond(carry):
     i, _, done, _, _ = carry
@@ -250,8 +255,8 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
         method=model_lib.Decoder.decode_step)
     new, logp, raw = pick(logits, i, done)
     buffers = record(buffers, i, new, logp, raw, done)
-    if eos_id is not None:
-      done = done | (new == eos_id)
+    if stops is not None:
+      done = done | is_stop(new)
     return i + 1, new, done, cache, buffers
 
   _, _, done, _, buffers = jax.lax.while_loop(
@@ -294,7 +299,7 @@ class RolloutEngine:
   """Exactly two compiled samplers, `train` and `val`; keys folded from seed and step."""
 
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles: Mapping[str, Profile], *,
-               max_prompt_length: int, eos_id: int | None, pad_id: int, seed: int):
+               max_prompt_length: int, eos_id, pad_id: int, seed: int):
     names = tuple(profiles)
     if sorted(names) != sorted(PROFILE_NAMES):
       raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "

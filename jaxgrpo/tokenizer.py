@@ -49,6 +49,9 @@ class Tokenizer:
     self.pad_token, self.bos_token, self.eos_token = pad_token, bos_token, eos_token
     self.pad_id = _token_id(hf, pad_token, "pad_token", source)
     self.eos_id = _token_id(hf, eos_token, "eos_token", source)
+    # Every id that ends a completion for the sampler: eos_id, plus any other end ids the
+    # model's files list (Qwen instruct: <|im_end|> and <|endoftext|>).
+    self.stop_ids: tuple[int, ...] = (self.eos_id,)
     self.bos_id = None if bos_token is None else _token_id(hf, bos_token, "bos_token", source)
     self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
 
@@ -69,18 +72,18 @@ class Tokenizer:
     return [self._with_bos(e.ids, add_bos) for e in encodings]
 
   def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-    """Returns the text of `ids` up to the first eos.
+    """Returns the text of `ids` up to the first end token (eos or another of `stop_ids`).
 
     Args:
       ids: token ids (a list or a 1-D numpy/jax array).
       skip_special: drop special tokens (pad, bos, eos, ...) from the text. When False, the
-        first eos is kept so that the caller can see where the completion ended.
+        first end token is kept so that the caller can see where the completion ended.
     """
     ids = [int(i) for i in ids]
-    if self.eos_id in ids:
-      # A sampled row continues past eos (padding or garbage); only the part before it is
-      # the completion that rewards should score.
-      end = ids.index(self.eos_id)
+    # A sampled row continues past its end (padding or garbage); only the part before it is
+    # the completion that rewards should score.
+    end = next((i for i, t in enumerate(ids) if t in self.stop_ids), None)
+    if end is not None:
       ids = ids[:end] if skip_special else ids[:end + 1]
     return self.hf.decode(ids, skip_special_tokens=skip_special)
 

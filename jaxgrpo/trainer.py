@@ -65,7 +65,7 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                                       gen.max_new_tokens)}
   return sampling.RolloutEngine(
       model_cfg, mesh, profiles, max_prompt_length=c.data.max_prompt_length,
-      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=c.seed)
+      eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id, seed=c.seed)
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step):

@@ -245,3 +245,25 @@ def test_bfloat16_weights_load_in_the_run_dtype(tmp_path):
     np.testing.assert_array_equal(np.asarray(a, np.float32), b)
   assert jax.tree.leaves(hf.load_hf(str(tmp_path / "bf16"), dtype="bfloat16")[1])[0].dtype \
       == ml_dtypes.bfloat16
+
+
+def test_every_end_id_of_the_model_stops_a_completion(pretrained):
+  # generation_config / config list the ids that end a turn (qwen: <|im_end|> and
+  # <|endoftext|>; llama: <|eot_id|> and <|end_of_text|>); the sampler stops on any of them
+  # and decoding ends there. eos_id (the tokenizer config's) comes first.
+  from jaxgrpo import sampling
+  name, _, arrays, facts, policy = pretrained
+  tok = policy.tokenizer
+  assert tok.stop_ids[0] == tok.eos_id
+  assert set(tok.stop_ids) == set(facts["generation_eos_token_ids"]) | {tok.eos_id}
+  other = [i for i in tok.stop_ids if i != tok.eos_id][0]
+  assert tok.decode([5, 6, other, 7, tok.eos_id, 8]) == tok.decode([5, 6])
+  # Make a greedy token that first appears at position p > 0 an end id (beside one that
+  # never appears): the row stops right there, after p + 1 tokens.
+  ids, mask = arrays["input_ids"], arrays["attention_mask"].astype(bool)
+  greedy = [int(t) for t in arrays["greedy_tokens"][0]]
+  p = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])
+  policy.eos_id = (tok.vocab_size - 1, greedy[p])
+  out = policy.generate([ids[0][mask[0]].tolist()], sampling.SamplingParams(0.0, 1.0, 0),
+                        num_samples=1, max_new_tokens=16, seed=0)
+  assert int(out.lengths_N[0]) == p + 1 and not bool(out.truncated_N[0]), name
