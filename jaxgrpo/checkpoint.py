@@ -18,6 +18,7 @@ the metric attached). A checkpoint is deleted only when neither rule keeps it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -66,19 +67,26 @@ def set_aside_after(directory: str, step: int) -> list[str]:
   return moved
 
 
-def read_meta(directory: str, step: int) -> dict[str, Any]:
-  """The JSON part of checkpoint `step`, read on the host (no device work)."""
+@contextlib.contextmanager
+def _quiet_absl():
+  """absl logging at ERROR inside the block (orbax's expected-case warnings)."""
   verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)  # orbax logs a warning per read-only manager
+  logging.set_verbosity(logging.ERROR)
   try:
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    manager = ocp.CheckpointManager(directory, options=options, item_names=("meta",))
-    try:
-      return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    finally:
-      manager.close()
+    yield
   finally:
     logging.set_verbosity(verbosity)
+
+
+def read_meta(directory: str, step: int) -> dict[str, Any]:
+  """The JSON part of checkpoint `step`, read on the host (no device work)."""
+  with _quiet_absl():  # orbax logs a warning per read-only manager
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    manager = ocp.CheckpointManager(directory, options=options, item_names=("meta",))
+  try:
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  finally:
+    manager.close()
 
 
 class Checkpoints:
@@ -93,18 +101,15 @@ class Checkpoints:
     if best_metric:
       keep.append(policies.BestN(get_metric_fn=lambda m: m[best_metric], n=best_to_keep,
                                  keep_checkpoints_without_metrics=False))
-    verbosity = logging.get_verbosity()
     if read_only:  # another run's folder, resumed from: never written or pruned
-      logging.set_verbosity(logging.ERROR)  # orbax warns that it is read-only, as asked
-      options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+      with _quiet_absl():  # orbax warns that it is read-only, as asked
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
     else:
       options = ocp.CheckpointManagerOptions(
           create=True, enable_async_checkpointing=True, cleanup_tmp_directories=True,
           preservation_policy=policies.AnyPreservationPolicy(keep))
-    try:
       self._manager = ocp.CheckpointManager(self.directory, options=options)
-    finally:
-      logging.set_verbosity(verbosity)
 
   def save(self, step: int, state: Any, meta: dict[str, Any],
            metrics: dict[str, float] | None = None) -> str:

@@ -209,11 +209,9 @@ def _from_hf(x: np.ndarray, how: str, shape: tuple) -> np.ndarray:
   """A torch-layout tensor ([out, in] for Linear) to ours of `shape`."""
   if how in ("same", "heads"):
     return x.reshape(shape)
-  if how == "T":
-    return x.T
-  if how == "in_heads":  # [H*Dh, D] -> [D, H, Dh]
-    return x.T.reshape(shape)
-  return x.T.reshape(shape)  # heads_out: [D, H*Dh] -> [H, Dh, D]
+  # T, in_heads ([H*Dh, D] -> [D, H, Dh]) and heads_out ([D, H*Dh] -> [H, Dh, D]) all
+  # transpose torch's [out, in]; the reshape splits the head axis where there is one.
+  return x.T.reshape(shape)
 
 
 def _to_hf(x: np.ndarray, how: str) -> np.ndarray:

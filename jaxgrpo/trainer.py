@@ -188,11 +188,12 @@ def run(setup) -> int:
     checkpoints.wait()  # every pending write, also on a second signal's way out
     kept = checkpoints.steps()
     checkpoints.close()
-  summary = _summary(setup.workdir, g, stop, step, saved.get(step))
+  logged = _logged_val(setup.workdir)  # read once for the summary and the best checkpoint
+  summary = _summary(logged, g, stop, step, saved.get(step))
   summary.update(wall_time_s=round(time.time() - t_start, 2),
                  sampler_compilations=dict(engine.compilations), resumed_from=resumed_from,
                  preempted=preemption.name or None)
-  summary.update(_best(setup.workdir, ck.best_metric, kept))
+  summary.update(_best(logged, ck.best_metric, kept))
   if fault:
     last_good = max(saved) if saved else None
     summary["fault"] = str(fault)
@@ -239,19 +240,26 @@ def _resume(setup, checkpoints, state):
   return start, state, path
 
 
+def _logged_val(workdir) -> dict[int, dict]:
+  """step -> the validation row logged for it (the later one wins), from metrics.jsonl."""
+  path = os.path.join(workdir, metrics.JSONL_NAME)
+  rows = metrics.read_metrics(path) if os.path.exists(path) else []
+  return {r["step"]: r for r in rows if r["split"] == "val"}
+
+
 def _logged_stop(workdir, step, stop_rule):
   """The stop rule applied to the validation logged at `step`, if any (a resumed run that had
   stopped early stays stopped unless the rule changed)."""
-  rows = [r for r in metrics.read_metrics(workdir) if r["split"] == "val" and r["step"] == step]
-  return stop_rule(rows[-1], step) if rows else None
+  row = _logged_val(workdir).get(step)
+  return stop_rule(row, step) if row else None
 
 
-def _best(workdir, metric, steps) -> dict:
+def _best(val, metric, steps) -> dict:
   """The kept checkpoint with the best logged value of `metric` (summary's best_checkpoint)."""
-  if not metric or not os.path.exists(os.path.join(workdir, metrics.JSONL_NAME)):
+  if not metric:
     return {}
-  vals = {r["step"]: r[metric] for r in metrics.read_metrics(workdir)
-          if r["split"] == "val" and r["step"] in steps and np.isfinite(r.get(metric, np.nan))}
+  vals = {s: r[metric] for s, r in val.items()
+          if s in steps and np.isfinite(r.get(metric, np.nan))}
   if not vals:
     return {}
   best = max(vals, key=lambda s: (vals[s], -s))
@@ -263,13 +271,10 @@ def _append_jsonl(path, record) -> None:
     f.write(json.dumps(record) + "\n")
 
 
-def _summary(workdir, g, stop, step, saved) -> dict:
-  """The run's outcome; validation figures from metrics.jsonl, so a resumed run's summary
-  covers the whole run, not just its last leg."""
+def _summary(val, g, stop, step, saved) -> dict:
+  """The run's outcome; `val` is every logged validation (_logged_val), so a resumed run's
+  summary covers the whole run, not just its last leg."""
   summary = {"steps": step, "stopped_early": stop is not None, "checkpoint": saved}
-  path = os.path.join(workdir, metrics.JSONL_NAME)
-  val = {r["step"]: r for r in (metrics.read_metrics(path) if os.path.exists(path) else [])
-         if r["split"] == "val"}
   if stop:
     metric = g.stop_at_validation_metric
     summary["early_stop"] = {"step": step, "metric": metric,

@@ -43,22 +43,26 @@ from jaxgrpo import sharding as sharding_lib
 CORRECTNESS_REWARDS = ("math", "exact_match")
 
 
-def correctness(weights: Mapping[str, float], total: Sequence[float],
-                breakdown: Mapping[str, Sequence[float]]) -> np.ndarray:
-  """Per-row 0/1 correctness: the first active correctness reward, else total reward > 0."""
+def _correctness_reward(weights: Mapping[str, float], breakdown):
+  """The first active correctness reward's per-row values, or None when none is active."""
   for name in CORRECTNESS_REWARDS:
     if weights.get(name, 0) > 0:
       return np.asarray(breakdown[name], np.float32)
-  return (np.asarray(total) > 0).astype(np.float32)
+  return None
+
+
+def correctness(weights: Mapping[str, float], total: Sequence[float],
+                breakdown: Mapping[str, Sequence[float]]) -> np.ndarray:
+  """Per-row 0/1 correctness: the first active correctness reward, else total reward > 0."""
+  found = _correctness_reward(weights, breakdown)
+  return found if found is not None else (np.asarray(total) > 0).astype(np.float32)
 
 
 def validation_rewards(weights: Mapping[str, float], total: Sequence[float],
                        breakdown: Mapping[str, Sequence[float]]) -> np.ndarray:
   """The reward validation measures: the correctness reward if any, else the total."""
-  for name in CORRECTNESS_REWARDS:
-    if weights.get(name, 0) > 0:
-      return np.asarray(breakdown[name], np.float32)
-  return np.asarray(total, np.float32)
+  found = _correctness_reward(weights, breakdown)
+  return found if found is not None else np.asarray(total, np.float32)
 
 
 def pass_js(k: int) -> tuple[int, ...]:
