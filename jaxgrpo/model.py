@@ -4,24 +4,23 @@ Pieces: token embedding (optionally tied to the output head), RMSNorm, rotary po
 embeddings with a configurable theta, grouped-query attention (num_heads query heads share
 num_kv_heads key/value heads), optional QK-norm (Qwen3), and a SwiGLU MLP.
 
-Two entry points share the same parameters:
-  * `Decoder.__call__`: a full causal forward over left-padded rows (teacher forcing, the
-    training loss, and prompt prefill, which also returns the per-layer K/V).
-  * `Decoder.decode_step`: one new token for each of the G samples of B prompts. The prompt's
-    K/V is kept once per prompt ([B, H, L, D]) and the samples' own K/V in a separate cache
-    ([B, G, H, T, D]); a prompt is never copied G times. The [B, H, T, D] layout measured
-    1.3-1.7x faster than [B, T, H, D] on CPU (DESIGN.md).
+Entry points sharing the same parameters:
+  * `Decoder.__call__`: a full causal forward over left-padded rows (teacher forcing, and
+    prompt prefill, which returns the last position's logits and the per-layer K/V).
+  * `Decoder.score_groups`: the training loss's forward, each prompt computed once for its
+    G completions.
+The sampler's token-by-token step lives in decode.py: the same function of the same
+parameters, arranged for speed and pinned to `forward` by tests/test_decode.py.
 
 Every parameter carries logical axis names (see sharding.py for the rules mapping them to
-mesh axes). Caches are plain arrays passed in and returned, so the decode loop stays a pure
-function that `lax.while_loop` can carry.
+mesh axes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -84,23 +83,6 @@ class ModelConfig:
     return cls(**values)
 
 
-class KVCache(NamedTuple):
-  """Decode-time cache: one array per layer in each tuple.
-
-  Per-layer arrays rather than one stacked [layers, ...] array, so that the while loop
-  updates each layer's sample cache in place instead of re-stacking all layers every step.
-  prompt_k/v: per layer [B, Hkv, P, D], the prompt's keys/values once per prompt.
-  prompt_mask: [B, P], which prompt positions are real tokens (left padding is False).
-  gen_k/v: per layer [B, G, Hkv, T, D], keys/values of the tokens sampled so far.
-  """
-
-  prompt_k: jax.Array
-  prompt_v: jax.Array
-  prompt_mask: jax.Array
-  gen_k: jax.Array
-  gen_v: jax.Array
-
-
 def _param(module, name, init_fn, shape, axes, cfg):
   init = nn.with_logical_partitioning(init_fn, axes)
   return module.param(name, init, shape, DTYPES[cfg.param_dtype])
@@ -119,9 +101,14 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     scale = _param(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.cfg)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
-    return (x32 * scale.astype(jnp.float32)).astype(DTYPES[self.cfg.dtype])
+    return rms_norm(x, scale, self.cfg)
+
+
+def rms_norm(x, scale, cfg: ModelConfig):
+  """RMSNorm as a pure function (the sampler's decode step calls it on raw parameters)."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
+  return (x32 * scale.astype(jnp.float32)).astype(DTYPES[cfg.dtype])
 
 
 def rope_frequencies(cfg: ModelConfig, d: int):
@@ -221,7 +208,7 @@ class Attention(nn.Module):
   def extend(self, x_BxGxTxD, positions_BxGxT, prompt_k, prompt_v, prompt_mask_BxP,
              mask_BxGxT):
     """T new tokens per sample, attending to the shared prompt K/V and causally to
-    themselves: the training-time twin of `decode`, with no prompt copied G times."""
+    themselves (the training-time twin of decode.step), with no prompt copied G times."""
     c = self.cfg
     b, g, t, _ = x_BxGxTxD.shape
     r = c.num_heads // c.num_kv_heads
@@ -239,31 +226,6 @@ class Attention(nn.Module):
     o = (jnp.einsum("bgtkrp,bkpd->bgtkrd", p_prompt, prompt_v)
          + jnp.einsum("bgtkrs,bgskd->bgtkrd", p_own, v))
     return self._out(o.reshape(b, g, t, c.num_heads, c.head_dim))
-
-  def decode(self, x_BxGxD, positions_BxG, step, prompt_k, prompt_v, prompt_mask_BxP,
-             gen_k, gen_v):
-    """One token per sample; writes its K/V at `step` of the sample cache."""
-    c = self.cfg
-    b, g, _ = x_BxGxD.shape
-    r = c.num_heads // c.num_kv_heads
-    q, k, v = self._qkv(x_BxGxD, positions_BxG)  # q [B,G,H,D], k/v [B,G,Hkv,D]
-    gen_k = jax.lax.dynamic_update_slice_in_dim(gen_k, k[:, :, :, None].astype(gen_k.dtype),
-                                                step, axis=3)
-    gen_v = jax.lax.dynamic_update_slice_in_dim(gen_v, v[:, :, :, None].astype(gen_v.dtype),
-                                                step, axis=3)
-    q = q.reshape(b, g, c.num_kv_heads, r, c.head_dim)
-    scale = c.head_dim ** -0.5
-    s_prompt = jnp.einsum("bgkrd,bkpd->bgkrp", q, prompt_k).astype(jnp.float32) * scale
-    s_gen = jnp.einsum("bgkrd,bgktd->bgkrt", q, gen_k).astype(jnp.float32) * scale
-    s_prompt = jnp.where(prompt_mask_BxP[:, None, None, None, :], s_prompt, _NEG)
-    filled_T = jnp.arange(gen_k.shape[3]) <= step
-    s_gen = jnp.where(filled_T, s_gen, _NEG)
-    probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_gen], axis=-1), axis=-1)
-    p_prompt = probs[..., : s_prompt.shape[-1]].astype(v.dtype)
-    p_gen = probs[..., s_prompt.shape[-1]:].astype(v.dtype)
-    o = (jnp.einsum("bgkrp,bkpd->bgkrd", p_prompt, prompt_v)
-         + jnp.einsum("bgkrt,bgktd->bgkrd", p_gen, gen_v))
-    return self._out(o.reshape(b, g, c.num_heads, c.head_dim)), gen_k, gen_v
 
 
 class MLP(nn.Module):
@@ -305,12 +267,6 @@ class Block(nn.Module):
                              mask)
     return x + self.mlp(self.mlp_norm(x))
 
-  def decode(self, x, positions, step, prompt_k, prompt_v, prompt_mask, gen_k, gen_v):
-    h, gen_k, gen_v = self.attn.decode(self.attn_norm(x), positions, step, prompt_k, prompt_v,
-                                       prompt_mask, gen_k, gen_v)
-    x = x + h
-    return x + self.mlp(self.mlp_norm(x)), gen_k, gen_v
-
 
 class Decoder(nn.Module):
   """The policy network: tokens -> next-token logits (float32)."""
@@ -342,7 +298,8 @@ class Decoder(nn.Module):
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, return_kv: bool = False):
     """Causal forward over left-padded rows; mask_BxT marks real tokens.
 
-    Returns logits_BxTxV, and with return_kv per-layer tuples (K, V) of [B, Hkv, T, D].
+    Returns logits_BxTxV; with return_kv (prefill) only the last position's logits_BxV,
+    which is all a sampler needs, and per-layer tuples (K, V) of [B, Hkv, T, D].
     """
     x = self._embed(tokens_BxT)
     ks, vs = [], []
@@ -350,10 +307,9 @@ class Decoder(nn.Module):
       x, (k, v) = block(x, positions_BxT, mask_BxT)
       ks.append(k)
       vs.append(v)
-    logits = self._logits(x)
     if return_kv:
-      return logits, (tuple(ks), tuple(vs))
-    return logits
+      return self._logits(x[:, -1]), (tuple(ks), tuple(vs))
+    return self._logits(x)
 
   def score_groups(self, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
                    completion_mask_BxGxT):
@@ -379,18 +335,6 @@ class Decoder(nn.Module):
     first = jnp.broadcast_to(first_BxV[:, None, None], (first_BxV.shape[0], g, 1,
                                                         first_BxV.shape[-1]))
     return jnp.concatenate([first, rest], axis=2)
-
-  def decode_step(self, tokens_BxG, positions_BxG, step, cache: KVCache):
-    """Logits for one new token per sample, and the cache with that token's K/V written."""
-    x = self._embed(tokens_BxG)
-    gen_k, gen_v = [], []
-    for i, block in enumerate(self.blocks):
-      x, k, v = block.decode(x, positions_BxG, step, cache.prompt_k[i], cache.prompt_v[i],
-                             cache.prompt_mask, cache.gen_k[i], cache.gen_v[i])
-      gen_k.append(k)
-      gen_v.append(v)
-    cache = cache._replace(gen_k=tuple(gen_k), gen_v=tuple(gen_v))
-    return self._logits(x), cache
 
 
 def positions_from_mask(mask_BxT):

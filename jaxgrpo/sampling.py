@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo import decode
 from jaxgrpo import model as model_lib
 from jaxgrpo import sharding as sharding_lib
 
@@ -176,9 +177,8 @@ def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxP, prompt_mask_B
   A module-level function so tests can watch the shapes it is traced with.
   """
   positions = model_lib.positions_from_mask(prompt_mask_BxP)
-  logits, kv = model_lib.Decoder(cfg).apply({"params": params}, prompt_tokens_BxP, positions,
-                                            prompt_mask_BxP, return_kv=True)
-  return logits[:, -1], kv
+  return model_lib.Decoder(cfg).apply({"params": params}, prompt_tokens_BxP, positions,
+                                     prompt_mask_BxP, return_kv=True)
 
 
 def row_uniforms(key, row_ids_B, step, num_samples: int):
@@ -196,33 +196,39 @@ def row_uniforms(key, row_ids_B, step, num_samples: int):
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
            cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
-           mesh=None) -> Rollout:
+           mesh=None, share_prefix: bool = True) -> Rollout:
   """The pure sampler (jit it with `profile` static).
 
   eos_id: the id (or a tuple of ids: instruct models end a turn with any of several) that
   ends a row; None: always max_new_tokens.
 
   Prompt b's random draws come from (key, row_ids_B[b]) alone (default: its row number).
+
+  share_prefix=False prefills every one of the B*G rows separately (each sample then holds
+  its own copy of the prompt's keys and values), as samplers without prefix sharing do. It
+  exists to measure what sharing buys (`python -m jaxgrpo.bench prefill`); the random draws
+  are the same, so the samples are too, up to float rounding.
   """
   sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxP.shape[0]
   if row_ids_B is None:
     row_ids_B = jnp.arange(b, dtype=jnp.int32)
+  # The decode loop's view: pb prompts with pg samples each (pb * pg = b * g rows).
+  pb, pg = (b, g) if share_prefix else (b * g, 1)
+  if not share_prefix:
+    prompt_tokens_BxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
+    prompt_mask_BxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
   logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP)
   prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
-  dt = model_lib.DTYPES[cfg.dtype]
-  gen_shape = (b, g, cfg.num_kv_heads, t, cfg.head_dim)
-  cache = model_lib.KVCache(
-      prompt_k=tuple(ks), prompt_v=tuple(vs), prompt_mask=prompt_mask_BxP,
-      gen_k=tuple(jnp.zeros(gen_shape, dt) for _ in ks),
-      gen_v=tuple(jnp.zeros(gen_shape, dt) for _ in vs))
+  weights = decode.prepare(params, cfg)
+  cache = decode.init_cache(ks, vs, prompt_mask_BxP, cfg, pg, t)
   if mesh is not None:  # keep caches split by rows (and KV heads) through the loop
     # One sharding per field is a tree prefix: it applies to every layer's array.
     cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh))
 
   def pick(logits_BxGxV, i, done_BxG):
     u = row_uniforms(key, row_ids_B, i, g)
-    token, logp, raw = draw(logits_BxGxV, u, sp)
+    token, logp, raw = draw(logits_BxGxV.reshape(b, g, -1), u, sp)
     token = jnp.where(done_BxG, pad_id, token)
     zero = jnp.zeros_like(logp)
     return token, jnp.where(done_BxG, zero, logp), jnp.where(done_BxG, zero, raw)
@@ -235,8 +241,8 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   done0 = jnp.zeros((b, g), bool)
   buffers = (jnp.full((b, g, t), pad_id, jnp.int32), jnp.zeros((b, g, t), jnp.float32),
              jnp.zeros((b, g, t), jnp.float32), jnp.zeros((b, g, t), bool))
-  # Token 0 of every sample comes from the shared prefill logits.
-  token, logp, raw = pick(jnp.broadcast_to(logits_BxV[:, None], (b, g, cfg.vocab_size)), 0,
+  # Token 0 of every sample comes from the (shared) prefill logits.
+  token, logp, raw = pick(jnp.broadcast_to(logits_BxV[:, None], (pb, pg, cfg.vocab_size)), 0,
                           done0)
   buffers = record(buffers, 0, token, logp, raw, done0)
   stops = None if eos_id is None else jnp.asarray(np.atleast_1d(eos_id), jnp.int32)
@@ -249,10 +255,9 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
 
   def body(carry):
     i, token, done, cache, buffers = carry
-    positions = prompt_len_B[:, None] + i - 1  # position of the token being fed
-    logits, cache = model_lib.Decoder(cfg).apply(
-        {"params": params}, token, jnp.broadcast_to(positions, (b, g)), i - 1, cache,
-        method=model_lib.Decoder.decode_step)
+    # The token fed at step i sits at position prompt_length + i - 1.
+    logits, cache = decode.step(weights, cfg, token.reshape(pb, pg), prompt_len_B + i - 1, i - 1,
+                                cache)
     new, logp, raw = pick(logits, i, done)
     buffers = record(buffers, i, new, logp, raw, done)
     if stops is not None:
@@ -278,14 +283,14 @@ def left_pad(prompt_tokens_BxP, prompt_mask_BxP, width: int, pad_id: int):
 
 
 def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad_id, mesh,
-                    on_trace=None):
+                    on_trace=None, share_prefix: bool = True):
   """jit(sample) for one profile with explicit shardings: rows over the data axes."""
 
   def traced(params, tokens, mask, key, row_ids):
     if on_trace is not None:
       on_trace()  # runs once per trace, i.e. once per compilation
     return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile, eos_id=eos_id,
-                  pad_id=pad_id, mesh=mesh)
+                  pad_id=pad_id, mesh=mesh, share_prefix=share_prefix)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(
@@ -299,7 +304,10 @@ class RolloutEngine:
   """Exactly two compiled samplers, `train` and `val`; keys folded from seed and step."""
 
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles: Mapping[str, Profile], *,
-               max_prompt_length: int, eos_id, pad_id: int, seed: int):
+               max_prompt_length: int, eos_id, pad_id: int, seed: int,
+               share_prefix: bool = True):
+    """share_prefix=False prefills every sample's copy of its prompt (see `sample`); only
+    for measuring what prefix sharing buys."""
     names = tuple(profiles)
     if sorted(names) != sorted(PROFILE_NAMES):
       raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "
@@ -311,7 +319,8 @@ class RolloutEngine:
     self._base_key = jax.random.key(seed)
     self._samplers = {
         name: compile_sampler(cfg, profiles[name], eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                              on_trace=functools.partial(self._count, name))
+                              on_trace=functools.partial(self._count, name),
+                              share_prefix=share_prefix)
         for name in PROFILE_NAMES}
 
   def _count(self, name):

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxgrpo import decode
 from jaxgrpo import model as model_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -115,8 +116,12 @@ def shard_params(params, cfg: model_lib.ModelConfig, mesh: Mesh):
   return jax.device_put(params, param_shardings(cfg, mesh))
 
 
-def cache_shardings(mesh: Mesh) -> model_lib.KVCache:
-  """Shardings of one layer's cache entries: rows over data, KV heads over tensor."""
-  prompt = logical_sharding(mesh, "batch", "cache_heads", "length", None)
-  gen = logical_sharding(mesh, "batch", "samples", "cache_heads", "length", None)
-  return model_lib.KVCache(prompt, prompt, logical_sharding(mesh, "batch", "length"), gen, gen)
+def cache_shardings(mesh: Mesh) -> decode.Cache:
+  """Shardings of the decode cache (a tree prefix: one entry per field applies to every
+  layer's array): rows over the data axes, KV heads over tensor."""
+  return decode.Cache(
+      prompt_k=logical_sharding(mesh, "batch", "cache_heads", None, "length"),
+      prompt_v=logical_sharding(mesh, "batch", "cache_heads", "length", None),
+      prompt_bias=logical_sharding(mesh, "batch", None, None, "length"),
+      gen_k=logical_sharding(mesh, "batch", "cache_heads", "samples", None, "length"),
+      gen_v=logical_sharding(mesh, "batch", "cache_heads", "samples", "length", None))

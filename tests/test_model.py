@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.model: KV-cache decoding, padding, RoPE, RMSNorm, axes, dtypes, config."""
+"""Tests for jaxgrpo.model (decoding is tests/test_decode.py): padding, RoPE, RMSNorm, axes, dtypes, config."""
 
 import dataclasses
 import functools
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from jaxgrpo import model
-from jaxgrpo import sampling
 from numpy_params import random_params  # tests/numpy_params.py
 
 # A tiny grouped-query model: 4 query heads share 2 KV heads.
@@ -44,65 +43,6 @@ def _random_params(cfg, seed):
 @pytest.fixture(scope="module")
 def base_params():
   return _random_params(BASE, seed=0)
-
-
-def _left_padded_prompts(rng, lengths, width, vocab):
-  """Prompts left-padded to `width`; pads hold random tokens, so only the mask hides them."""
-  tokens = rng.integers(0, vocab, size=(len(lengths), width)).astype(np.int32)
-  mask = np.arange(width)[None, :] >= width - np.asarray(lengths)[:, None]
-  return tokens, mask
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT):
-  """KV-cache logits (prefill, then one decode_step per continuation token) and the full
-  forward logits over [left-padded prompt | continuation] for each of the G samples.
-
-  One jit per config: a single compile instead of one per piece (CPU time is the budget).
-  """
-  b, p = prompt_BxP.shape
-  g, t = cont_BxGxT.shape[1:]
-  # Prefill once per prompt, then build the cache the way sampling.sample does.
-  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP)
-  gen_shape = (b, g, cfg.num_kv_heads, t, cfg.head_dim)
-  cache = model.KVCache(
-      prompt_k=tuple(ks), prompt_v=tuple(vs), prompt_mask=mask_BxP,
-      gen_k=tuple(jnp.zeros(gen_shape, jnp.float32) for _ in ks),
-      gen_v=tuple(jnp.zeros(gen_shape, jnp.float32) for _ in vs))
-  prompt_len_B = jnp.sum(mask_BxP, axis=-1)
-  decoder = model.Decoder(cfg)
-
-  def step(cache, i):
-    positions_BxG = jnp.broadcast_to(prompt_len_B[:, None] + i, (b, g))
-    logits_BxGxV, cache = decoder.apply({"params": params}, cont_BxGxT[:, :, i], positions_BxG,
-                                        i, cache, method=model.Decoder.decode_step)
-    return cache, logits_BxGxV
-
-  _, decoded_TxBxGxV = jax.lax.scan(step, cache, jnp.arange(t))
-
-  rows = jnp.concatenate([jnp.repeat(prompt_BxP, g, axis=0), cont_BxGxT.reshape(b * g, t)], 1)
-  rows_mask = jnp.concatenate([jnp.repeat(mask_BxP, g, axis=0), jnp.ones((b * g, t), bool)], 1)
-  full = model.forward(params, cfg, rows, rows_mask).reshape(b, g, p + t, cfg.vocab_size)
-  return last_BxV, decoded_TxBxGxV.transpose(1, 2, 0, 3), full
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_kv_cache_decoding_matches_full_forward(variant):
-  cfg = VARIANTS[variant]
-  params = _random_params(cfg, seed=1)
-  b, g, p, t = 3, 2, 7, 5
-  rng = np.random.default_rng(0)
-  # Three prompts of 7, 4 and 2 real tokens; two different continuations each.
-  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
-  cont_BxGxT = rng.integers(0, cfg.vocab_size, size=(b, g, t)).astype(np.int32)
-  last_BxV, decoded_BxGxTxV, full = _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP,
-                                                            cont_BxGxT)
-  for j in range(g):  # the prefill's last logits predict the first continuation token
-    np.testing.assert_allclose(last_BxV, full[:, j, p - 1], atol=1e-5)
-  # decode_step i feeds continuation token i at position len + i: full position p + i.
-  np.testing.assert_allclose(decoded_BxGxTxV, full[:, :, p:], atol=1e-5)
-  # The two continuations of a prompt really differ, so per-sample caches are exercised.
-  assert not np.allclose(decoded_BxGxTxV[:, 0], decoded_BxGxTxV[:, 1], atol=1e-3)
 
 
 def _padding_batch(rng):

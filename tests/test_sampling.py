@@ -50,10 +50,11 @@ def _single_device_mesh():
   return sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
 
 
-def _engine(mesh, train=TRAIN, val=VAL, *, max_prompt_length=6, eos_id=None, seed=0):
+def _engine(mesh, train=TRAIN, val=VAL, *, max_prompt_length=6, eos_id=None, seed=0,
+            share_prefix=True):
   profiles = {"train": sampling.Profile(train, G, T), "val": sampling.Profile(val, G, T)}
   return sampling.RolloutEngine(CFG, mesh, profiles, max_prompt_length=max_prompt_length,
-                                eos_id=eos_id, pad_id=PAD, seed=seed)
+                                eos_id=eos_id, pad_id=PAD, seed=seed, share_prefix=share_prefix)
 
 
 @pytest.fixture(scope="module")
@@ -359,6 +360,28 @@ def test_mesh_results_equal_single_device(engine, params, prompts, mesh_config):
   np.testing.assert_array_equal(out.mask_NxT, expected.mask_NxT)
   np.testing.assert_allclose(out.logp_NxT, expected.logp_NxT, atol=1e-4)
   np.testing.assert_allclose(out.raw_logp_NxT, expected.raw_logp_NxT, atol=1e-4)
+
+
+def test_unshared_prefill_draws_the_same_samples(engine, params, prompts, monkeypatch):
+  # share_prefix=False (the benchmark's baseline) prefills all B * G rows, and must change
+  # nothing but the cost: same draws, same tokens, log-probs equal up to float rounding.
+  shapes = []
+  original_prefill = sampling.prefill
+
+  def recording_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP):
+    shapes.append(prompt_tokens_BxP.shape)  # trace time only
+    return original_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP)
+
+  monkeypatch.setattr(sampling, "prefill", recording_prefill)
+  unshared = _engine(_single_device_mesh(), share_prefix=False)
+  for name in ("train", "val"):
+    key = engine.key(name, 3)
+    expected = jax.device_get(engine.sample(name, params, *prompts, key=key))
+    out = jax.device_get(unshared.sample(name, params, *prompts, key=key))
+    np.testing.assert_array_equal(out.tokens_NxT, expected.tokens_NxT)
+    np.testing.assert_array_equal(out.mask_NxT, expected.mask_NxT)
+    np.testing.assert_allclose(out.logp_NxT, expected.logp_NxT, atol=1e-4)
+  assert shapes == [(8 * G, 6), (8 * G, 6)]  # every sample's copy of its prompt
 
 
 def test_prefill_runs_once_per_prompt_not_per_sample(engine_record):

@@ -1,0 +1,191 @@
+"""The sampler's decode step: one new token for each of G samples of B prompts, in few ops.
+
+`model.Decoder` is the reference implementation of the network; this module computes the
+same function of the same parameters for the one place where speed is everything, the
+token-by-token loop of the sampler. On CPU every op inside that loop costs a few
+microseconds of dispatch on top of its work, and the matmuls are tiny (B*G rows), so the
+number of ops per token decides the speed (DESIGN.md; BENCHMARKS.md has the figures). Here:
+
+  * the weights are rearranged once per sampler call (`prepare`), outside the loop: q, k
+    and v are one matmul ([d_model, H_kv, r + 2, head_dim]: each KV head's r query heads,
+    its key and its value side by side, which keeps a KV-head sharding intact), and the
+    tied output head is transposed once (gate and up stay two matmuls: one [d_model, 2, mlp]
+    matmul measured several times slower than the two on CPU);
+  * QK-norm and RoPE run on q and k together; the rotation angles are computed once per
+    token for all layers;
+  * the caches are laid out so each attention contraction is a plain batched matmul with no
+    transpose: prompt keys [B, H_kv, D, P] (stored transposed), prompt values
+    [B, H_kv, P, D], and the samples' own keys [B, H_kv, G, D, T] and values
+    [B, H_kv, G, T, D]. The prompt's keys and values are held once per prompt and read by
+    all G samples: a prompt is never copied G times;
+  * the softmax over [prompt | generated] keys is taken without concatenating them.
+
+tests/test_decode.py pins every variant (GQA, QK-norm, biases, untied head, Llama 3 RoPE,
+bfloat16) to `model.forward`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxgrpo import model as model_lib
+
+_NEG = -1e30  # as in model.py: finite, so a fully masked row cannot produce NaN
+
+
+class Layer(NamedTuple):
+  """One block's weights, transposed for feature-major activations (compute dtype)."""
+
+  attn_norm: jax.Array   # [d_model, 1]
+  qkv: jax.Array         # [H_kv, r + 2, D, d_model]: r query heads, then key, then value
+  qkv_bias: jax.Array | None  # [H_kv, r + 2, D, 1, 1] (Qwen2) or None
+  qk_norm: jax.Array | None   # [r + 1, D, 1, 1]: q_norm for the r query rows, k_norm for the key
+  out: jax.Array         # [d_model, H_kv, r, D]
+  mlp_norm: jax.Array    # [d_model, 1]
+  gate_up: jax.Array     # [2, mlp, d_model]
+  down: jax.Array        # [d_model, mlp]
+
+
+class Weights(NamedTuple):
+  embedding: jax.Array   # [d_model, V]
+  layers: tuple          # of Layer
+  final_norm: jax.Array  # [d_model, 1]
+  head: jax.Array        # [V, d_model]
+  inv_freq: jax.Array    # [D / 2, 1, 1] RoPE frequencies
+
+
+class Cache(NamedTuple):
+  """Per-layer tuples of keys and values; see the module docstring for the layouts."""
+
+  prompt_k: tuple        # [B, H_kv, D, P]
+  prompt_v: tuple        # [B, H_kv, P, D]
+  prompt_bias: jax.Array  # [B, 1, 1, P]: 0 on real prompt tokens, -1e30 on left padding
+  gen_k: tuple           # [B, H_kv, G, D, T]
+  gen_v: tuple           # [B, H_kv, G, T, D]
+
+
+def prepare(params, cfg: model_lib.ModelConfig) -> Weights:
+  """Rearranges Decoder parameters for `step` (once per sampler call, outside the loop)."""
+  dt = model_lib.DTYPES[cfg.dtype]
+  hk, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+  col = lambda v: v[:, None]
+  layers = []
+  for i in range(cfg.num_layers):
+    p = params[f"layer_{i}"]
+    a, m = p["attn"], p["mlp"]
+    q = a["q"].reshape(cfg.d_model, hk, r, d)
+    qkv = jnp.concatenate([q, a["k"][:, :, None], a["v"][:, :, None]], axis=2)
+    bias = None
+    if cfg.qkv_bias:
+      bias = jnp.concatenate([a["q_bias"].reshape(hk, r, d), a["k_bias"][:, None],
+                              a["v_bias"][:, None]], axis=1).astype(dt)[..., None, None]
+    norm = None
+    if cfg.qk_norm:
+      norm = jnp.concatenate([jnp.broadcast_to(a["q_norm"]["scale"], (r, d)),
+                              a["k_norm"]["scale"][None]], axis=0)[..., None, None]
+    layers.append(Layer(
+        attn_norm=col(p["attn_norm"]["scale"]), qkv=qkv.transpose(1, 2, 3, 0).astype(dt),
+        qkv_bias=bias, qk_norm=norm,
+        out=a["o"].reshape(hk, r, d, cfg.d_model).transpose(3, 0, 1, 2).astype(dt),
+        mlp_norm=col(p["mlp_norm"]["scale"]), gate_up=jnp.stack([m["gate"].T, m["up"].T]).astype(dt), down=m["down"].T.astype(dt)))
+  head = params["embedding"] if cfg.tie_embeddings else params["lm_head"].T
+  return Weights(embedding=params["embedding"].T.astype(dt), layers=tuple(layers),
+                 final_norm=col(params["final_norm"]["scale"]), head=head.astype(dt),
+                 inv_freq=model_lib.rope_frequencies(cfg, d)[:, None, None])
+
+
+def init_cache(prompt_k, prompt_v, prompt_mask_BxP, cfg: model_lib.ModelConfig,
+               num_samples: int, max_new_tokens: int) -> Cache:
+  """The cache after prefill: prefill's per-layer K/V are [B, H_kv, P, D]."""
+  dt = model_lib.DTYPES[cfg.dtype]
+  b, hk, d = prompt_mask_BxP.shape[0], cfg.num_kv_heads, cfg.head_dim
+  g, t = num_samples, max_new_tokens
+  return Cache(
+      prompt_k=tuple(k.transpose(0, 1, 3, 2).astype(dt) for k in prompt_k),
+      prompt_v=tuple(v.astype(dt) for v in prompt_v),
+      prompt_bias=jnp.where(prompt_mask_BxP, 0.0, _NEG).astype(jnp.float32)[:, None, None],
+      gen_k=tuple(jnp.zeros((b, hk, g, d, t), dt) for _ in prompt_k),
+      gen_v=tuple(jnp.zeros((b, hk, g, t, d), dt) for _ in prompt_v))
+
+
+def _norm(x, scale, cfg: model_lib.ModelConfig, axis: int = 0):
+  """model.rms_norm over `axis` (features run down the columns here)."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + cfg.norm_eps)
+  return (x32 * scale.astype(jnp.float32)).astype(model_lib.DTYPES[cfg.dtype])
+
+
+def _rope(x, cos, sin):
+  """Hugging Face's rotate-half RoPE (model.rope) along axis 2 of [H_kv, r+1, D, B, G]."""
+  half = x.shape[2] // 2
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[:, :, :half], x32[:, :, half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=2).astype(x.dtype)
+
+
+def _attend(q_BxKxGxRxD, layer_k, layer_v, cache: Cache, l: int, i):
+  """Softmax over the prompt's and the samples' own keys, without concatenating them."""
+  b, hk, g, r, d = q_BxKxGxRxD.shape
+  f32 = jnp.float32
+  s_prompt = jnp.einsum("bkmd,bkdp->bkmp", q_BxKxGxRxD.reshape(b, hk, g * r, d),
+                        cache.prompt_k[l], preferred_element_type=f32) + cache.prompt_bias
+  s_prompt = s_prompt.reshape(b, hk, g, r, -1)
+  s_gen = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, layer_k, preferred_element_type=f32)
+  s_gen = jnp.where(jnp.arange(layer_k.shape[-1]) <= i, s_gen, _NEG)
+  top = jnp.maximum(jnp.max(s_prompt, axis=-1, keepdims=True),
+                    jnp.max(s_gen, axis=-1, keepdims=True))
+  e_prompt, e_gen = jnp.exp(s_prompt - top), jnp.exp(s_gen - top)
+  total = jnp.sum(e_prompt, axis=-1, keepdims=True) + jnp.sum(e_gen, axis=-1, keepdims=True)
+  dt = layer_v.dtype
+  o = (jnp.einsum("bkmp,bkpd->bkmd", e_prompt.reshape(b, hk, g * r, -1).astype(dt),
+                  cache.prompt_v[l], preferred_element_type=f32).reshape(b, hk, g, r, d)
+       + jnp.einsum("bkgrt,bkgtd->bkgrd", e_gen.astype(dt), layer_v,
+                    preferred_element_type=f32))
+  return (o / total).astype(dt)
+
+
+def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache):
+  """Logits [B, G, V] (float32) for the tokens fed at decode step i, and the cache with
+  their keys and values written at slot i. All G samples of prompt b sit at
+  positions_B[b] (prompt length + i - 1).
+
+  Activations are feature-major, x [d_model, N] with N = B*G rows as columns, so every
+  projection is weight @ activations: XLA's CPU matmul measured up to 3x faster with the
+  large weight on the left than `x @ W` for 32 rows (BENCHMARKS.md).
+  """
+  b, g = tokens_BxG.shape
+  hk, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+  f32 = jnp.float32
+  x = jnp.take(w.embedding, tokens_BxG.reshape(-1), axis=1)  # [d_model, N]
+  angles = w.inv_freq * positions_B.astype(f32)[None, :, None]  # [D/2, B, 1]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)  # shared by all layers
+  gen_k, gen_v = [], []
+  for l, layer in enumerate(w.layers):
+    h = jnp.einsum("ksem,mn->ksen", layer.qkv, _norm(x, layer.attn_norm, cfg))
+    h = h.reshape(hk, r + 2, d, b, g)
+    if layer.qkv_bias is not None:
+      h = h + layer.qkv_bias
+    qk, v = h[:, : r + 1], h[:, r + 1]
+    if layer.qk_norm is not None:  # Qwen3 normalises each head before the rotation
+      qk = _norm(qk, layer.qk_norm, cfg, axis=2)
+    qk = _rope(qk, cos, sin)
+    q = (qk[:, :r] * d ** -0.5).transpose(3, 0, 4, 1, 2)   # [B, H_kv, G, r, D]
+    k = qk[:, r].transpose(2, 0, 3, 1)                     # [B, H_kv, G, D]
+    layer_k = jax.lax.dynamic_update_slice_in_dim(cache.gen_k[l], k[..., None], i, axis=4)
+    layer_v = jax.lax.dynamic_update_slice_in_dim(
+        cache.gen_v[l], v.transpose(2, 0, 3, 1)[:, :, :, None], i, axis=3)
+    o = _attend(q, layer_k, layer_v, cache, l, i)  # [B, H_kv, G, r, D]
+    x = x + jnp.einsum("mkre,bkgre->mbg", layer.out, o).reshape(-1, b * g)
+    xn = _norm(x, layer.mlp_norm, cfg)
+    gu = jnp.einsum("smd,dn->smn", layer.gate_up, xn)
+    x = x + layer.down @ (jax.nn.silu(gu[0]) * gu[1])
+    gen_k.append(layer_k)
+    gen_v.append(layer_v)
+  # [V, N], then a transpose behind a barrier: when XLA folds the transpose into the matmul
+  # it picks a slower CPU matmul kernel (0.8 ms instead of ~0.3 per token on the small preset).
+  logits_VxN = jax.lax.optimization_barrier(w.head @ _norm(x, w.final_norm, cfg))
+  logits = logits_VxN.astype(f32).T
+  return logits.reshape(b, g, -1), cache._replace(gen_k=tuple(gen_k), gen_v=tuple(gen_v))

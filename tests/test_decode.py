@@ -1,0 +1,112 @@
+"""Tests for jaxgrpo.decode: the sampler's decode step equals the reference forward pass."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrpo import decode
+from jaxgrpo import model
+from jaxgrpo import sampling
+from numpy_params import random_params  # tests/numpy_params.py
+
+# A tiny grouped-query model: 4 query heads share 2 KV heads.
+BASE = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, mlp_dim=64)
+
+# Three variants cover every switch `prepare` rearranges: grouped-query attention with tied
+# embeddings; multi-head attention with QK-norm and an untied head; Qwen2's q/k/v biases
+# with Llama 3 RoPE scaling and 4 query heads per KV head (r = 4).
+VARIANTS = {
+    "gqa_tied": BASE,
+    "mha_qknorm_untied": dataclasses.replace(BASE, num_kv_heads=4, qk_norm=True,
+                                             tie_embeddings=False),
+    "bias_llama3_r4": dataclasses.replace(BASE, num_kv_heads=1, qkv_bias=True,
+                                          rope_scaling_factor=8.0,
+                                          rope_original_max_positions=16),
+}
+
+
+def _left_padded_prompts(rng, lengths, width, vocab):
+  """Prompts left-padded to `width`; pads hold random tokens, so only the mask hides them."""
+  tokens = rng.integers(0, vocab, size=(len(lengths), width)).astype(np.int32)
+  mask = np.arange(width)[None, :] >= width - np.asarray(lengths)[:, None]
+  return tokens, mask
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT):
+  """Decode-step logits (prefill, then one decode.step per continuation token) and the full
+  forward logits over [left-padded prompt | continuation] for each of the G samples.
+
+  One jit per config: a single compile instead of one per piece (CPU time is the budget).
+  """
+  b, p = prompt_BxP.shape
+  g, t = cont_BxGxT.shape[1:]
+  # Prefill once per prompt, then build the cache the way sampling.sample does.
+  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP)
+  cache = decode.init_cache(ks, vs, mask_BxP, cfg, g, t)
+  weights = decode.prepare(params, cfg)
+  prompt_len_B = jnp.sum(mask_BxP, axis=-1)
+
+  def step(cache, i):
+    logits_BxGxV, cache = decode.step(weights, cfg, cont_BxGxT[:, :, i], prompt_len_B + i, i,
+                                      cache)
+    return cache, logits_BxGxV
+
+  _, decoded_TxBxGxV = jax.lax.scan(step, cache, jnp.arange(t))
+
+  rows = jnp.concatenate([jnp.repeat(prompt_BxP, g, axis=0), cont_BxGxT.reshape(b * g, t)], 1)
+  rows_mask = jnp.concatenate([jnp.repeat(mask_BxP, g, axis=0), jnp.ones((b * g, t), bool)], 1)
+  full = model.forward(params, cfg, rows, rows_mask).reshape(b, g, p + t, cfg.vocab_size)
+  return last_BxV, decoded_TxBxGxV.transpose(1, 2, 0, 3), full
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_decode_steps_match_the_full_forward(variant):
+  cfg = VARIANTS[variant]
+  params = random_params(cfg, seed=1, scale_noise=0.1)  # a dropped norm scale would show
+  b, g, p, t = 3, 2, 7, 5
+  rng = np.random.default_rng(0)
+  # Three prompts of 7, 4 and 2 real tokens; two different continuations each.
+  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
+  cont_BxGxT = rng.integers(0, cfg.vocab_size, size=(b, g, t)).astype(np.int32)
+  last_BxV, decoded_BxGxTxV, full = _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP,
+                                                            cont_BxGxT)
+  for j in range(g):  # the prefill's last logits predict the first continuation token
+    np.testing.assert_allclose(last_BxV, full[:, j, p - 1], atol=1e-5)
+  # decode step i feeds continuation token i at position len + i: full position p + i.
+  np.testing.assert_allclose(decoded_BxGxTxV, full[:, :, p:], atol=1e-5)
+  # The two continuations of a prompt really differ, so per-sample caches are exercised.
+  assert not np.allclose(decoded_BxGxTxV[:, 0], decoded_BxGxTxV[:, 1], atol=1e-3)
+
+
+def test_bfloat16_decoding_stays_close_to_float32():
+  cfg32 = VARIANTS["mha_qknorm_untied"]
+  cfg16 = dataclasses.replace(cfg32, dtype="bfloat16")
+  params = random_params(cfg32, seed=2, scale_noise=0.1)
+  rng = np.random.default_rng(1)
+  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 3], 7, cfg32.vocab_size)
+  cont_BxGxT = rng.integers(0, cfg32.vocab_size, size=(2, 2, 3)).astype(np.int32)
+  _, dec16, full32 = _cached_and_full_logits(cfg16, params, prompt_BxP, mask_BxP, cont_BxGxT)
+  assert dec16.dtype == jnp.float32  # logits always come back in float32
+  # bfloat16 keeps 8 mantissa bits: logits of size ~1 agree to a few hundredths.
+  np.testing.assert_allclose(dec16, full32[:, :, 7:], atol=0.1)
+
+
+def test_prepare_keeps_each_kv_heads_queries_key_and_value_together():
+  # The fused projection's [H_kv, r + 2, D, d_model] layout: KV head k's query heads are
+  # k*r .. k*r + r - 1 (model.Attention's grouping), then its key, then its value.
+  cfg = VARIANTS["bias_llama3_r4"]
+  params = random_params(cfg, seed=3)
+  w = decode.prepare(params, cfg)
+  a = params["layer_0"]["attn"]
+  qkv = np.asarray(w.layers[0].qkv)
+  assert qkv.shape == (1, 6, 8, 32)
+  for h in range(4):
+    np.testing.assert_array_equal(qkv[0, h], a["q"][:, h].T)
+  np.testing.assert_array_equal(qkv[0, 4], a["k"][:, 0].T)
+  np.testing.assert_array_equal(qkv[0, 5], a["v"][:, 0].T)
