@@ -210,11 +210,17 @@ def init_state(params, optimizer, mesh) -> TrainState:
 
 
 def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, optimizer,
-                   lr_schedule, mesh):
+                   lr_schedule, mesh, on_trace=None):
   """jit(update_step) with explicit shardings: state as it lies, batch rows over data axes,
-  the old state donated so params and optimizer moments are updated in place."""
+  the old state donated so params and optimizer moments are updated in place.
+
+  on_trace: called with no arguments each time jax traces the step, i.e. once per
+  compilation, so a caller can count recompiles (a new batch shape, dtype or sharding).
+  """
 
   def step_fn(state, batch, ref):
+    if on_trace is not None:
+      on_trace()  # Python side effect: runs while tracing, never in the compiled step
     return update_step(state, batch, ref, cfg=cfg, loss=loss, sp=sp, optimizer=optimizer,
                        lr_schedule=lr_schedule)
 

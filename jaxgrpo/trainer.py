@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 
@@ -24,7 +25,11 @@ from jaxgrpo import sharding as sharding_lib
 
 
 def build(setup):
-  """Mesh, sharded params, the two sampling profiles, optimizer state and update step."""
+  """Mesh, sharded params, the two sampling profiles, optimizer state and update step.
+
+  The update step is a CountedUpdate: its `compilations`, like engine.compilations for the
+  samplers, count traces, so the run can show that nothing recompiled inside the loop.
+  """
   c = setup.config
   mesh = sharding_lib.make_mesh(c.mesh.to_dict())
   if c.model.hf_checkpoint:  # streamed tensor by tensor onto the mesh (checked in prepare)
@@ -48,9 +53,27 @@ def build(setup):
       epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
       scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
       max_new_tokens=gen.max_new_tokens)
-  update = grpo.compile_update(state, ref_params, cfg=setup.model_cfg, loss=loss_cfg,
-                               sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
+  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_cfg, sp=train_sp,
+                         optimizer=optimizer, lr_schedule=lr, mesh=mesh)
   return engine, state, ref_params, update
+
+
+class CountedUpdate:
+  """compile_update's jitted step, called as it is, and how many times jax traced it.
+
+  A trace happens once per compilation, so `compilations` above 1 after a run means an input's
+  shape, dtype or sharding changed between steps: each such step paid a full compilation.
+  """
+
+  def __init__(self, *args, **kwargs):  # compile_update's arguments
+    self.compilations = 0
+    self.fn = grpo.compile_update(*args, **kwargs, on_trace=self._count)
+
+  def _count(self):
+    self.compilations += 1
+
+  def __call__(self, state, batch, ref_params):
+    return self.fn(state, batch, ref_params)
 
 
 def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
@@ -190,8 +213,10 @@ def run(setup) -> int:
     checkpoints.close()
   logged = _logged_val(setup.workdir)  # read once for the summary and the best checkpoint
   summary = _summary(logged, g, stop, step, saved.get(step))
-  summary.update(wall_time_s=round(time.time() - t_start, 2),
-                 sampler_compilations=dict(engine.compilations), resumed_from=resumed_from,
+  compilations = {"update": update.compilations,
+                  **{f"{name}_sampler": n for name, n in engine.compilations.items()}}
+  summary.update(wall_time_s=round(time.time() - t_start, 2), compilations=compilations,
+                 peak_rss_mib=peak_rss_mib(), resumed_from=resumed_from,
                  preempted=preemption.name or None)
   summary.update(_best(logged, ck.best_metric, kept))
   if fault:
@@ -204,6 +229,8 @@ def run(setup) -> int:
   if primary:
     if log.plots and (val_history or resumed_from):
       plot.validation_plot(setup.workdir)
+    for line in _recompile_warnings(compilations):
+      print(line, file=sys.stderr, flush=True)
     if fault:
       print(message, file=sys.stderr, flush=True)
     else:
@@ -296,4 +323,27 @@ def _summary_line(summary, workdir, preempted="") -> str:
              f"{summary['final_val_accuracy']:.3f} ({summary['val_accuracy_gain']:+.3f})")
   if summary["checkpoint"]:
     line += f"; checkpoint {summary['checkpoint']}"
+  n = summary["compilations"]
+  line += (f"; compiled: update {n['update']}, samplers train {n['train_sampler']} / "
+           f"val {n['val_sampler']}; peak RSS {summary['peak_rss_mib']:.0f} MiB")
   return line + f"; results in {workdir}"
+
+
+_COMPILED_NAMES = {"update": "the update step", "train_sampler": "the train sampler",
+                   "val_sampler": "the validation sampler"}
+
+
+def _recompile_warnings(compilations) -> list[str]:
+  """One line per function compiled more than once: each recompile inside the loop is a
+  performance bug (a changed shape, dtype or sharding) that only this count reveals."""
+  return [f"warning: {_COMPILED_NAMES.get(k, k)} compiled {n} times in this run (expected once:"
+          " an input's shape, dtype or sharding changed between calls, and each change paid a"
+          " full compilation)" for k, n in compilations.items() if n > 1]
+
+
+def peak_rss_mib() -> float:
+  """This process's peak resident set size so far, in MiB (getrusage's ru_maxrss: KiB on
+  Linux, bytes on macOS). It covers the whole process: host data, jax's compiler, and on
+  CPU the device buffers too."""
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)

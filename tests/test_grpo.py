@@ -611,3 +611,23 @@ def test_repeated_updates_move_policy_toward_rewarded_completion(params, single_
   # negative (the policy improves on this batch).
   np.testing.assert_allclose(losses[0], 0.0, atol=1e-6)
   assert losses[-1] < losses[0] - 1e-3, losses
+
+
+def test_compile_update_on_trace_counts_compilations(params):
+  # The trainer counts recompiles with this hook: it must fire per trace, not per call.
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  optimizer, lr = _optimizer()
+  traces = []
+  state = _fresh_state(mesh, params)
+  update = grpo.compile_update(state, None, cfg=CFG, loss=_loss_config(), sp=SP,
+                               optimizer=optimizer, lr_schedule=lr, mesh=mesh,
+                               on_trace=lambda: traces.append(1))
+  assert not traces  # nothing traced before the first call
+  batch = _batch(REWARDS, LENGTHS, num_prompts=4)
+  for _ in range(2):  # same shapes: the second call reuses the first compilation
+    state, _ = update(state, batch, None)
+  assert len(traces) == 1 and int(state.step) == 2
+  # N 8 -> 4 rows: a new shape traces again. trace() shares the calls' trace cache and skips
+  # XLA's compilation (~15 s here), which a call would add without testing anything more.
+  update.trace(state, _batch(REWARDS[:4], LENGTHS[:4], num_prompts=2), None)
+  assert len(traces) == 2

@@ -144,7 +144,7 @@ def test_smoke_run_writes_results(straight_run):
   assert config["generation"]["temperature"] == config["generation"]["val_temperature"] == 0.9
   summary = json.load(open(workdir / "summary.json"))
   # Each profile compiled exactly once over the whole run.
-  assert summary["sampler_compilations"] == {"train": 1, "val": 1}
+  assert summary["compilations"] == {"update": 1, "train_sampler": 1, "val_sampler": 1}
   assert "final_val_accuracy" in summary and summary["stopped_early"] is False
   assert summary["checkpoint"].endswith(os.path.join("checkpoints", "8"))
   assert os.listdir(workdir / "tb" / "train")

@@ -100,3 +100,35 @@ def test_a_missing_stop_metric_fails_loudly(smoke, tmp_path):
   with pytest.raises(KeyError, match=r"'pass@3'.*accuracy, accuracy_stderr"):
     trainer.run(setup)
   assert rows(tmp_path, "train") == []
+
+
+def test_twenty_steps_with_validation_compile_each_function_once(smoke, tmp_path, capsys):
+  # The check: validation every 5 steps (at start and at steps 5..20) between
+  # updates must reuse the compiled update step and samplers. No checkpoint until the end
+  # and no TensorBoard keep the 20 steps cheap.
+  setup = variant(smoke, tmp_path, max_num_steps=20, val_period=5, val_at_start=True)
+  setup.config.checkpoint.save_period = 0
+  setup.config.logging.tensorboard = False
+  assert trainer.run(setup) == 0
+  assert [r["step"] for r in rows(tmp_path, "val")] == [0, 5, 10, 15, 20]
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["steps"] == 20
+  assert summary["compilations"] == {"update": 1, "train_sampler": 1, "val_sampler": 1}
+  assert summary["peak_rss_mib"] > 0
+  out, err = capsys.readouterr()
+  last = out.strip().splitlines()[-1]
+  assert last.startswith("finished 20 steps"), last
+  assert "compiled: update 1, samplers train 1 / val 1; peak RSS " in last, last
+  assert "warning" not in err, err
+
+
+def test_a_recompile_is_named_in_a_warning_and_the_summary_line():
+  summary = {"steps": 4, "stopped_early": False, "wall_time_s": 9.0, "checkpoint": None,
+             "compilations": {"update": 3, "train_sampler": 1, "val_sampler": 2},
+             "peak_rss_mib": 811.6}
+  assert trainer._summary_line(summary, "w").endswith(
+      "; compiled: update 3, samplers train 1 / val 2; peak RSS 812 MiB; results in w")
+  warnings = trainer._recompile_warnings(summary["compilations"])
+  assert [w.split(" compiled ")[0] for w in warnings] == [
+      "warning: the update step", "warning: the validation sampler"]
+  assert "compiled 3 times" in warnings[0]
