@@ -1,4 +1,12 @@
-"""Benchmarks, one JSON line per measurement: `python -m jaxgrpo.bench {sampler,validation}`.
+"""Benchmarks, one JSON line per measurement:
+`python -m jaxgrpo.bench {sampler,step,validation,prefill,all} [--preset tiny|small|...]`.
+
+Every line carries the machine (jax version, device, cores, load average before and after).
+Roofline fractions divide a figure's FLOP rate by the dense matmul rate measured in the same
+process (roofline.matmul_rate). `step` (bench_step.py) times whole GRPO steps on the peer's
+workload; `prefill` gives the prefill's FLOP rate and what prefix sharing buys; `all` runs
+sampler, step and prefill for one preset, then validation. bench/compare_tunix.py runs these
+and the peer's script back to back and prints the ratios.
 
 `sampler` times the compiled sampler on the workload of the Tunix peer benchmark
 (shared/peers/tunix_bench.py): its 8 prompts as byte-level tokens (0=pad, 1=bos, 2=eos,
@@ -46,6 +54,7 @@ from jaxgrpo import config as config_lib  # noqa: E402
 from jaxgrpo import data as data_lib  # noqa: E402
 from jaxgrpo import model as model_lib  # noqa: E402
 from jaxgrpo import policy as policy_lib  # noqa: E402
+from jaxgrpo import roofline  # noqa: E402
 from jaxgrpo import sampling  # noqa: E402
 from jaxgrpo import sharding as sharding_lib  # noqa: E402
 from jaxgrpo import train as train_lib  # noqa: E402
@@ -117,6 +126,16 @@ def _machine(devices, loadavg_start) -> dict:
               cpu_count=os.cpu_count(), loadavg_start=loadavg_start, loadavg_end=_loadavg())
 
 
+def sampler_flops(cfg: model_lib.ModelConfig, prompts: int, samples: int, prompt_len: int,
+                  new_tokens: int) -> float:
+  """Analytic FLOPs of one sampler call as computed: each prompt's prefill once, then
+  new_tokens - 1 decode steps of every row attending over the whole P + T cache (the loop
+  masks unfilled slots rather than skipping them)."""
+  return (prompts * prompt_len * roofline.model_flops_per_token(cfg, prompt_len)
+          + prompts * samples * (new_tokens - 1)
+          * roofline.model_flops_per_token(cfg, prompt_len + new_tokens))
+
+
 def bench_sampler(policy: policy_lib.Policy, mode: str, reps: int, new_tokens: int) -> dict:
   """Times `reps` full sampler calls after a first (compiling) one; returns the stats."""
   sp = MODES[mode]
@@ -140,7 +159,8 @@ def bench_sampler(policy: policy_lib.Policy, mode: str, reps: int, new_tokens: i
     times.append(time.perf_counter() - t0)
   med = statistics.median(times)
   generated = int(np.sum(lengths))
-  return dict(
+  flops = sampler_flops(policy.cfg, len(PROMPTS), NUM_SAMPLES, width, new_tokens)
+  return dict(flops_per_call=flops, flops_per_s=round(flops / med), 
       mode=mode, sampling=dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k),
       workload=dict(prompts=len(PROMPTS), samples=NUM_SAMPLES, prompt_len=width,
                     new_tokens=new_tokens, eos=None, dtype=policy.cfg.dtype),
@@ -160,9 +180,98 @@ def run_sampler(args) -> list[dict]:
   results = []
   for mode in modes:
     stats = bench_sampler(policy, mode, args.reps, args.new_tokens)
+    # The roofline's denominator, measured right after the figure it divides (same load).
+    rate = roofline.matmul_rate()["flops_per_s"]
     results.append(dict(bench="sampler", preset=args.preset, n_params=policy.num_params,
-                        **stats, **_machine(devices, loadavg_start)))
+                        **stats, matmul_flops_per_s=round(rate),
+                        roofline_fraction=round(stats["flops_per_s"] / rate, 3),
+                        **_machine(devices, loadavg_start)))
     loadavg_start = _loadavg()
+  return results
+
+
+def _timed(fn, reps: int):
+  """(first call s, [reps timed calls s]); fn blocks on its own result."""
+  t0 = time.perf_counter()
+  fn()
+  first = time.perf_counter() - t0
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return first, times
+
+
+def run_prefill(args) -> list[dict]:
+  """The `prefill` subcommand: the prefill's FLOP rate against the machine's matmul rate,
+  and what sharing each prompt's prefill across its G samples buys.
+
+  Workload: `--prompts` prompts of `--prompt_len` random tokens (all real, no padding), G =
+  `--samples`, `--new_tokens` new tokens at temperature 1 with EOS off. `shared` is the
+  engine as it runs (each prompt prefilled once, its K/V read by all G samples); `unshared`
+  prefills every sample's copy of its prompt (RolloutEngine(share_prefix=False)), as a
+  sampler without prefix sharing does. The two are timed alternately, call by call.
+  """
+  loadavg_start = _loadavg()
+  devices = jax.devices()[:1]
+  cfg = preset_config(args.preset)
+  mesh = sharding_lib.make_mesh({"data": 1}, devices)
+  params = sharding_lib.init_sharded(cfg, mesh, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  b, p, g, t = args.prompts, args.prompt_len, args.samples, args.new_tokens
+  tokens = rng.integers(3, cfg.vocab_size, size=(b, p)).astype(np.int32)
+  mask = np.ones((b, p), bool)
+  workload = dict(prompts=b, prompt_len=p, samples=g, new_tokens=t, eos=None, dtype=cfg.dtype)
+
+  prefill = jax.jit(lambda params, tokens, mask: sampling.prefill(params, cfg, tokens, mask))
+  flops = roofline.compiled_flops(prefill.lower(params, tokens, mask).compile())
+  first, times = _timed(lambda: jax.block_until_ready(prefill(params, tokens, mask)), args.reps)
+  med = statistics.median(times)
+  rate = roofline.matmul_rate()["flops_per_s"]
+  results = [dict(bench="prefill", kind="prefill", preset=args.preset, workload=workload,
+                  flops=flops, first_call_s=round(first, 3), median_s=round(med, 4),
+                  all_s=[round(x, 4) for x in times], flops_per_s=round(flops / med),
+                  matmul_flops_per_s=round(rate), roofline_fraction=round(flops / med / rate, 3),
+                  **_machine(devices, loadavg_start))]
+
+  loadavg_start = _loadavg()
+  profiles = {"train": sampling.Profile(MODES["pure"], g, t),
+              "val": sampling.Profile(MODES["greedy"], 1, t)}  # required, never called
+  engines = {share: sampling.RolloutEngine(cfg, mesh, profiles, max_prompt_length=p,
+                                           eos_id=None, pad_id=PAD, seed=0, share_prefix=share)
+             for share in (True, False)}
+  calls = {share: (lambda e=e: jax.block_until_ready(e.sample("train", params, tokens, mask)))
+           for share, e in engines.items()}
+  firsts = {share: _timed(call, 0)[0] for share, call in calls.items()}
+  walls = {True: [], False: []}
+  for _ in range(args.reps):  # alternate, so a noisy moment hits both sides
+    for share, call in calls.items():
+      walls[share].append(_timed(call, 1)[1][0])
+  shared, unshared = (statistics.median(walls[s]) for s in (True, False))
+  results.append(dict(
+      bench="prefill", kind="prefix_sharing", preset=args.preset, workload=workload,
+      shared_median_s=round(shared, 4), unshared_median_s=round(unshared, 4),
+      shared_all_s=[round(x, 4) for x in walls[True]],
+      unshared_all_s=[round(x, 4) for x in walls[False]],
+      shared_first_call_s=round(firsts[True], 3), unshared_first_call_s=round(firsts[False], 3),
+      cost_ratio=round(shared / unshared, 4), speedup=round(unshared / shared, 2),
+      cost_ratio_is="shared / unshared median wall per rollout call",
+      **_machine(devices, loadavg_start)))
+  return results
+
+
+def run_all(args) -> list[dict]:
+  """The `all` subcommand: sampler (every mode), step and prefill for --preset, then the
+  validation bench, each with its default settings."""
+  parser = build_parser()
+  results = []
+  for argv in (["sampler", "--preset", args.preset, "--mode", "all"],
+               ["step", "--preset", args.preset],
+               ["prefill", "--preset", args.preset],
+               ["validation"]):
+    sub_args = parser.parse_args(argv)
+    results.extend(sub_args.run(sub_args))
   return results
 
 
@@ -266,6 +375,21 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--max_val_samples", type=int, default=500, help="validation prompts")
   v.add_argument("--out", default=None, help="also append the JSON lines to this file")
   v.set_defaults(run=run_validation)
+  from jaxgrpo import bench_step  # pylint: disable=C0415  (it imports this module)
+  bench_step.add_parsers(sub)
+  pf = sub.add_parser("prefill", help="prefill FLOP rate, and what prefix sharing buys")
+  pf.add_argument("--preset", choices=sorted(PRESETS), default="small")
+  pf.add_argument("--prompts", type=int, default=4, help="distinct prompts")
+  pf.add_argument("--prompt_len", type=int, default=512, help="tokens per prompt")
+  pf.add_argument("--samples", type=int, default=8, help="samples per prompt (G)")
+  pf.add_argument("--new_tokens", type=int, default=16, help="tokens sampled per row")
+  pf.add_argument("--reps", type=int, default=5, help="timed calls (alternating shared/unshared)")
+  pf.add_argument("--out", default=None, help="also append the JSON lines to this file")
+  pf.set_defaults(run=run_prefill)
+  a = sub.add_parser("all", help="sampler, step and prefill for --preset, then validation")
+  a.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+  a.add_argument("--out", default=None, help="also append the JSON lines to this file")
+  a.set_defaults(run=run_all)
   return parser
 
 
@@ -273,7 +397,8 @@ def main(argv=None) -> list[dict]:
   """Parses `argv`, runs the benchmark, prints (and optionally appends) one line per result."""
   args = build_parser().parse_args(argv)
   # Each subcommand has its own flags; a flag another subcommand lacks passes as its minimum.
-  for flag, lowest in (("reps", 1), ("new_tokens", 1), ("seeds", 2), ("max_val_samples", 1)):
+  for flag, lowest in (("reps", 1), ("new_tokens", 1), ("seeds", 2), ("max_val_samples", 1),
+                       ("prompts", 1), ("prompt_len", 1), ("samples", 1)):
     if getattr(args, flag, lowest) < lowest:
       raise SystemExit(f"--{flag}={getattr(args, flag)}: must be >= {lowest}")
   results = args.run(args)

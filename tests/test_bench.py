@@ -100,3 +100,65 @@ def test_validation_bench_without_the_repository_config_fails_in_one_line(tmp_pa
   with pytest.raises(SystemExit, match="configs/math.py not found") as e:
     bench.default_config()
   assert "\n" not in str(e.value)
+
+
+def test_sampler_flops_by_hand():
+  # tiny: per token 2 * 557,056 matmul weights (per layer q 128x128, k and v 128x64, o
+  # 128x128, MLP 3 x 128x512 = 245,760, two layers, plus the 128x512 head) = 1,114,112 FLOPs,
+  # plus attention 2 layers x 2 x 2 x 4 heads x 32 = 1,024 FLOPs per key attended.
+  # One call of 8 prompts x 4 samples, P = 64, T = 4: 8 x 64 prefill tokens over 64 keys,
+  # then 3 decode steps of 32 rows over the 68-slot cache.
+  expected = 8 * 64 * (1_114_112 + 1_024 * 64) + 32 * 3 * (1_114_112 + 1_024 * 68)
+  assert bench.sampler_flops(bench.preset_config("tiny"), 8, 4, 64, 4) == expected
+
+
+def test_sampler_bench_reports_its_roofline_fraction(monkeypatch):
+  monkeypatch.setattr(bench.roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
+  r = bench.main(["sampler", "--preset", "tiny", "--reps", "1", "--new_tokens", "4"])[0]
+  assert r["flops_per_call"] == bench.sampler_flops(bench.preset_config("tiny"), 8, 4, 64, 4)
+  assert r["flops_per_s"] == pytest.approx(r["flops_per_call"] / r["median_s"], rel=1e-3)
+  assert r["matmul_flops_per_s"] == 1e11
+  assert r["roofline_fraction"] == pytest.approx(r["flops_per_s"] / 1e11, abs=1e-3)
+
+
+def test_prefill_bench_times_shared_and_unshared_rollouts(monkeypatch, capsys):
+  monkeypatch.setattr(bench.roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
+  results = bench.main(["prefill", "--preset", "tiny", "--prompts", "2", "--prompt_len", "16",
+                        "--samples", "2", "--new_tokens", "3", "--reps", "2"])
+  assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == results
+  pre, share = results
+  assert (pre["kind"], share["kind"]) == ("prefill", "prefix_sharing")
+  assert pre["workload"] == share["workload"] == dict(prompts=2, prompt_len=16, samples=2,
+                                                      new_tokens=3, eos=None, dtype="float32")
+  # XLA's count of the prefill: at least the matmul FLOPs of its 2 x 16 tokens through the
+  # layers (2 x 491,520 weights each) plus the 128x512 head at each prompt's last position
+  # only (a prefill returns no other logits): 2 * 16 * 983,040 + 2 * 131,072.
+  assert pre["flops"] >= 2 * 16 * 983_040 + 2 * 131_072
+  assert pre["roofline_fraction"] == pytest.approx(pre["flops_per_s"] / 1e11, abs=1e-3)
+  assert len(share["shared_all_s"]) == len(share["unshared_all_s"]) == 2
+  assert share["cost_ratio"] == pytest.approx(
+      share["shared_median_s"] / share["unshared_median_s"], rel=0.01)
+
+
+def test_all_runs_each_bench_for_the_preset(monkeypatch):
+  from jaxgrpo import bench_step
+  seen = []
+
+  def fake(name):
+    return lambda args: seen.append((name, getattr(args, "preset", None))) or [{"bench": name}]
+
+  monkeypatch.setattr(bench, "run_sampler", fake("sampler"))
+  monkeypatch.setattr(bench, "run_prefill", fake("prefill"))
+  monkeypatch.setattr(bench, "run_validation", fake("validation"))
+  monkeypatch.setattr(bench_step, "run_step", fake("step"))
+  results = bench.main(["all", "--preset", "small"])
+  assert seen == [("sampler", "small"), ("step", "small"), ("prefill", "small"),
+                  ("validation", None)]
+  assert [r["bench"] for r in results] == ["sampler", "step", "prefill", "validation"]
+
+
+@pytest.mark.parametrize("argv", [["prefill", "--prompt_len", "0"], ["prefill", "--samples", "0"],
+                                  ["all", "--preset", "huge"]])
+def test_bad_prefill_and_all_arguments_exit(argv):
+  with pytest.raises(SystemExit):
+    bench.main(argv)
