@@ -226,8 +226,14 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
     # One sharding per field is a tree prefix: it applies to every layer's array.
     cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh))
 
+  # Every step's draws up front, in one vectorised computation: threefry inside the loop
+  # ran as nested loops of tiny ops, about 1 ms per token on CPU (a third of a tiny-preset
+  # call). The values are the same as drawing at each step.
+  u_TxBxG = None if sp.greedy else jax.vmap(
+      lambda i: row_uniforms(key, row_ids_B, i, g))(jnp.arange(t, dtype=jnp.int32))
+
   def pick(logits_BxGxV, i, done_BxG):
-    u = row_uniforms(key, row_ids_B, i, g)
+    u = None if u_TxBxG is None else jax.lax.dynamic_index_in_dim(u_TxBxG, i, keepdims=False)
     token, logp, raw = draw(logits_BxGxV.reshape(b, g, -1), u, sp)
     token = jnp.where(done_BxG, pad_id, token)
     zero = jnp.zeros_like(logp)
