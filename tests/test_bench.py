@@ -116,7 +116,8 @@ def test_sampler_bench_reports_its_roofline_fraction(monkeypatch):
   monkeypatch.setattr(bench.roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
   r = bench.main(["sampler", "--preset", "tiny", "--reps", "1", "--new_tokens", "4"])[0]
   assert r["flops_per_call"] == bench.sampler_flops(bench.preset_config("tiny"), 8, 4, 64, 4)
-  assert r["flops_per_s"] == pytest.approx(r["flops_per_call"] / r["median_s"], rel=1e-3)
+  # median_s is printed to 0.1 ms, a few percent of this 4-token call; the rate is not rounded.
+  assert r["flops_per_s"] == pytest.approx(r["flops_per_call"] / r["median_s"], rel=0.05)
   assert r["matmul_flops_per_s"] == 1e11
   assert r["roofline_fraction"] == pytest.approx(r["flops_per_s"] / 1e11, abs=1e-3)
 
