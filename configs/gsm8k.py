@@ -34,7 +34,8 @@ def get_config(arg=None):
       rope_low_freq_factor=unset(float), rope_high_freq_factor=unset(float),
       rope_original_max_positions=unset(int), param_dtype="float32", dtype="bfloat16"))
 
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  # dcn_data: TPU slices (multi-slice); data/fsdp/tensor are sizes inside one slice.
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))
 
   c.data = ml_collections.ConfigDict(dict(
       source="jsonl", train_path="@gsm8k/train.jsonl", val_path="@gsm8k/test.jsonl",

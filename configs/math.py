@@ -31,7 +31,9 @@ def get_config(arg=None):
       rope_high_freq_factor=4.0, rope_original_max_positions=8192,
       param_dtype="float32", dtype="float32"))
 
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # dcn_data: TPU slices joined by the data-centre network, each a data-parallel replica;
+  # data/fsdp/tensor are sizes inside one slice.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1))
 
   c.data = ml_collections.ConfigDict(dict(
       source="arithmetic", train_path="", val_path="", question_key="question",

@@ -104,7 +104,7 @@ SCHEMA: dict[str, Any] = {
         "rope_high_freq_factor": _optional(_num(0)),
         "rope_original_max_positions": _optional(_int(1)),
         "param_dtype": _dtype, "dtype": _dtype},
-    "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1)},
+    "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1), "dcn_data": _int(1)},
     "data": {
         "source": _choice("arithmetic", "jsonl"), "train_path": _str, "val_path": _str,
         "question_key": _str, "answer_key": _str, "prompt_template": _str,
@@ -267,8 +267,9 @@ def _check_cross_fields(c, num_devices: int):
     sizes = sharding.resolve_mesh_shape(c.mesh.to_dict(), num_devices)
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
+  # Stored per slice, as given: resolving the stored sizes again gives the same mesh.
   for axis, size in zip(sharding.MESH_AXES, sizes):
-    c.mesh[axis] = size
+    c.mesh[axis] = size // c.mesh.dcn_data if axis == "data" else size
   rows = sizes[0] * sizes[1]
   g = c.grpo
   if g.num_prompts_per_step % rows:

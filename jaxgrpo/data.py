@@ -9,8 +9,11 @@ Rows are plain dicts `{"question": str, "answer": str, ...}`. A run turns them i
 - `validation_batches`: a fixed, ordered list of batches, padded to equal counts on every
   process, with a `valid_B` flag on each row.
 
-On a pod each process reads rows `process_index::process_count` of the same list, so hosts
-never feed the same prompt twice within an epoch.
+On a pod, training batches are global: every process shuffles the same list with the same
+seed, and process p keeps rows [p*B/P, (p+1)*B/P) of each global batch of B prompts, so the
+global batch (and the run's losses) do not depend on how many processes share it, and a
+checkpoint's data position resumes on any number of hosts. Validation rows are dealt out
+`process_index::process_count`; its metrics are sums over prompts, so order does not matter.
 """
 
 from __future__ import annotations
@@ -246,29 +249,44 @@ class ChatPrompt:
 
 
 class PromptBatches:
-  """Infinite, shuffled training batches of this process's share of the rows.
+  """Infinite, shuffled training batches: this process's slice of each global batch.
 
-  Each epoch is a fresh permutation (grain's `repeat` reseeds the shuffle per epoch from
-  `seed`); a batch may span two epochs. Each batch is a dict with `prompt_tokens_BxL`
-  (int32), `prompt_mask_BxL` (bool), `row_ids_B` (int32, indices into `rows`), and
-  `prompts`, `questions`, `answers` (lists of str), where B = `batch_size` per process.
+  Each epoch is a fresh permutation of all rows (grain's `repeat` reseeds the shuffle per
+  epoch from `seed`); a batch may span two epochs. `batch_size` is the global batch (all
+  processes together); this process gets its `batch_size / process_count` consecutive rows
+  of it. Each batch is a dict with `prompt_tokens_BxL` (int32), `prompt_mask_BxL` (bool),
+  `row_ids_B` (int32, indices into `rows`), `batch_offset` (this slice's first row in the
+  global batch) and `prompts`, `questions`, `answers` (lists of str).
+
+  Every process renders and tokenizes every row at startup (cheap next to a step, and a
+  too-long prompt then fails on all hosts alike); only its slice is collated.
   """
 
   def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Tokenizer, batch_size: int,
                max_prompt_length: int, template: str = "{question}", seed: int = 0,
                process_index: int | None = None, process_count: int | None = None):
-    shard, self.process_index, self.process_count = _shard(rows, process_index,
-                                                           process_count)
+    _, self.process_index, self.process_count = _shard(rows, process_index, process_count)
     if batch_size < 1:
       raise DataError(f"batch_size={batch_size}, expected at least 1")
-    if not shard:
-      raise DataError(f"{len(rows)} rows cannot feed {self.process_count} processes")
-    records = _prepare(rows, shard, tokenizer, template, max_prompt_length)
+    if batch_size % self.process_count:
+      raise DataError(f"batch_size={batch_size} does not split over {self.process_count} "
+                      "processes")
+    if not rows:
+      raise DataError("training: empty dataset (0 usable rows)")
+    records = _prepare(rows, range(len(rows)), tokenizer, template, max_prompt_length)
     self.num_rows, self.batch_size, self.seed = len(records), batch_size, seed
+    self.local_batch_size = batch_size // self.process_count
+    offset = self.process_index * self.local_batch_size
     pad_id = tokenizer.pad_id
+
+    def collate(global_records):
+      batch = _collate(global_records[offset:offset + self.local_batch_size], pad_id,
+                       max_prompt_length)
+      batch["batch_offset"] = offset
+      return batch
+
     dataset = (grain.MapDataset.source(records).seed(seed).shuffle().repeat(None)
-               .batch(batch_size, drop_remainder=True,
-                      batch_fn=lambda rs: _collate(rs, pad_id, max_prompt_length)))
+               .batch(batch_size, drop_remainder=True, batch_fn=collate))
     # num_threads=0: the rows are in memory, and reader threads would only contend for
     # the GIL with the training loop.
     self._iterator = iter(dataset.to_iter_dataset(
@@ -281,15 +299,15 @@ class PromptBatches:
     return next(self._iterator)
 
   def _fingerprint(self) -> dict[str, int]:
-    return {"seed": self.seed, "num_rows": self.num_rows, "batch_size": self.batch_size,
-            "process_index": self.process_index, "process_count": self.process_count}
+    # No process numbers: the position in the global order is the same on every host.
+    return {"seed": self.seed, "num_rows": self.num_rows, "batch_size": self.batch_size}
 
   def get_state(self) -> dict[str, Any]:
     """Returns the position to checkpoint: grain's iterator state plus what it depends on."""
     return {"iterator": self._iterator.get_state(), **self._fingerprint()}
 
   def set_state(self, state: dict[str, Any]) -> None:
-    """Resumes at `state`; refuses one saved with other data, seed, batch size or hosts."""
+    """Resumes at `state`; refuses one saved with other data, seed or global batch size."""
     saved = {k: state.get(k) for k in self._fingerprint()}
     if saved != self._fingerprint():
       raise DataError(f"data iterator state was saved for {saved}, but this run has "

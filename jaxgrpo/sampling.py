@@ -357,23 +357,26 @@ class RolloutEngine:
     if width > self.max_prompt_length:
       raise ValueError(f"prompt length {width} exceeds max_prompt_length="
                        f"{self.max_prompt_length}")
-    rows = np.shape(prompt_tokens_BxP)[0]
+    rows = np.shape(prompt_tokens_BxP)[0]  # this process's prompts
+    procs = jax.process_count()
     multiple = sharding_lib.batch_size_multiple(self.mesh)
-    if rows % multiple:
-      raise ValueError(f"{rows} prompts do not divide over the {multiple} data-parallel "
-                       f"devices (mesh data x fsdp)")
+    if (rows * procs) % multiple:
+      raise ValueError(f"{rows * procs} prompts do not divide over the {multiple} "
+                       f"data-parallel devices (mesh data x fsdp)")
     if key is None:
       step = self._calls[name] if step is None else step
       key = self.key(name, step)
       self._calls[name] = step + 1
     tokens, mask = left_pad(prompt_tokens_BxP, prompt_mask_BxP, self.max_prompt_length,
                             self.pad_id)
-    if row_ids_B is None:
-      row_ids_B = np.arange(rows, dtype=np.int32)
+    if row_ids_B is None:  # the global batch's row numbers (each process holds a slice)
+      row_ids_B = np.arange(rows, dtype=np.int32) + jax.process_index() * rows
     row_ids_B = np.asarray(row_ids_B, np.int32)
     if row_ids_B.shape != (rows,):
       raise ValueError(f"row_ids_B has shape {row_ids_B.shape}; expected ({rows},)")
-    return self._samplers[name](params, tokens, mask, key, row_ids_B)
+    tokens, mask, row_ids_B = sharding_lib.to_global(self.mesh, (tokens, mask, row_ids_B))
+    return self._samplers[name](params, tokens, mask, sharding_lib.replicate_key(self.mesh, key),
+                                row_ids_B)
 
 
 # log(1e-30): the log-prob given to a token that fell outside a truncated profile's

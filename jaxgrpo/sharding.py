@@ -4,6 +4,16 @@ The mesh has three named axes: `data` (pure data parallelism), `fsdp` (data para
 parameters and optimizer state are also split over it) and `tensor` (heads, MLP and vocab
 split over it). Batch rows are split over `data` x `fsdp`.
 
+Multi-slice (several TPU slices joined by the data-centre network, DCN): `dcn_data` slices
+each hold a copy of the model and a share of the batch, so the `data` axis is `dcn_data`
+slices x the `data` size inside one slice (ICI); fsdp and tensor stay inside a slice, where
+the links are fast. The mesh is built with `mesh_utils.create_hybrid_device_mesh`; on
+devices without a slice index (CPU rehearsals) each process stands for a slice.
+
+On several hosts (multi-controller JAX) each process holds only its rows of a batch:
+`to_global` assembles the global arrays from every process's rows and `to_local` gives a
+process its rows of a global array back.
+
 Model code names axes logically (`embed`, `q_heads`, `mlp`, ...); `RULES` maps those names to
 mesh axes in one place, the way maxtext and t5x do, so a new layout is a rules change, not a
 model change. Parameters are created already sharded: `init_sharded` traces the initialiser
@@ -18,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgrpo import decode
@@ -44,37 +55,64 @@ RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
+MESH_KEYS = MESH_AXES + ("dcn_data",)
+
+
 def resolve_mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
-  """Sizes for (data, fsdp, tensor); one axis may be -1, meaning "the remaining devices"."""
-  unknown = sorted(set(mesh_config) - set(MESH_AXES))
+  """Sizes for (data, fsdp, tensor); one axis may be -1, meaning "the remaining devices".
+
+  With `dcn_data` = S > 1 slices, the sizes apply inside one slice (num_devices / S devices)
+  and the returned data size is S times the per-slice one.
+  """
+  unknown = sorted(set(mesh_config) - set(MESH_KEYS))
   if unknown:
-    raise ValueError(f"mesh: unknown axes {unknown}; allowed {list(MESH_AXES)}")
+    raise ValueError(f"mesh: unknown axes {unknown}; allowed {list(MESH_KEYS)}")
+  slices = int(mesh_config.get("dcn_data", 1))
+  if slices < 1 or num_devices % slices:
+    raise ValueError(f"mesh.dcn_data={slices}: must be a positive number of slices that "
+                     f"divides the {num_devices} devices")
+  per_slice = num_devices // slices
   sizes = [int(mesh_config.get(a, 1)) for a in MESH_AXES]
   if sum(s == -1 for s in sizes) > 1:
     raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
   for axis, size in zip(MESH_AXES, sizes):
     if size == 0 or size < -1:
       raise ValueError(f"mesh.{axis}={size}: must be a positive size or -1")
+  where = f"the {per_slice} devices of a slice" if slices > 1 else f"the {num_devices} available"
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
-    if num_devices % known:
+    if per_slice % known:
       raise ValueError(f"mesh: the fixed axes {dict(zip(MESH_AXES, sizes))} use {known} "
-                       f"devices, which does not divide the {num_devices} available")
-    sizes[sizes.index(-1)] = num_devices // known
-  if math.prod(sizes) != num_devices:
+                       f"devices, which does not divide {where}")
+    sizes[sizes.index(-1)] = per_slice // known
+  if math.prod(sizes) != per_slice:
+    have = f"a slice has {per_slice}" if slices > 1 else f"{num_devices} are available"
     raise ValueError(f"mesh: {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                     f"but {num_devices} are available")
+                     f"but {have}")
+  sizes[0] *= slices
   return tuple(sizes)
 
 
 def make_mesh(mesh_config: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh. Auto axis types: jax 0.10 defaults to Explicit."""
+  """A (data, fsdp, tensor) mesh. Auto axis types: jax 0.10 defaults to Explicit.
+
+  mesh_config may hold resolved sizes (config.json's) or -1s; `dcn_data` > 1 splits the
+  data axis over slices first (see the module docstring).
+  """
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_config, len(devices))
+  slices = int(mesh_config.get("dcn_data", 1))
+  auto = (AxisType.Auto,) * 3
+  if slices > 1:
+    ici = (shape[0] // slices,) + shape[1:]
+    # CPU devices have no slice index: each process is one "slice" in a rehearsal.
+    granule = getattr(devices[0], "slice_index", None) is None
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices,
+                                                process_is_granule=granule)
+    return Mesh(grid, MESH_AXES, axis_types=auto)
   if len(devices) == len(jax.devices()):
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
-              axis_types=(AxisType.Auto,) * 3)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
 def batch_size_multiple(mesh: Mesh) -> int:
@@ -95,6 +133,43 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def to_global(mesh: Mesh, tree):
+  """This process's rows (numpy, leading axis) -> global arrays split over the data axes.
+
+  Every process passes its own rows, in the order of its batch slice; on one process this
+  is a device_put. Leaves that are already jax Arrays (a rollout's outputs) pass through.
+  """
+  def one(x):
+    if isinstance(x, jax.Array):
+      return x
+    x = np.asarray(x)
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
+  return jax.tree.map(one, tree)
+
+
+def replicate_key(mesh: Mesh, key):
+  """A PRNG key (the same on every process) as a global array replicated over the mesh; on
+  one process the key is returned as it is."""
+  if jax.process_count() == 1:
+    return key
+  data = np.asarray(jax.random.key_data(key))
+  data = jax.make_array_from_callback(data.shape, replicated(mesh), lambda index: data[index])
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+
+
+def to_local(tree):
+  """Global arrays split over the data axes -> this process's rows as numpy (the inverse
+  of `to_global`); fully replicated arrays come back whole."""
+  def one(x):
+    if jax.process_count() == 1 or x.is_fully_replicated:
+      return np.asarray(jax.device_get(x))
+    shards = {}
+    for shard in x.addressable_shards:  # replicas along other axes repeat a row block
+      shards.setdefault(shard.index[0].start or 0, shard.data)
+    return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)], axis=0)
+  return jax.tree.map(one, tree)
 
 
 def param_shardings(cfg: model_lib.ModelConfig, mesh: Mesh):

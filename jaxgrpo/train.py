@@ -22,10 +22,17 @@ from ml_collections import config_flags
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
+from jaxgrpo import distributed
 from jaxgrpo import hf
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py[:arg]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the run writes (default: ./runs/<time>).")
+# A multi-host rehearsal on one machine names its peers; on a TPU pod they come from the
+# environment and these stay unset (see jaxgrpo/distributed.py).
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 (multi-process rehearsal)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the run")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's id, 0..num_processes-1")
 
 USER_ERRORS = (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
 
@@ -55,6 +62,10 @@ def prepare(argv) -> Setup:
     sys.argv = saved_argv
   if _CONFIG.value is None:
     raise config_lib.ConfigError("--config is required, e.g. --config=configs/math.py")
+  try:  # before any other JAX call, so every later call sees the whole pod
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
   import jax  # imported here so that flag errors answer fast; no compilation happens below
   config = config_lib.validate(_CONFIG.value, jax.device_count())
   model_cfg, host_params, tokenizer = _load_policy(config)
@@ -71,12 +82,22 @@ def prepare(argv) -> Setup:
     except chat.ChatTemplateError as e:
       raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
   procs = jax.process_count()
+  for key in ("num_prompts_per_step", "val_batch_size"):
+    if g[key] % procs:
+      raise config_lib.ConfigError(
+          f"config.grpo.{key}={g[key]}: allowed: a multiple of the {procs} processes")
+  # Global batches: each process keeps its slice, so the run does not depend on the hosts.
   train_batches = data_lib.PromptBatches(
-      train_rows, tokenizer, g.num_prompts_per_step // procs, d.max_prompt_length,
+      train_rows, tokenizer, g.num_prompts_per_step, d.max_prompt_length,
       template=template, seed=config.seed)
   val_batches = data_lib.validation_batches(val_rows, tokenizer, g.val_batch_size // procs,
                                             d.max_prompt_length, template=template)
   workdir = _WORKDIR.value or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+  if "://" in workdir:  # logs and plots are written with plain file I/O
+    raise config_lib.ConfigError(
+        f"--workdir={workdir}: a URL is not supported; allowed: a local or mounted path "
+        "(on a pod, mount the bucket with GCS FUSE, e.g. xpk storage attach --type=gcsfuse, "
+        "and pass the mount path, so every host writes to the same folder)")
   resume = _resume_point(config, workdir, model_cfg, train_batches)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
@@ -218,7 +239,9 @@ def main(argv=None) -> int:
     print(__doc__.strip() + "\n\nFlags:\n  --config=FILE[:ARG]  run config file, e.g. "
           "configs/math.py or configs/math.py:smoke\n  --config.KEY=VALUE   override any "
           "config key (see README.md)\n  --workdir=DIR        where the run writes "
-          "(default: ./runs/<time>)")
+          "(default: ./runs/<time>)\n  --coordinator_address=HOST:PORT --num_processes=N "
+          "--process_id=I\n                       a multi-process rehearsal on one machine "
+          "(a TPU pod needs none)")
     return 0
   try:
     setup = prepare(argv)

@@ -19,7 +19,8 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import checkpoint, faults, grpo, hf, metrics, plot, sampling, validation
+from jaxgrpo import checkpoint, distributed, faults, grpo, hf, metrics, plot, sampling
+from jaxgrpo import validation
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 
@@ -92,14 +93,20 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step):
-  """One rollout, its rewards and num_iterations updates. Returns (state, metrics)."""
+  """One rollout, its rewards and num_iterations updates. Returns (state, metrics).
+
+  On several hosts each process samples and scores its own prompts; the update sees the
+  global batch, and the logged numbers are gathered over every process's rows.
+  """
   c = setup.config
   g = c.grpo.num_generations_per_prompt
   weights = c.rewards.to_dict()
   t0 = time.perf_counter()
   rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
                           batch["prompt_mask_BxL"], step=step)
-  completions = setup.tokenizer.decode_batch(jax.device_get(rollout.tokens_NxT))
+  tokens_NxT, lengths_N, truncated_N = sharding_lib.to_local(
+      (rollout.tokens_NxT, rollout.lengths_N, rollout.truncated_N))
+  completions = setup.tokenizer.decode_batch(tokens_NxT)
   t_rollout = time.perf_counter() - t0
   answers = [a for a in batch["answers"] for _ in range(g)]
   total, breakdown = rewards_lib.compute(weights, completions, answers)
@@ -107,30 +114,33 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
   if step == faults.nan_injection_step():  # test hook (faults.py): a poisoned update
     rewards_N = np.full_like(rewards_N, np.nan)
   t1 = time.perf_counter()
-  update_batch = {
+  update_batch = sharding_lib.to_global(engine.mesh, {
       "prompt_tokens_BxP": batch["prompt_tokens_BxL"],
       "prompt_mask_BxP": batch["prompt_mask_BxL"],
       "completion_tokens_NxT": rollout.tokens_NxT, "completion_mask_NxT": rollout.mask_NxT,
       "old_logp_NxT": rollout.logp_NxT, "rewards_N": rewards_N,
-      "truncated_N": rollout.truncated_N}
+      "truncated_N": rollout.truncated_N})
   for _ in range(c.grpo.num_iterations):
     state, aux = update(state, update_batch, ref_params)
   aux = jax.device_get(aux)
   t_update = time.perf_counter() - t1
-  lengths = np.asarray(rollout.lengths_N)
+  names = sorted(breakdown)
+  rewards_N, correct_N, lengths_N, truncated_N, *parts = distributed.gather_rows(
+      rewards_N, validation.correctness(weights, total, breakdown), lengths_N, truncated_N,
+      *(np.asarray(breakdown[k], np.float32) for k in names))
   groups = rewards_N.reshape(-1, g)
   out = {
       "reward_mean": float(rewards_N.mean()), "reward_std": float(rewards_N.std()),
-      "accuracy": float(validation.correctness(weights, total, breakdown).mean()),
+      "accuracy": float(correct_N.mean()),
       "zero_std_group_fraction": float(np.mean(groups.std(axis=1) == 0)),
-      "completion_length_mean": float(lengths.mean()),
-      "completion_length_max": int(lengths.max()),
-      "truncated_fraction": float(np.asarray(rollout.truncated_N).mean()),
-      "rollout_tokens_per_s": float(lengths.sum() / max(t_rollout, 1e-9)),
+      "completion_length_mean": float(lengths_N.mean()),
+      "completion_length_max": int(lengths_N.max()),
+      "truncated_fraction": float(truncated_N.mean()),
+      "rollout_tokens_per_s": float(lengths_N.sum() / max(t_rollout, 1e-9)),
       "rollout_s": t_rollout, "update_s": t_update,
   }
   out.update({k: float(v) for k, v in aux.items()})
-  out.update({f"reward/{k}": float(np.mean(v)) for k, v in breakdown.items()})
+  out.update({f"reward/{k}": float(np.mean(v)) for k, v in zip(names, parts)})
   return state, out
 
 
@@ -182,11 +192,16 @@ def run(setup) -> int:
       stop = stop_rule(validate(0), 0)
     elif start > 0:  # the validation logged at the resumed step decides as it did then
       stop = _logged_stop(setup.workdir, start, stop_rule)
-    while stop is None and step < g.max_num_steps and not preemption.requested:
+    # A signal may reach one host only: every host must see it at the same step (or the
+    # others wait forever in the next collective), so the flag is agreed on before use.
+    preempted = False
+    while (stop is None and step < g.max_num_steps
+           and not (preempted := distributed.any_process(preemption.requested))):
       step += 1
       batch = next(setup.train_batches)
+      row_ids, = distributed.gather_rows(batch["row_ids_B"])  # the global batch's rows
       if primary:
-        _append_jsonl(prompts_log, {"step": step, "row_ids": batch["row_ids_B"].tolist()})
+        _append_jsonl(prompts_log, {"step": step, "row_ids": row_ids.tolist()})
       state, step_metrics = train_step(setup, engine, state, ref_params, update, batch, step)
       writer.write(step, "train", step_metrics)
       try:
@@ -199,7 +214,8 @@ def run(setup) -> int:
                                                          step == g.max_num_steps):
         result = validate(step)
         stop = stop_rule(result, step)
-      reason = ("early_stop" if stop else "preempted" if preemption.requested else
+      preempted = distributed.any_process(preemption.requested)
+      reason = ("early_stop" if stop else "preempted" if preempted else
                 "end" if step == g.max_num_steps else "period")
       if (reason != "period" or (ck.save_period and step % ck.save_period == 0)
           or (result and ck.best_metric)):
@@ -207,7 +223,7 @@ def run(setup) -> int:
     if stop and primary:
       print(stop, flush=True)
     if fault is None and step > start and step not in saved:  # a signal between two checks
-      save(step, "preempted" if preemption.requested else "end", val_history.get(step))
+      save(step, "preempted" if preempted else "end", val_history.get(step))
     checkpoints.wait()  # every pending write, also on a second signal's way out
     kept = checkpoints.steps()
     checkpoints.close()
@@ -256,8 +272,10 @@ def _resume(setup, checkpoints, state):
   if source is not checkpoints:
     source.close()
   if jax.process_index() == 0:
-    if checkpoint.set_aside_after(checkpoints.directory, start):
-      checkpoints.reload()
+    checkpoint.set_aside_after(checkpoints.directory, start)
+  distributed.barrier("checkpoints set aside")  # then every host sees the same steps
+  checkpoints.reload()
+  if jax.process_index() == 0:
     metrics.truncate_jsonl(os.path.join(setup.workdir, PROMPTS_LOG), start)
     samples = os.path.join(setup.workdir, "val_samples")
     for name in os.listdir(samples) if os.path.isdir(samples) else []:

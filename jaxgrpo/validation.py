@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo import distributed
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 
@@ -160,7 +161,7 @@ class Validator:
     self.weights, self.threshold = dict(weights), threshold
     self.k = engine.profile("val").num_samples
     self.key = jax.random.key(seed)  # with the prompt index, the only source of randomness
-    self.samples_dir = samples_dir
+    self.samples_dir, self.mesh = samples_dir, mesh
     self._metrics = compile_metrics(mesh, self.k, threshold)
 
   def __call__(self, params, step: int) -> dict:
@@ -171,8 +172,8 @@ class Validator:
                 for b in self.batches]
     scores, totals, lengths, truncated, records = [], [], [], [], []
     for batch, rollout in zip(self.batches, rollouts):
-      tokens, lens, trunc = jax.device_get((rollout.tokens_NxT, rollout.lengths_N,
-                                            rollout.truncated_N))
+      tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
+                                                   rollout.truncated_N))
       completions = self.tokenizer.decode_batch(tokens)
       answers = [a for a in batch["answers"] for _ in range(self.k)]
       total, breakdown = rewards_lib.compute(self.weights, completions, answers)
@@ -181,12 +182,16 @@ class Validator:
       totals.append(np.asarray(total, np.float32))
       lengths.append(lens)
       truncated.append(trunc)
-      if self.samples_dir is not None:
-        records += self._records(batch, completions, score, lens, trunc)
+      records += self._records(batch, completions, score, lens, trunc)
     valid_P = np.concatenate([b["valid_B"] for b in self.batches])
-    metrics = jax.device_get(self._metrics(
+    # This process's rows, whole prompts each: the metrics are sums over prompts, so the
+    # global array's row order (process by process) does not change them.
+    metrics = jax.device_get(self._metrics(*sharding_lib.to_global(self.mesh, (
         np.concatenate(scores), np.concatenate(totals), np.concatenate(lengths),
-        np.concatenate(truncated), valid_P))
+        np.concatenate(truncated), valid_P))))
+    # Every host's samples go to process 0's file (the others pass samples_dir=None).
+    records = sorted((r for part in distributed.gather_objects(records) for r in part),
+                     key=lambda r: r["prompt_index"])
     metrics["wall_time_s"] = time.perf_counter() - t0
     # In metric_names order (device_get sorts dict keys): accuracy first on every console line.
     out = {name: (int(metrics[name]) if name.startswith("num_") else float(metrics[name]))

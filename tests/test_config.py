@@ -28,6 +28,17 @@ def test_default_and_smoke_configs_validate_and_lock():
       c.new_key = 1  # locked
 
 
+def test_multi_slice_mesh_is_stored_per_slice():
+  # 2 slices of 4 devices: config.json keeps the per-slice data size, so the mesh built from
+  # the resolved config is the one validated (data 2 x 4 = 8 over both slices).
+  c = math_config()
+  c.mesh.dcn_data = 2
+  resolved = config_lib.validate(c, num_devices=8)
+  assert (resolved.mesh.data, resolved.mesh.dcn_data) == (4, 2)
+  from jaxgrpo import sharding  # pylint: disable=g-import-not-at-top
+  assert sharding.resolve_mesh_shape(resolved.mesh.to_dict(), 8) == (8, 1, 1)
+
+
 def test_validate_leaves_callers_config_alone():
   c = math_config()
   config_lib.validate(c, num_devices=8)
@@ -54,6 +65,8 @@ def test_validate_leaves_callers_config_alone():
     ("data.source", "csv", "'arithmetic', 'jsonl'"),
     ("data.prompt_template", "Q:", "{question}"),
     ("mesh.tensor", 3, "mesh"),
+    ("mesh.dcn_data", 3, "config.mesh.dcn_data=3"),
+    ("mesh.dcn_data", 0, "config.mesh.dcn_data=0"),
 ])
 def test_bad_values_name_the_key(path, value, expect):
   c = math_config()

@@ -176,7 +176,7 @@ def test_prompt_batches_shapes_and_keys(tok):
                                process_index=0, process_count=1)
   batch = next(batches)
   assert set(batch) == {"prompt_tokens_BxL", "prompt_mask_BxL", "row_ids_B", "prompts",
-                        "questions", "answers"}
+                        "questions", "answers", "batch_offset"}
   assert batch["prompt_tokens_BxL"].shape == (4, 9)
   assert batch["prompt_tokens_BxL"].dtype == np.int32
   assert batch["prompt_mask_BxL"].dtype == bool
@@ -194,16 +194,43 @@ def test_prompt_batches_each_epoch_is_a_permutation_reshuffled(tok):
   assert not np.array_equal(epochs[0], epochs[1])
 
 
-def test_prompt_batches_process_shards_are_disjoint_and_cover(tok):
-  seen = []
-  for index in range(2):
-    batches = data.PromptBatches(_rows(11), tok, batch_size=1, max_prompt_length=9,
-                                 process_index=index, process_count=2)
-    ids = {int(b["row_ids_B"][0]) for b in _take(batches, batches.num_rows)}
-    assert ids == set(range(index, 11, 2))
-    seen.append(ids)
-  assert not seen[0] & seen[1]
-  assert seen[0] | seen[1] == set(range(11))
+def test_prompt_batches_processes_slice_the_same_global_batches(tok):
+  # batch_size is global: with 2 processes each gets 2 consecutive rows of every 4-row
+  # batch, and process 0's slice followed by process 1's is the one-process batch, so a run
+  # sees the same prompts on any number of hosts.
+  kwargs = dict(tokenizer=tok, batch_size=4, max_prompt_length=9, seed=3)
+  alone = _take(data.PromptBatches(_rows(11), process_index=0, process_count=1, **kwargs), 6)
+  parts = [_take(data.PromptBatches(_rows(11), process_index=i, process_count=2, **kwargs), 6)
+           for i in range(2)]
+  for step, whole in enumerate(alone):
+    first, second = parts[0][step], parts[1][step]
+    assert first["row_ids_B"].shape == (2,) and first["batch_offset"] == 0
+    assert second["batch_offset"] == 2
+    np.testing.assert_array_equal(np.concatenate([first["row_ids_B"], second["row_ids_B"]]),
+                                  whole["row_ids_B"])
+    np.testing.assert_array_equal(
+        np.concatenate([first["prompt_tokens_BxL"], second["prompt_tokens_BxL"]]),
+        whole["prompt_tokens_BxL"])
+    assert first["answers"] + second["answers"] == whole["answers"]
+
+
+def test_prompt_batches_state_resumes_on_another_process_count(tok):
+  # The position is global, so a state saved by a 2-process run resumes in 1 process (and
+  # the reverse) where it left off.
+  kwargs = dict(tokenizer=tok, batch_size=4, max_prompt_length=9, seed=3)
+  expected = _take(data.PromptBatches(_rows(11), process_index=0, process_count=1, **kwargs), 5)
+  two = data.PromptBatches(_rows(11), process_index=1, process_count=2, **kwargs)
+  _take(two, 3)
+  one = data.PromptBatches(_rows(11), process_index=0, process_count=1, **kwargs)
+  one.set_state(two.get_state())
+  assert [b["row_ids_B"].tolist() for b in _take(one, 2)] == [
+      b["row_ids_B"].tolist() for b in expected[3:]]
+
+
+def test_prompt_batches_global_batch_must_split_over_processes(tok):
+  with pytest.raises(data.DataError, match="batch_size=3 does not split over 2 processes"):
+    data.PromptBatches(_rows(11), tok, batch_size=3, max_prompt_length=9, process_index=0,
+                       process_count=2)
 
 
 def test_prompt_batches_resume_from_state(tok):

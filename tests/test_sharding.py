@@ -64,6 +64,37 @@ def test_make_mesh_axes_and_auto_types():
   assert dict(one.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
 
 
+def test_resolve_mesh_shape_multi_slice_sizes_are_per_slice():
+  # 2 slices of 4 devices: the sizes given apply inside a slice; data spans the slices.
+  assert sharding.resolve_mesh_shape({"data": -1, "dcn_data": 2}, 8) == (8, 1, 1)
+  assert sharding.resolve_mesh_shape({"data": 1, "fsdp": -1, "dcn_data": 2}, 8) == (2, 4, 1)
+  assert sharding.resolve_mesh_shape({"data": 1, "fsdp": 2, "tensor": 2, "dcn_data": 2},
+                                     8) == (2, 2, 2)
+  with pytest.raises(ValueError, match=r"mesh\.dcn_data=3"):
+    sharding.resolve_mesh_shape({"data": -1, "dcn_data": 3}, 8)
+  with pytest.raises(ValueError, match="a slice has 4"):
+    sharding.resolve_mesh_shape({"fsdp": 8, "dcn_data": 2}, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SliceDevice:
+  """What create_hybrid_device_mesh reads of a device: TPU devices carry slice_index."""
+  id: int
+  slice_index: int
+  process_index: int = 0
+  platform: str = "cpu"
+  device_kind: str = "cpu"
+
+
+def test_make_mesh_multi_slice_keeps_fsdp_and_tensor_inside_a_slice():
+  devices = [_SliceDevice(i, slice_index=i // 4) for i in range(8)]
+  mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 2, "dcn_data": 2}, devices)
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  # Each index of the data axis is one slice: its fsdp x tensor block never crosses DCN.
+  for d in range(2):
+    assert {dev.slice_index for dev in mesh.devices[d].ravel()} == {d}
+
+
 @pytest.fixture(scope="module")
 def mesh222():
   return sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})

@@ -174,3 +174,28 @@ def test_gsm8k_config_needs_a_model_and_checks_it_before_compiling(tmp_path):
   proc = run_train(f"--config={GSM8K}:cpu", f"--config.model.hf_checkpoint={broken}",
                    workdir=tmp_path / "c")
   assert_clean_error(proc, f"{broken}/tokenizer.json: missing")
+
+
+# Pod flags and paths refused before anything starts (jax.distributed is never reached).
+POD_REFUSED = [
+    (["--workdir=gs://bucket/run"], ["--workdir=gs://bucket/run", "GCS FUSE"]),
+    (["--coordinator_address=127.0.0.1:1234"],
+     ["--coordinator_address, --num_processes and --process_id go together"]),
+    (["--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=2"],
+     ["--process_id=2", "allowed 0..1"]),
+]
+
+
+def test_pod_flags_are_refused_at_startup(tmp_path):
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "jaxgrpo.train", f"--workdir={tmp_path / str(i)}",
+       f"--config={MATH}:smoke", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=env(), cwd=ROOT) for i, (args, _) in enumerate(POD_REFUSED)]
+  for i, (proc, (args, fragments)) in enumerate(zip(procs, POD_REFUSED)):
+    stdout, stderr = proc.communicate(timeout=600)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    try:
+      assert_clean_error(done, *fragments)
+      assert not os.path.exists(tmp_path / str(i))
+    except AssertionError as e:
+      raise AssertionError(f"case {args}: {e}") from None
