@@ -195,15 +195,20 @@ def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, 
   return TrainState(state.step + 1, params, opt_state), aux
 
 
+def opt_state_shardings(params, optimizer, mesh):
+  """Shardings of optimizer.init(params): moments (mu, nu) take their parameters' shardings,
+  so FSDP splits them too; scalars such as Adam's step count are replicated over the mesh.
+  `params` may be arrays or ShapeDtypeStructs carrying shardings (launch/compile_check.py)."""
+  replicated = sharding_lib.replicated(mesh)
+  return optax.tree_map_params(
+      optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params), params,
+      transform_non_params=lambda _: replicated)
+
+
 def init_state(params, optimizer, mesh) -> TrainState:
   """Optimizer state created on device, sharded like the parameters it mirrors."""
-  # Moments (mu, nu) take their parameters' shardings, so FSDP splits them too; scalars
-  # such as Adam's step count are replicated over the mesh.
   replicated = sharding_lib.replicated(mesh)
-  param_sh = jax.tree.map(lambda x: x.sharding, params)
-  state_sh = optax.tree_map_params(
-      optimizer, lambda _, sh: sh, jax.eval_shape(optimizer.init, params), param_sh,
-      transform_non_params=lambda _: replicated)
+  state_sh = opt_state_shardings(params, optimizer, mesh)
   opt_state = jax.jit(optimizer.init, out_shardings=state_sh)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
   return TrainState(step, params, opt_state)

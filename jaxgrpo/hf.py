@@ -70,14 +70,15 @@ def save_pretrained(path: str, cfg: model_lib.ModelConfig, params, tokenizer: To
   tokenizer.save(path)
 
 
-def load_pretrained(path: str):
-  """Returns (ModelConfig, host parameter tree of numpy arrays, Tokenizer)."""
+def inspect_pretrained(path: str, need_weights: bool = True):
+  """Returns (ModelConfig, Tokenizer) of a jaxgrpo checkpoint folder, reading no weights
+  (need_weights=False: the weights file need not be there, as for a compile check)."""
   folder = resolve(path)
   if not os.path.isdir(folder):
     raise PretrainedError(f"{path}: no such checkpoint folder")
   model_file = os.path.join(folder, MODEL_FILE)
   weights_file = os.path.join(folder, WEIGHTS_FILE)
-  for f in (model_file, weights_file):
+  for f in (model_file, weights_file) if need_weights else (model_file,):
     if not os.path.isfile(f):
       raise PretrainedError(f"{f}: missing (a checkpoint folder holds {MODEL_FILE}, "
                             f"{WEIGHTS_FILE} and tokenizer.json)")
@@ -90,6 +91,13 @@ def load_pretrained(path: str):
     tokenizer = Tokenizer.from_file(folder)
   except (FileNotFoundError, ValueError) as e:
     raise PretrainedError(str(e)) from None
+  return cfg, tokenizer
+
+
+def load_pretrained(path: str):
+  """Returns (ModelConfig, host parameter tree of numpy arrays, Tokenizer)."""
+  cfg, tokenizer = inspect_pretrained(path)
+  weights_file = os.path.join(resolve(path), WEIGHTS_FILE)
   params = _unflatten(safetensors.numpy.load_file(weights_file))
   expected = _flatten_shapes(
       jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0))))

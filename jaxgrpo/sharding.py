@@ -112,7 +112,10 @@ def make_mesh(mesh_config: Mapping[str, int], devices: Sequence[Any] | None = No
     return Mesh(grid, MESH_AXES, axis_types=auto)
   if len(devices) == len(jax.devices()):
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+  # A subset, or compile-only TPU descriptions (launch/compile_check.py): laid out by the
+  # physical topology as make_mesh would, so the checked mesh is the one a pod builds.
+  grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
 def batch_size_multiple(mesh: Mesh) -> int:

@@ -210,13 +210,7 @@ def _load_policy(config):
       cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype)
       np_dtype = np.dtype(model_lib.DTYPES[m.param_dtype])
       params = jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), params)
-    key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
-    for name, value in dataclasses.asdict(cfg).items():
-      if arch[name] is not None and arch[name] != value:
-        raise config_lib.ConfigError(
-            f"config.model.{name}={arch[name]!r}: the checkpoint {source} has {value!r}; "
-            f"allowed: {value!r} or None (take the checkpoint's), or model.{key}='' for a "
-            "random init")
+    check_architecture(config, cfg)
     return cfg, params, tokenizer
   alphabet = "0123456789+=" if config.data.source == "arithmetic" else _PRINTABLE
   tokenizer = Tokenizer.char_level(alphabet)
@@ -228,6 +222,18 @@ def _load_policy(config):
     return model_lib.ModelConfig.from_dict(arch), None, tokenizer
   except ValueError as e:
     raise config_lib.ConfigError(f"config.{e}") from None
+
+
+def check_architecture(config, cfg) -> None:
+  """The config's architecture keys that are set must match the checkpoint's `cfg`."""
+  m = config.model
+  key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
+  for name, value in dataclasses.asdict(cfg).items():
+    if m[name] is not None and m[name] != value:
+      raise config_lib.ConfigError(
+          f"config.model.{name}={m[name]!r}: the checkpoint {m[key]} has {value!r}; "
+          f"allowed: {value!r} or None (take the checkpoint's), or model.{key}='' for a "
+          "random init")
 
 
 _PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"

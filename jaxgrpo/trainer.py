@@ -39,7 +39,7 @@ def build(setup):
     params = sharding_lib.init_sharded(setup.model_cfg, mesh, jax.random.key(c.seed))
   else:
     params = sharding_lib.shard_params(setup.host_params, setup.model_cfg, mesh)
-  gen, g = c.generation, c.grpo
+  g = c.grpo
   engine = make_engine(c, setup.model_cfg, setup.tokenizer, mesh)
   train_sp = engine.profile("train").sampling
   total_updates = g.max_num_steps * g.num_iterations
@@ -49,14 +49,19 @@ def build(setup):
   # No reference policy at all when beta is 0 (no copy, no forward pass).
   ref_params = jax.tree.map(lambda x: x.copy(), params) if g.beta > 0 else None
   state = grpo.init_state(params, optimizer, mesh)
-  loss_cfg = grpo.LossConfig(
+  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_config(c),
+                         sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
+  return engine, state, ref_params, update
+
+
+def loss_config(c) -> grpo.LossConfig:
+  """The GRPO loss settings of a run config."""
+  g = c.grpo
+  return grpo.LossConfig(
       num_generations=g.num_generations_per_prompt, beta=g.beta, kl_type=g.kl_type,
       epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
       scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
-      max_new_tokens=gen.max_new_tokens)
-  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_cfg, sp=train_sp,
-                         optimizer=optimizer, lr_schedule=lr, mesh=mesh)
-  return engine, state, ref_params, update
+      max_new_tokens=c.generation.max_new_tokens)
 
 
 class CountedUpdate:

@@ -97,20 +97,25 @@ REFUSED = [
 ]
 
 
-def test_validation_settings_are_refused_at_startup(tmp_path):
-  # One CLI process per case, run concurrently: each spends its few seconds importing jax.
+def _assert_all_refused(tmp_path, cases):
+  """One CLI process per (extra args, fragments) case, run concurrently (each spends its few
+  seconds importing jax): each must end in one clean line and write nothing."""
   procs = [subprocess.Popen(
       [sys.executable, "-m", "jaxgrpo.train", f"--workdir={tmp_path / str(i)}",
-       f"--config={MATH}:smoke", *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True, env=env(), cwd=ROOT) for i, (overrides, _) in enumerate(REFUSED)]
-  for i, (proc, (overrides, fragments)) in enumerate(zip(procs, REFUSED)):
+       f"--config={MATH}:smoke", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=env(), cwd=ROOT) for i, (args, _) in enumerate(cases)]
+  for i, (proc, (args, fragments)) in enumerate(zip(procs, cases)):
     stdout, stderr = proc.communicate(timeout=600)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     try:
       assert_clean_error(done, *fragments)
       assert not os.path.exists(tmp_path / str(i))  # nothing written for a refused run
     except AssertionError as e:
-      raise AssertionError(f"case {overrides}: {e}") from None
+      raise AssertionError(f"case {args}: {e}") from None
+
+
+def test_validation_settings_are_refused_at_startup(tmp_path):
+  _assert_all_refused(tmp_path, REFUSED)
 
 
 @pytest.mark.slow
@@ -187,15 +192,4 @@ POD_REFUSED = [
 
 
 def test_pod_flags_are_refused_at_startup(tmp_path):
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "jaxgrpo.train", f"--workdir={tmp_path / str(i)}",
-       f"--config={MATH}:smoke", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True, env=env(), cwd=ROOT) for i, (args, _) in enumerate(POD_REFUSED)]
-  for i, (proc, (args, fragments)) in enumerate(zip(procs, POD_REFUSED)):
-    stdout, stderr = proc.communicate(timeout=600)
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    try:
-      assert_clean_error(done, *fragments)
-      assert not os.path.exists(tmp_path / str(i))
-    except AssertionError as e:
-      raise AssertionError(f"case {args}: {e}") from None
+  _assert_all_refused(tmp_path, POD_REFUSED)

@@ -1,0 +1,413 @@
+"""python launch/compile_check.py --topology=v5p:4x4x4 --config=configs/math.py [--config.K=V]
+
+Compiles the run's three device programs (the GRPO update step and the train and val
+samplers) ahead of time for a TPU topology, on a machine without TPUs, and prints what each
+needs per chip beside the chip's HBM. A config that would not fit a pod slice is then found
+in a minute on a laptop, not after the slice was reserved and the checkpoint streamed in.
+
+Why this works without chips: libtpu (`pip install 'jax[tpu]'`) describes any topology
+(`jax.experimental.topologies.get_topology_desc`), and `jit(...).lower(...).compile()` for
+those device descriptions runs the real TPU compiler. Nothing is downloaded or read besides
+the config (and, for a checkpoint, its architecture and tokenizer files): parameters,
+optimizer state and batches are abstract (`jax.ShapeDtypeStruct`s with their shardings),
+built by the same functions a run uses, so the programs are the ones the run compiles.
+
+Reading the table: a program's total is what it holds on one chip while it runs (arguments,
+outputs less what aliases donated arguments, temporaries, code). The train state lives on
+the chips for the whole run, so the part of it a sampler does not take as an argument
+(optimizer moments, the reference policy) is added to the sampler's total: that is the
+chip's peak while sampling. HBM is the chip's nominal capacity; the runtime keeps a little
+of it for itself (the compiler allows 15.75 of v5e's 16 GiB).
+
+Exit status: 0 when every program checked compiles and fits; 1 when one fails to compile or
+does not fit (one line each on stderr, saying by how much); 2 for a bad flag, config or
+topology (one line).
+
+Flags:
+  --topology=NAME     a TPU topology: v4:2x2x1, v5e:2x2, v5p:4x4x4, v6e:16x16, ...
+  --num_slices=N      N such slices joined by the data-centre network (multi-slice); the
+                      config's mesh.dcn_data follows it when left at 1
+  --programs=LIST     which to compile, of update,train,val (default: all three)
+  --hbm_gib=X         the per-chip HBM to check against (default: the chip's, from a table)
+  --config=FILE[:ARG] and --config.KEY=VALUE as for `python -m jaxgrpo.train`
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+import time
+
+# The check needs no local accelerator, and jax must not grab (or, without one, probe for) a
+# TPU when libtpu is installed: the topology's devices are compile-only descriptions.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from absl import flags  # noqa: E402  (after the environment above)
+from ml_collections import config_flags  # noqa: E402
+
+from jaxgrpo import config as config_lib  # noqa: E402
+from jaxgrpo import hf  # noqa: E402
+from jaxgrpo import train  # noqa: E402
+
+GIB = 2**30
+
+# Nominal HBM per JAX device, by device_kind. One device is one chip, except v2 and v3,
+# whose two TensorCores are separate devices sharing the chip's HBM half and half. Google
+# quotes v5e / v6e / v5p as 16 / 32 / 95 "GB"; the chips' stacks are GiB (v5e reports
+# 15.75 GiB usable, v5p 95.74).
+HBM_GIB = {"TPU v2": 8, "TPU v3": 16, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95,
+           "TPU v6 lite": 32}
+
+# Extra arguments of get_topology_desc per generation: v4 and v5p run as megacore (the two
+# TensorCores of a chip are one device), as the runtime lays them out on real slices.
+TOPOLOGY_KWARGS = {"v4": {"chip_config_name": "megacore"},
+                   "v5p": {"chip_config_name": "megacore"}}
+
+PROGRAMS = ("update step", "train sampler", "val sampler")
+
+_FV = flags.FlagValues()  # not absl's global FLAGS, where jaxgrpo.train defines --config
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Run config file (configs/*.py[:arg]).", flag_values=_FV)
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x4.",
+                                flag_values=_FV)
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined by DCN.", flag_values=_FV)
+_PROGRAMS = flags.DEFINE_list("programs", ["update", "train", "val"],
+                              "Which to compile: update, train, val.", flag_values=_FV)
+_HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Per-chip HBM to check against, in GiB.",
+                              flag_values=_FV)
+
+
+class CheckError(ValueError):
+  """Bad input (flag, config or topology), explained in one line: exit status 2."""
+
+
+@dataclasses.dataclass
+class Memory:
+  """One program's per-chip bytes (CompiledMemoryStats), and the train state it does not
+  take as an argument but shares the chips with.
+
+  When the compiler refuses a program that overflows HBM and cannot be made to report its
+  breakdown, only `needs` (the total its error message names) is known.
+  """
+
+  arguments: int | None = None
+  outputs: int | None = None
+  alias: int | None = None
+  temporaries: int | None = None
+  code: int | None = None
+  needs: int | None = None
+  resident: int = 0
+  seconds: float = 0.0  # compilation time (with the retry of an overflowing program)
+
+  @property
+  def total(self) -> int:
+    if self.needs is not None:
+      return self.needs
+    return self.arguments + self.outputs - self.alias + self.temporaries + self.code
+
+  @property
+  def peak(self) -> int:
+    return self.total + self.resident
+
+
+def main(argv=None) -> int:
+  argv = sys.argv if argv is None else argv
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    print(__doc__.strip())
+    return 0
+  try:
+    config = _parse(argv)
+    devices, label = _topology(_TOPOLOGY.value, _NUM_SLICES.value)
+    config = _validate(config, len(devices), _NUM_SLICES.value)
+    model_cfg, tokenizer = _architecture(config)
+    hbm = _hbm_bytes(devices[0].device_kind, label)
+  except (CheckError, config_lib.ConfigError, hf.PretrainedError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
+  chips = len(devices)
+  sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+  if _NUM_SLICES.value > 1:  # the data axis spans the slices (mesh.dcn_data)
+    slices = _NUM_SLICES.value
+    sizes = sizes.replace(f"data={mesh.shape['data']}",
+                          f"data={mesh.shape['data']} ({slices} slices x "
+                          f"{mesh.shape['data'] // slices})", 1)
+  print(f"{label}: {chips} x {devices[0].device_kind}, {_gib(hbm)} HBM each; mesh {sizes}; "
+        f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}", flush=True)
+  chip = _TOPOLOGY.value.split(":")[0]  # "v5e's 16 GiB", as the chip is called
+  memory, failures = {}, []
+  for name, lowered, resident in _programs(config, model_cfg, tokenizer, mesh,
+                                            _PROGRAMS.value):
+    start = time.perf_counter()
+    try:
+      memory[name] = _compile(lowered, resident)
+    except Exception as e:  # pylint: disable=broad-except  # XLA's errors are untyped
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        failures.append(f"error: the {name} failed to compile for {label}: {_first_line(e)}")
+        continue
+      memory[name] = _overflow(lowered, resident, e)
+    memory[name].seconds = time.perf_counter() - start
+  print(_table(memory, hbm), flush=True)
+  for name, m in memory.items():
+    if m.peak > hbm:
+      with_state = " with the train state" if m.resident else ""
+      failures.append(f"error: {name} needs {_gib(m.peak)} per chip{with_state}, "
+                      f"{_gib(m.peak - hbm)} more than {chip}'s {_gib(hbm)} HBM")
+  for line in failures:
+    print(line, file=sys.stderr)
+  if not failures:
+    print(f"ok: {', '.join(memory)} compile for {label} and fit its {_gib(hbm)} HBM per chip")
+  return 1 if failures else 0
+
+
+def _parse(argv):
+  """The config from --config and its overrides (as jaxgrpo.train parses them)."""
+  saved_argv, sys.argv = sys.argv, list(argv)  # config_flags finds overrides in sys.argv
+  try:
+    _FV(argv)
+    if _CONFIG.value is not None:
+      _CONFIG.value.to_dict()  # config_flags reports a failed file load only on first use
+  except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    message = train._flag_error(e, argv)  # pylint: disable=protected-access
+    raise config_lib.ConfigError(message) from None
+  finally:
+    sys.argv = saved_argv
+  if _CONFIG.value is None:
+    raise CheckError("--config is required, e.g. --config=configs/math.py")
+  if not _TOPOLOGY.value:
+    raise CheckError("--topology is required, e.g. --topology=v5e:2x2 or v5p:4x4x4")
+  unknown = sorted(set(_PROGRAMS.value) - {"update", "train", "val"})
+  if unknown or not _PROGRAMS.value:
+    raise CheckError(f"--programs={','.join(_PROGRAMS.value)}: allowed: a comma-separated "
+                     "subset of update, train, val")
+  if _NUM_SLICES.value < 1:
+    raise CheckError(f"--num_slices={_NUM_SLICES.value}: allowed: an integer >= 1")
+  return _CONFIG.value
+
+
+def _topology(name: str, num_slices: int):
+  """(compile-only TPU devices, a label such as 'v5e:2x2' or '2 x v5e:2x2')."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
+    raise CheckError(f"compiling for --topology={name} needs libtpu, which is not installed: "
+                     f"pip install 'jax[tpu]=={jax.__version__}'")
+  generation = name.split(":")[0]
+  kwargs = dict(TOPOLOGY_KWARGS.get(generation, {}))
+  if num_slices > 1:
+    kwargs["num_slices"] = num_slices
+  try:
+    # libtpu writes warnings about the TPU environment it did not find to fd 2 while it
+    # loads; they do not apply to compile-only devices and would bury a one-line error.
+    with _quiet_stderr():
+      devices = topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                             **kwargs).devices
+  except RuntimeError as e:  # JaxRuntimeError, or "JAX TPU support not installed"
+    why = _first_line(e).replace("INVALID_ARGUMENT: ", "")
+    raise CheckError(f"--topology={name}: {why} (e.g. v4:2x2x1, v5e:2x2, v5p:4x4x4, "
+                     "v6e:16x16)") from None
+  return list(devices), (f"{num_slices} x {name}" if num_slices > 1 else name)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+  """Sends what C++ code writes to fd 2 to a scratch file for the duration."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as scratch:
+    os.dup2(scratch.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+def _validate(config, num_devices: int, num_slices: int):
+  """config.validate for the topology's device count; mesh.dcn_data follows --num_slices."""
+  mesh = config.mesh
+  if "dcn_data" in mesh:  # a config without the key (older) gets one flat data axis
+    if num_slices > 1 and mesh.dcn_data == 1:
+      mesh.dcn_data = num_slices
+    elif mesh.dcn_data != num_slices:
+      raise config_lib.ConfigError(
+          f"config.mesh.dcn_data={mesh.dcn_data}: the topology has {num_slices} slice(s) "
+          f"(--num_slices={num_slices}); allowed: {num_slices}")
+  return config_lib.validate(config, num_devices)
+
+
+def _architecture(config):
+  """(ModelConfig, Tokenizer) as the run would have them, without reading any weights."""
+  m = config.model
+  if not m.checkpoint:  # random init or a Hugging Face folder: train reads no weights here
+    model_cfg, _, tokenizer = train._load_policy(config)  # pylint: disable=protected-access
+    return model_cfg, tokenizer
+  # A jaxgrpo checkpoint: its model.json and tokenizer only.
+  cfg, tokenizer = hf.inspect_pretrained(m.checkpoint, need_weights=False)
+  cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype)
+  train.check_architecture(config, cfg)
+  return cfg, tokenizer
+
+
+def _hbm_bytes(device_kind: str, label: str) -> int:
+  if _HBM_GIB.value is not None:
+    if _HBM_GIB.value <= 0:
+      raise CheckError(f"--hbm_gib={_HBM_GIB.value}: allowed: a number > 0")
+    return int(_HBM_GIB.value * GIB)
+  if device_kind not in HBM_GIB:
+    raise CheckError(f"--topology={label}: no HBM figure for {device_kind!r} chips; pass "
+                     "--hbm_gib=<GiB per chip>")
+  return HBM_GIB[device_kind] * GIB
+
+
+def _programs(c, model_cfg, tokenizer, mesh, which):
+  """(name, jax Lowered, bytes of train state resident beside it) for the programs named in
+  `which` (update, train, val), built as trainer.build builds them, from abstract values."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import grpo, sampling, trainer  # pylint: disable=g-import-not-at-top
+  gen, g, o = c.generation, c.grpo, c.optim
+  optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps,
+                                      g.max_num_steps * g.num_iterations, o.weight_decay,
+                                      o.grad_clip, o.schedule)
+  state = _abstract_state(_abstract_params(model_cfg, mesh), optimizer, mesh)
+  ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
+  engine = trainer.make_engine(c, model_cfg, tokenizer, mesh)
+  update = grpo.compile_update(state, ref_params, cfg=model_cfg, loss=trainer.loss_config(c),
+                               sp=engine.profile("train").sampling, optimizer=optimizer,
+                               lr_schedule=lr, mesh=mesh)
+  b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
+  n = b * g.num_generations_per_prompt
+  sds = jax.ShapeDtypeStruct
+  batch = {"prompt_tokens_BxP": sds((b, p), jnp.int32), "prompt_mask_BxP": sds((b, p), bool),
+           "completion_tokens_NxT": sds((n, t), jnp.int32),
+           "completion_mask_NxT": sds((n, t), bool),
+           "old_logp_NxT": sds((n, t), jnp.float32), "rewards_N": sds((n,), jnp.float32),
+           "truncated_N": sds((n,), bool)}
+  assert set(batch) == set(grpo.BATCH_RANKS), "grpo's update batch changed its keys"
+  if "update" in which:
+    yield "update step", update.lower(state, batch, ref_params), 0
+  # While sampling, the optimizer state and the reference policy stay on the chips.
+  resident = _bytes_per_chip((state.step, state.opt_state, ref_params))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  for name, rows in (("train", b), ("val", g.val_batch_size)):
+    if name not in which:
+      continue
+    # make_engine's eos and pad ids: the engine keeps its compiled samplers private.
+    sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
+                                       eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                                       mesh=mesh)
+    lowered = sampler.lower(state.params, sds((rows, p), jnp.int32), sds((rows, p), bool),
+                            key, sds((rows,), jnp.int32))
+    yield f"{name} sampler", lowered, resident
+
+
+def _abstract_params(model_cfg, mesh):
+  """The parameter tree as ShapeDtypeStructs carrying the run's shardings."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import model as model_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  shapes = jax.eval_shape(lambda r: nn.unbox(model_lib.init_params(model_cfg, r)),
+                          jax.random.key(0))
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, sharding_lib.param_shardings(model_cfg, mesh))
+
+
+def _abstract_state(params, optimizer, mesh):
+  """grpo.init_state's TrainState, abstract: the same shardings (moments like their
+  parameters, scalars replicated), with nothing allocated."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import grpo  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  replicated = sharding_lib.replicated(mesh)
+  shapes = jax.eval_shape(optimizer.init, params)
+  shardings = grpo.opt_state_shardings(params, optimizer, mesh)
+  opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                           shapes, shardings)
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+  return grpo.TrainState(step, params, opt_state)
+
+
+def _bytes_per_chip(tree) -> int:
+  """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (its largest shard)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def _compile(lowered, resident: int, options=None) -> Memory:
+  stats = lowered.compile(compiler_options=options).memory_analysis()
+  return Memory(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+                alias=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
+                code=stats.generated_code_size_in_bytes, resident=resident)
+
+
+def _overflow(lowered, resident: int, error: Exception) -> Memory:
+  """What a program the compiler refused for overflowing HBM needs.
+
+  Compiled again with the overflow check off, the compiler reports the full breakdown; for
+  some programs (tens of GiB over) that compile fails too ("Invalid TPU program"), and the
+  total the first error names is what is left, e.g. "the total memory required for HLO
+  temporaries (65.01G) exceeds available HBM (15.75G)" (G: GiB).
+  """
+  try:
+    return _compile(lowered, resident, {"xla_tpu_no_crash_on_oom": True})
+  except Exception:  # pylint: disable=broad-except
+    pass
+  sizes = re.findall(r"(\d+(?:\.\d+)?)([KMGT])\b", str(error))
+  if not sizes:
+    raise error
+  number, unit = sizes[0]
+  return Memory(needs=int(float(number) * 1024 ** " KMGT".index(unit)), resident=resident)
+
+
+def _table(memory: dict[str, Memory], hbm: int) -> str:
+  head = ("program", "arguments", "outputs", "-alias", "temporaries", "code", "total",
+          "+state", "peak", "of HBM", "compile")
+  rows = [head]
+  for name in PROGRAMS:
+    if name not in memory and name.split()[0] not in _PROGRAMS.value:
+      continue
+    if name not in memory:
+      rows.append((name, "did not compile") + ("",) * (len(head) - 2))
+      continue
+    m = memory[name]
+    parts = (m.arguments, m.outputs, m.alias, m.temporaries, m.code)
+    rows.append((name, *("?" if x is None else _gib(x) for x in parts), _gib(m.total),
+                 _gib(m.resident), _gib(m.peak), f"{100 * m.peak / hbm:.1f}%",
+                 f"{m.seconds:.1f} s"))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+  lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                     for i, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  notes = ["+state: the train state a sampler does not take as an argument (optimizer "
+           "moments, reference policy), resident all run"]
+  if any(m.needs is not None for m in memory.values()):
+    notes.append("?: the compiler refused the program and named only its total")
+  return "per chip:\n" + "\n".join(lines + notes)
+
+
+def _gib(n: int) -> str:
+  """Bytes in the unit that reads best (the table mixes tiny and huge programs)."""
+  for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}" if unit != "GiB" else f"{n / size:.1f} GiB"
+  return f"{n} B"
+
+
+def _first_line(e: Exception) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return re.sub(r"\s+", " ", lines[0]) if lines else type(e).__name__
+
+
+if __name__ == "__main__":
+  sys.exit(main())
