@@ -62,7 +62,9 @@ def get_config(arg=None):
       max_val_samples=0,  # all 1319 test problems
       val_num_generations_per_prompt=4, val_pass_threshold=0.0, val_seed=0,
       stop_at_validation_metric=config_dict.placeholder(str),
-      stop_at_validation_threshold=config_dict.placeholder(float)))
+      stop_at_validation_threshold=config_dict.placeholder(float),
+      # e.g. 0.95: stop only once the metric's 95% lower confidence bound reaches it.
+      stop_at_validation_confidence=config_dict.placeholder(float)))
 
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, grad_clip=1.0,

@@ -130,7 +130,10 @@ SCHEMA: dict[str, Any] = {
         "max_val_samples": _int(0), "val_num_generations_per_prompt": _int(1),
         "val_pass_threshold": _num(), "val_seed": _int(0),
         "stop_at_validation_metric": _optional(_str),
-        "stop_at_validation_threshold": _optional(_num())},
+        "stop_at_validation_threshold": _optional(_num()),
+        # None: stop when the metric reaches the threshold; c in (0, 1): when its one-sided
+        # lower confidence bound at level c does.
+        "stop_at_validation_confidence": _optional(_num(0, 1, lo_open=True, hi_open=True))},
     "optim": {
         "learning_rate": _num(0, lo_open=True), "warmup_steps": _int(0),
         "weight_decay": _num(0), "grad_clip": _num(0),
@@ -217,12 +220,17 @@ def _resolve_val_profile(gen):
                         "config.generation.backend")
 
 
-def _check_stop_rule(g):
-  """The stop metric must be one validation reports with this k, and come with a threshold."""
+def _check_stop_rule(g, weights):
+  """The stop metric must be one validation reports with this k (or such a metric of one
+  source, `pass@4/gsm8k`: the source is checked against the data at startup), and come
+  with a threshold."""
   from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
   metric, threshold = g.stop_at_validation_metric, g.stop_at_validation_threshold
   k = g.val_num_generations_per_prompt
-  names = validation.stop_metric_names(k)
+  names = validation.stop_metric_names(k, validation.majority_reward(weights) is not None)
+  if g.stop_at_validation_confidence is not None and metric is None:
+    _fail("grpo.stop_at_validation_confidence", g.stop_at_validation_confidence,
+          "None while grpo.stop_at_validation_metric is None (it qualifies that rule)")
   if metric is None:
     if threshold is not None:
       raise ConfigError(
@@ -230,9 +238,15 @@ def _check_stop_rule(g):
           f"{threshold} is set but names no metric; allowed: {', '.join(names)} (or unset "
           "the threshold)")
     return
-  if metric not in names:
-    j = metric[len("pass@"):] if metric.startswith("pass@") else ""
-    if metric == "pass_k":
+  base, _, source = metric.partition("/")
+  if "/" in metric and not source:
+    _fail("grpo.stop_at_validation_metric", metric, "a metric, or a metric/source")
+  if base not in names:
+    j = base[len("pass@"):] if base.startswith("pass@") else ""
+    if base.startswith("maj@") and validation.majority_reward(weights) is None:
+      why = ("needs a correctness reward with an answer extractor (math or exact_match) "
+             "to vote on")
+    elif base == "pass_k":
       why = f"reported only when val_num_generations_per_prompt > 1 (it is {k})"
     elif j.isdigit() and int(j) > k:
       why = f"needs {j} samples per prompt but val_num_generations_per_prompt={k}"
@@ -246,12 +260,13 @@ def _check_stop_rule(g):
         f"needs a threshold; allowed: a number, the value of {metric} at which the run stops")
 
 
-def _check_checkpoint(ck, g):
+def _check_checkpoint(ck, g, weights):
   from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
   if not ck.resume:
     _fail("checkpoint.resume", ck.resume, "'auto', 'never' or a checkpoint folder")
-  names = validation.stop_metric_names(g.val_num_generations_per_prompt)
-  if ck.best_metric is not None and ck.best_metric not in names:
+  names = validation.stop_metric_names(g.val_num_generations_per_prompt,
+                                       validation.majority_reward(weights) is not None)
+  if ck.best_metric is not None and ck.best_metric.partition("/")[0] not in names:
     raise ConfigError(
         f"config.checkpoint.best_metric={ck.best_metric!r}: validation does not report it "
         f"with val_num_generations_per_prompt={g.val_num_generations_per_prompt}; allowed: "
@@ -291,8 +306,8 @@ def _check_cross_fields(c, num_devices: int):
         _fail(f"model.{key}", value, "a value, or a checkpoint to take it from "
               "(model.hf_checkpoint=/path/to/hf/model or model.checkpoint)")
   _check_model_shapes(c, m, sizes)
-  _check_stop_rule(g)
-  _check_checkpoint(c.checkpoint, g)
+  _check_stop_rule(g, c.rewards)
+  _check_checkpoint(c.checkpoint, g, c.rewards)
   d = c.data
   if d.source == "jsonl" and not d.train_path:
     _fail("data.train_path", d.train_path, "a JSONL file path when data.source='jsonl'")

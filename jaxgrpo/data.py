@@ -219,7 +219,8 @@ def _prepare(rows: Sequence[dict[str, Any]], row_ids: Sequence[int], tokenizer: 
   ids_list = tokenizer.encode_batch(prompts, add_bos=getattr(template, "add_bos", True))
   _check_lengths(ids_list, prompts, row_ids, max_prompt_length)
   return [{"prompt": p, "ids": ids, "row_id": i, "question": rows[i]["question"],
-           "answer": rows[i]["answer"]} for p, ids, i in zip(prompts, ids_list, row_ids)]
+           "answer": rows[i]["answer"], "source": str(rows[i]["source"]) if "source" in rows[i] else None}
+          for p, ids, i in zip(prompts, ids_list, row_ids)]
 
 
 def _collate(records: Sequence[dict[str, Any]], pad_id: int,
@@ -229,7 +230,8 @@ def _collate(records: Sequence[dict[str, Any]], pad_id: int,
           "row_ids_B": np.array([r["row_id"] for r in records], dtype=np.int32),
           "prompts": [r["prompt"] for r in records],
           "questions": [r["question"] for r in records],
-          "answers": [r["answer"] for r in records]}
+          "answers": [r["answer"] for r in records],
+          "sources": [r["source"] for r in records]}
 
 
 class ChatPrompt:
@@ -345,6 +347,36 @@ def validation_batches(rows: Sequence[dict[str, Any]], tokenizer: Tokenizer,
   return batches
 
 
+def val_files(val_path: str) -> list[tuple[str | None, str]]:
+  """`data.val_path` -> [(source name or None, path)]: one path, or several separated by
+  commas, each optionally `name=path`. With several files each is a source, named by its
+  `name=` or its file name without extension; a single unnamed file names no source."""
+  entries = [e.strip() for e in val_path.split(",") if e.strip()]
+  out = []
+  for entry in entries:
+    name, sep, path = entry.partition("=")
+    if not sep:
+      name, path = None, entry
+    elif not name or not path:
+      raise DataError(f"data.val_path: {entry!r} is not 'name=path'")
+    if name is None and len(entries) > 1:
+      name = os.path.splitext(os.path.basename(path))[0]
+    out.append((name, path))
+  names = [n for n, _ in out if n is not None]
+  if len(set(names)) != len(names):
+    raise DataError(f"data.val_path={val_path!r}: two files have the same source name "
+                    f"({', '.join(names)}); name them, e.g. gsm8k=@gsm8k/test.jsonl")
+  return out
+
+
+def source_names(rows: Sequence[dict[str, Any]]) -> list[str]:
+  """The sorted source names of validation rows ([] when no row names one). A row without a
+  `source` in a set where others have one counts as source 'other'."""
+  if not any("source" in r for r in rows):
+    return []
+  return sorted({str(r.get("source", "other")) for r in rows})
+
+
 def make_sources(data_config: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
   """Returns (train_rows, val_rows) for a data config (a ConfigDict or any object).
 
@@ -354,7 +386,8 @@ def make_sources(data_config: Any) -> tuple[list[dict[str, Any]], list[dict[str,
   - jsonl: rows of `train_path` and `val_path`, read with `question_key`/`answer_key`.
     A path `@gsm8k/train.jsonl` or `@gsm8k/test.jsonl` names the packaged GSM8K files.
     `num_train_examples` > 0 keeps the first that many train rows (0: all). With a
-    `val_path`, `num_val_examples` > 0 keeps its first that many rows (0: all). With an
+    `val_path`, `num_val_examples` > 0 keeps its first that many rows (0: all) of each of
+    its files (`val_files`: several, comma-separated, each a validation source). With an
     empty `val_path`, the last `num_val_examples` rows of train are held out as val and
     are not trained on.
   """
@@ -376,8 +409,13 @@ def make_sources(data_config: Any) -> tuple[list[dict[str, Any]], list[dict[str,
     raise DataError("data.train_path is empty; source='jsonl' needs a JSONL file")
   train = load_jsonl(train_path, **keys)
   if val_path:
-    val = load_jsonl(val_path, **keys)
-    val = val[:num_val] if num_val > 0 else val
+    val = []
+    for name, path in val_files(val_path):
+      rows = load_jsonl(path, **keys)
+      rows = rows[:num_val] if num_val > 0 else rows
+      if name is not None:  # a row's own `source` column wins over its file's name
+        rows = [{**r, "source": r.get("source", name)} for r in rows]
+      val += rows
   else:
     if not 0 < num_val < len(train):
       raise DataError(f"{train_path}: data.val_path is empty, so val is the last "

@@ -2,7 +2,7 @@
 
 One chart: `accuracy` and every logged `pass@j` against the training step, each with a shaded
 +- stderr band where the stderr is finite, plus the early-stop threshold as a dashed line when the
-run's config sets one. It answers "is validation still improving, and how far from stopping?"
+run's config sets one, and with the confidence rule on, the stop metric's lower bound (dotted). It answers "is validation still improving, and how far from stopping?"
 at a glance, which the per-metric grid in `plots/val.png` (written by `MetricsWriter.close`) does
 not: there every metric has its own small axes and no uncertainty.
 
@@ -60,6 +60,21 @@ def _title(val_rows: dict[int, dict[str, Any]]) -> str:
   return f"validation ({prompts} prompts, {int(rollouts)} rollouts)"
 
 
+def _draw_stop_metric(ax, val_rows, stop_metric: str) -> None:
+  """The stop metric when no other curve shows it (maj@k, a per-source metric), and its
+  logged lower confidence bound (`<metric>_lcb`, the confidence rule's) as a dotted line:
+  the run stops when that line, not the metric, crosses the threshold."""
+  for name, style in ((stop_metric, "-"), (f"{stop_metric}_lcb", ":")):
+    if name == stop_metric and name in _series_names(val_rows):
+      continue
+    points = [(s, r[name]) for s, r in val_rows.items() if _finite(r.get(name))]
+    if points:
+      steps, values = zip(*points)
+      label = f"{stop_metric} lower bound" if name != stop_metric else name
+      ax.plot(steps, values, color="0.15", linestyle=style, marker=".", linewidth=1.4,
+              markersize=4, label=label, zorder=3)
+
+
 def figure(val_rows: dict[int, dict[str, Any]], stop_metric: Optional[str] = None,
            threshold: Optional[float] = None):
   """Builds the validation chart; pure (no files), so tests can inspect the artists.
@@ -99,6 +114,8 @@ def figure(val_rows: dict[int, dict[str, Any]], stop_metric: Optional[str] = Non
       ax.fill_between(b_steps, [max(v - e, 0.0) for v, e in zip(b_values, b_errs)],
                       [min(v + e, 1.0) for v, e in zip(b_values, b_errs)],
                       color=color, alpha=0.25 if is_accuracy else 0.12, linewidth=0)
+  if stop_metric is not None:
+    _draw_stop_metric(ax, val_rows, stop_metric)
   if stop_metric is not None and _finite(threshold):
     ax.axhline(threshold, color="0.3", linestyle="--", linewidth=1.2,
                label=f"stop: {stop_metric} >= {threshold:g}")

@@ -17,10 +17,17 @@ Built-ins: `exact_match` (string equality, for the arithmetic task), `math`
 (final-answer equivalence through math-verify, with a numeric fast path) and
 `format` (a final answer is present in an accepted form). `compute` and
 `combine` weight several of them into one scalar per row.
+
+A correctness reward may also have an answer extractor (`EXTRACTORS`, by reward
+name): the final answer the reward compares, with `answers_equal` its notion of
+equality. Majority voting (jaxgrpo/voting.py) groups a prompt's samples by
+them. The reward itself extracts and compares through the very same functions,
+so a vote and a reward can never disagree on what a completion answered.
 """
 
 from collections.abc import Callable, Mapping
 import decimal
+import functools
 import math as _math
 import re
 import threading
@@ -135,6 +142,20 @@ def _final_answer(text: str, fallback: Callable[[str], str | None]):
   return None
 
 
+def _math_reference(answer: Any) -> str | None:
+  """The final answer of a reference, as math_reward compares it.
+
+  A reference without a box or `####` is taken whole, since it is usually the
+  bare answer (such as "\\frac{1}{2}") rather than a solution.
+  """
+  return _final_answer(_text(answer), lambda t: t.strip())
+
+
+def _math_prediction(completion: Any) -> str | None:
+  """The final answer of a completion, as math_reward compares it."""
+  return _final_answer(_text(completion), _last_number)
+
+
 def _as_number(text: str) -> decimal.Decimal | None:
   """Reads a plain number such as "-1,234.5" or "$18"; None for anything else."""
   s = text.replace("\\$", "").replace("$", "").strip().rstrip(".")
@@ -148,8 +169,15 @@ def _numbers_equal(a: decimal.Decimal, b: decimal.Decimal) -> bool:
   return abs(a - b) <= _REL_TOL * max(decimal.Decimal(1), abs(a), abs(b))
 
 
-def _math_equal(ref: str, pred: str, gold_cache: dict[str, Any]) -> bool:
-  """Whether two extracted answers are equivalent (numbers, then math-verify)."""
+def _math_equal(ref: str, pred: str, gold_cache: dict[str, Any],
+                pred_cache: dict[str, Any] | None = None) -> bool:
+  """Whether two extracted answers are equivalent (numbers, then math-verify).
+
+  `ref` takes the reference's place in math_verify.verify(gold, target), which
+  is not symmetric. `pred_cache`, when given, keeps `pred`'s parse too (it may
+  be `gold_cache`: both parse the same way); the reward leaves it out, since
+  each completion is parsed once there anyway.
+  """
   ref_num, pred_num = _as_number(ref), _as_number(pred)
   if ref_num is not None and pred_num is not None:
     return _numbers_equal(ref_num, pred_num)
@@ -166,10 +194,18 @@ def _math_equal(ref: str, pred: str, gold_cache: dict[str, Any]) -> bool:
   from math_verify import parse, verify  # pylint: disable=g-import-not-at-top
 
   # Wrapping in \boxed makes math-verify read bare LaTeX such as \frac{1}{2}.
-  if ref not in gold_cache:  # the G completions of a prompt share a reference
-    gold_cache[ref] = parse(f"\\boxed{{{ref}}}", parsing_timeout=timeout)
-  gold = gold_cache[ref]
-  target = parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout)
+  try:  # the G completions of a prompt share a reference
+    gold = gold_cache[ref]
+  except KeyError:
+    gold = gold_cache[ref] = parse(f"\\boxed{{{ref}}}", parsing_timeout=timeout)
+  if pred_cache is None:
+    target = parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout)
+  else:
+    try:
+      target = pred_cache[pred]
+    except KeyError:  # also when another thread just emptied a bounded cache
+      target = pred_cache[pred] = parse(f"\\boxed{{{pred}}}",
+                                        parsing_timeout=timeout)
   return bool(gold and target and verify(gold, target, timeout_seconds=timeout))
 
 
@@ -204,8 +240,8 @@ def math_reward(completions: list[str], answers: list[str], **columns):
   scores = []
   for completion, answer in zip(completions, answers):
     try:
-      ref = _final_answer(_text(answer), lambda t: t.strip())
-      pred = _final_answer(_text(completion), _last_number)
+      ref = _math_reference(answer)
+      pred = _math_prediction(completion)
       ok = bool(ref and pred) and _math_equal(ref, pred, gold_cache)
     except Exception:  # pylint: disable=broad-except
       # Model text is adversarial by accident; one bad row must not stop a step.
@@ -222,6 +258,120 @@ def format_reward(completions: list[str], answers: list[str], **columns):
       float(bool(_last_boxed(t) or _last_gsm8k(t)))
       for t in map(_text, completions)
   ]
+
+
+# Answer extractors: what a correctness reward compares, for majority voting.
+
+ExtractFn = Callable[[Any], Any]
+EqualFn = Callable[[Any, Any], bool]
+
+# Reward name -> fn(completion) -> the final answer the reward compares, or None
+# when the completion states none. Extractors never raise on odd model text.
+EXTRACTORS: dict[str, ExtractFn] = {}
+# Reward name -> fn(reference) -> the reference's answer, or None.
+_REFERENCE_EXTRACTORS: dict[str, ExtractFn] = {}
+# Reward name -> fn(a, b) -> bool on two non-None extracted answers.
+_EQUALITIES: dict[str, EqualFn] = {}
+
+# math-verify parses of extracted answers, shared by every answers_equal("math")
+# call: parsing costs milliseconds and dominates grouping, and a prompt's
+# samples (and a validation's prompts) repeat the same few answers. A parse does
+# not depend on the thread that made it: off the main thread only short, tame
+# answers are parsed (_math_equal), and those do not run into the timeout.
+_PARSE_CACHE_MAX = 4096
+
+
+class _BoundedCache(dict):
+  """A dict emptied when full: bounded memory, and parses are cheap to redo."""
+
+  def __setitem__(self, key, value):
+    if len(self) >= _PARSE_CACHE_MAX:
+      self.clear()
+    super().__setitem__(key, value)
+
+
+_PARSE_CACHE = _BoundedCache()
+
+
+def register_extractor(name: str, extract: ExtractFn, reference: ExtractFn,
+                       equal: EqualFn) -> None:
+  """Registers the answer extractor of the reward `name`.
+
+  Args:
+    name: the reward's name in REGISTRY.
+    extract: completion text -> the answer the reward compares, or None.
+    reference: reference text -> the reference's answer, or None.
+    equal: (a, b) -> whether two non-None answers are the same answer, where
+      `a` takes the reference's place when the equality is not symmetric.
+  """
+  if name in EXTRACTORS:
+    raise ValueError(f"answer extractor {name!r} is already registered")
+  EXTRACTORS[name] = extract
+  _REFERENCE_EXTRACTORS[name] = reference
+  _EQUALITIES[name] = equal
+
+
+def get_extractor(name: str) -> ExtractFn:
+  """The answer extractor of reward `name`; UnknownRewardError otherwise."""
+  try:
+    return EXTRACTORS[name]
+  except KeyError:
+    raise UnknownRewardError(
+        f"reward {name!r} has no answer extractor; allowed: "
+        f"{', '.join(sorted(EXTRACTORS))}") from None
+
+
+def extract_reference(name: str, answer: Any) -> Any:
+  """The reference's answer as reward `name` compares it, or None."""
+  get_extractor(name)
+  return _REFERENCE_EXTRACTORS[name](answer)
+
+
+def answers_equal(name: str, a: Any, b: Any) -> bool:
+  """Whether two extracted answers are the same answer to reward `name`.
+
+  None (no answer) equals nothing, itself included. For `math` this is the
+  very test math_reward applies, math-verify behind a numeric fast path, with
+  `a` in the reference's place: math_verify.verify(gold, target) is not
+  symmetric (gold "1" accepts target "2x+z=1", whose right side is 1, but not
+  the other way round). So math_reward(c, ref) == 1.0 exactly when
+  answers_equal("math", extract_reference("math", ref), EXTRACTORS["math"](c)).
+  Never raises: a failed comparison is False.
+  """
+  get_extractor(name)
+  if a is None or b is None:
+    return False
+  try:
+    return bool(_EQUALITIES[name](a, b))
+  except Exception:  # pylint: disable=broad-except
+    return False  # as the rewards score a failed comparison 0.0
+
+
+def _never_raising(extract: ExtractFn) -> ExtractFn:
+  """Wraps an extractor so odd text gives None, as it gives the rewards 0.0."""
+
+  @functools.wraps(extract)
+  def wrapped(text):
+    try:
+      return extract(text) or None  # an empty answer is no answer
+    except Exception:  # pylint: disable=broad-except
+      return None
+
+  return wrapped
+
+
+def _exact_match_answer(text: Any) -> str | None:
+  """The completion's first word, as exact_match compares it."""
+  words = _text(text).split(maxsplit=1)
+  return words[0] if words else None
+
+
+register_extractor(
+    "math", _never_raising(_math_prediction), _never_raising(_math_reference),
+    lambda a, b: _math_equal(a, b, _PARSE_CACHE, _PARSE_CACHE))
+register_extractor(
+    "exact_match", _never_raising(_exact_match_answer),
+    _never_raising(lambda t: _text(t).strip()), lambda a, b: a == b)
 
 
 def _checked_weights(weights: Mapping[str, float]) -> dict[str, float]:

@@ -11,6 +11,7 @@ The phases read top to bottom:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -47,6 +48,7 @@ class Setup:
   train_batches: object
   val_batches: list
   resume: tuple | None = None  # (checkpoints folder, step or None for the newest intact)
+  val_sources: list = dataclasses.field(default_factory=list)  # names, [] for one source
 
 
 def prepare(argv) -> Setup:
@@ -70,8 +72,15 @@ def prepare(argv) -> Setup:
   config = config_lib.validate(_CONFIG.value, jax.device_count())
   model_cfg, host_params, tokenizer = _load_policy(config)
   train_rows, val_rows = data_lib.make_sources(config.data)
-  if config.grpo.max_val_samples:
-    val_rows = val_rows[:config.grpo.max_val_samples]
+  if config.grpo.max_val_samples:  # the first rows of each source: a mixture keeps every part
+    kept, counts = [], collections.Counter()
+    for row in val_rows:
+      counts[row.get("source")] += 1
+      if counts[row.get("source")] <= config.grpo.max_val_samples:
+        kept.append(row)
+    val_rows = kept
+  val_sources = data_lib.source_names(val_rows)
+  _check_source_metrics(config, val_sources)
   d, g = config.data, config.grpo
   template = d.prompt_template
   if d.use_chat_template:
@@ -103,7 +112,19 @@ def prepare(argv) -> Setup:
   if jax.process_index() == 0:
     _write_config(workdir, config_lib.to_json(config))
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
-               resume)
+               resume, val_sources)
+
+
+def _check_source_metrics(config, sources) -> None:
+  """A per-source stop or best metric (`pass@4/gsm8k`) must name a source of the data."""
+  for key, metric in (("grpo.stop_at_validation_metric", config.grpo.stop_at_validation_metric),
+                      ("checkpoint.best_metric", config.checkpoint.best_metric)):
+    source = (metric or "").partition("/")[2]
+    if source and source not in sources:
+      allowed = ", ".join(sources) if sources else "none: the validation rows name no source"
+      raise config_lib.ConfigError(
+          f"config.{key}={metric!r}: no validation source {source!r}; sources in the data: "
+          f"{allowed}")
 
 
 def _resume_point(config, workdir: str, model_cfg, train_batches):

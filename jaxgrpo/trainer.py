@@ -25,14 +25,15 @@ from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 
 
-def build(setup):
+def build(setup, mesh=None):
   """Mesh, sharded params, the two sampling profiles, optimizer state and update step.
 
   The update step is a CountedUpdate: its `compilations`, like engine.compilations for the
   samplers, count traces, so the run can show that nothing recompiled inside the loop.
   """
   c = setup.config
-  mesh = sharding_lib.make_mesh(c.mesh.to_dict())
+  # A caller may pass its own mesh (a benchmark on fewer devices than the host has).
+  mesh = sharding_lib.make_mesh(c.mesh.to_dict()) if mesh is None else mesh
   if c.model.hf_checkpoint:  # streamed tensor by tensor onto the mesh (checked in prepare)
     params = hf.load_hf(c.model.hf_checkpoint, dtype=c.model.param_dtype, mesh=mesh)[1]
   elif setup.host_params is None:
@@ -172,7 +173,9 @@ def run(setup) -> int:
   validator = validation.Validator(
       engine, setup.val_batches, setup.tokenizer, c.rewards.to_dict(),
       threshold=g.val_pass_threshold, seed=g.val_seed, mesh=engine.mesh,
-      samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None)
+      samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None,
+      sources=setup.val_sources, stop_metric=g.stop_at_validation_metric,
+      confidence=g.stop_at_validation_confidence)
   prompts_log = os.path.join(setup.workdir, PROMPTS_LOG)
   val_history, saved, stop, fault, step = {}, {}, None, None, start
 
@@ -184,7 +187,8 @@ def run(setup) -> int:
 
   def stop_rule(result, step):
     return validation.stop_message(result, g.stop_at_validation_metric,
-                                   g.stop_at_validation_threshold, step)
+                                   g.stop_at_validation_threshold, step,
+                                   g.stop_at_validation_confidence)
 
   def save(step, reason, result=None):
     meta = {"step": step, "reason": reason, "seed": c.seed, "time": time.time(),
@@ -330,6 +334,9 @@ def _summary(val, g, stop, step, saved) -> dict:
     summary["early_stop"] = {"step": step, "metric": metric,
                              "value": val.get(step, {}).get(metric),
                              "threshold": g.stop_at_validation_threshold, "message": stop}
+    if g.stop_at_validation_confidence is not None:
+      summary["early_stop"].update(confidence=g.stop_at_validation_confidence,
+                                   lower_bound=val.get(step, {}).get(f"{metric}_lcb"))
   if val:
     first, last = val[min(val)]["accuracy"], val[max(val)]["accuracy"]
     summary.update(initial_val_accuracy=first, final_val_accuracy=last,

@@ -20,15 +20,34 @@ c of them passing (Chen et al. 2021, "Evaluating Large Language Models Trained o
     pass_k     that share, under a k-free name (only when k > 1)
     *_stderr   standard error across prompts (sample std with ddof 1 over sqrt(P))
 
+    maj@k      share of prompts whose most frequent answer among the k samples is right
+               (when the correctness reward has an answer extractor: see voting.py)
+
 Deviation from the paper: it estimates pass@j from n >> j samples; here n = k, so pass@k is
 the plain empirical rate and the smaller j reuse the same k samples.
+
+Sources: when the validation rows name a `source` (a column, or one per validation file),
+every metric is also reported per source as `<metric>/<source>` (e.g. `pass@4/gsm8k`),
+weighted by that source's prompts only, so the prompt-weighted average of the per-source
+values is the overall value.
+
+Confidence (`stop_at_validation_confidence` = c): the stop metric's one-sided lower bound at
+level c is logged as `<metric>_lcb`, and the run stops only when the bound reaches the
+threshold. Accuracy, a mean of per-prompt rates that is close to normal at a few hundred
+prompts, uses mean - z_c * stderr; pass@j, pass_k, maj@k and reward_mean, whose per-prompt
+values are 0/1 or lumpy, use a bootstrap over prompts (never over one prompt's k samples,
+which are not independent draws of the prompt population), seeded by val_seed, with the
+prompts' values sorted first so the bound does not depend on how prompts were split over
+hosts.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import statistics
 import time
 from typing import Mapping, Sequence
 
@@ -39,6 +58,7 @@ import numpy as np
 from jaxgrpo import distributed
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
+from jaxgrpo import voting
 
 # Which reward says "the answer is right", in order of preference.
 CORRECTNESS_REWARDS = ("math", "exact_match")
@@ -75,20 +95,47 @@ def pass_js(k: int) -> tuple[int, ...]:
   return tuple(js) + (k,)
 
 
-def stop_metric_names(k: int) -> list[str]:
-  """The validation metrics a run may stop on, for k samples per prompt."""
+def majority_reward(weights: Mapping[str, float]) -> str | None:
+  """The correctness reward whose answers maj@k votes on, or None (no extractor: no maj@k)."""
+  for name in CORRECTNESS_REWARDS:
+    if weights.get(name, 0) > 0:
+      return name if name in rewards_lib.EXTRACTORS else None
+  return None
+
+
+def stop_metric_names(k: int, majority: bool = False) -> list[str]:
+  """The validation metrics a run may stop on, for k samples per prompt (each may also be
+  named per source, `<metric>/<source>`)."""
   names = ["accuracy", "reward_mean"] + [f"pass@{j}" for j in pass_js(k)]
-  return names + (["pass_k"] if k > 1 else [])
+  names += ["pass_k"] if k > 1 else []
+  return names + ([f"maj@{k}"] if majority else [])
 
 
-def metric_names(k: int) -> list[str]:
-  """Every metric one validation logs, for k samples per prompt."""
+def _source_metric_names(k: int, majority: bool) -> list[str]:
   names = ["accuracy", "accuracy_stderr", "reward_mean"]
   for j in pass_js(k):
     names += [f"pass@{j}", f"pass@{j}_stderr"]
+  names += [f"maj@{k}", f"maj@{k}_stderr"] if majority else []
   names += ["pass_k"] if k > 1 else []
-  return names + ["avg_length", "truncated_fraction", "num_prompts", "num_rollouts",
-                  "wall_time_s"]
+  return names + ["avg_length", "truncated_fraction", "num_prompts"]
+
+
+def metric_names(k: int, majority: bool = False, sources: Sequence[str] = (),
+                 stop_metric: str | None = None, confidence: float | None = None) -> list[str]:
+  """Every metric one validation logs, in order: the overall ones, then each source's, then
+  the stop metric's lower bound when the confidence rule is on."""
+  per_source = _source_metric_names(k, majority)
+  names = per_source + ["num_rollouts", "wall_time_s"]
+  names += [f"{m}/{s}" for s in sources for m in per_source]
+  if confidence is not None and stop_metric is not None:
+    names.append(f"{stop_metric}_lcb")
+  return names
+
+
+def split_metric(name: str) -> tuple[str, str | None]:
+  """'pass@4/gsm8k' -> ('pass@4', 'gsm8k'); 'accuracy' -> ('accuracy', None)."""
+  base, _, source = name.partition("/")
+  return base, (source or None)
 
 
 def pass_at_j(c_P, n: int, j: int):
@@ -101,68 +148,146 @@ def pass_at_j(c_P, n: int, j: int):
   return 1.0 - jnp.prod(fail, axis=-1)
 
 
-def grouped_metrics(scores_N, rewards_N, lengths_N, truncated_N, valid_P, *, k: int,
-                    threshold: float) -> dict:
-  """Every validation metric from N = P*k rows (prompt-major); padding prompts masked out."""
-  w_P = valid_P.astype(jnp.float32)
-  p = jnp.maximum(w_P.sum(), 1.0)
+def grouped_metrics(scores_N, rewards_N, lengths_N, truncated_N, valid_P, source_P=None,
+                    maj_P=None, *, k: int, threshold: float, num_sources: int = 0,
+                    per_prompt: str | None = None) -> dict:
+  """Every validation metric from N = P*k rows (prompt-major); padding prompts masked out.
 
-  def mean_se(x_P):  # prompt-weighted mean and its standard error across prompts
-    mean = jnp.sum(w_P * x_P) / p
-    var = jnp.sum(w_P * (x_P - mean) ** 2) / jnp.maximum(p - 1.0, 1.0)
-    return mean, jnp.where(p > 1, jnp.sqrt(var / p), jnp.nan)
-
+  source_P: each prompt's index into the run's source names (with num_sources > 0, metrics
+  are also computed per source, keyed `<metric>/<index>`); maj_P: 1 where the prompt's
+  majority answer is right (maj@k is reported when given). per_prompt names a metric
+  ('pass@2/1', say) whose per-prompt values and prompt weights are returned too, under
+  '_values_P' and '_weights_P', for the stop metric's lower bound.
+  """
   scores_PxK = scores_N.reshape(-1, k).astype(jnp.float32)
-  out = {}
-  out["accuracy"], out["accuracy_stderr"] = mean_se(scores_PxK.mean(axis=1))
-  out["reward_mean"], _ = mean_se(rewards_N.reshape(-1, k).astype(jnp.float32).mean(axis=1))
   c_P = jnp.sum(scores_PxK > threshold, axis=1)
+  values = {"accuracy": scores_PxK.mean(axis=1),
+            "reward_mean": rewards_N.reshape(-1, k).astype(jnp.float32).mean(axis=1)}
   for j in pass_js(k):
-    out[f"pass@{j}"], out[f"pass@{j}_stderr"] = mean_se(pass_at_j(c_P, k, j))
+    values[f"pass@{j}"] = pass_at_j(c_P, k, j)
+  if maj_P is not None:
+    values[f"maj@{k}"] = maj_P.astype(jnp.float32)
   if k > 1:
-    out["pass_k"], _ = mean_se((c_P > 0).astype(jnp.float32))
-  out["avg_length"], _ = mean_se(lengths_N.reshape(-1, k).astype(jnp.float32).mean(axis=1))
-  out["truncated_fraction"], _ = mean_se(
-      truncated_N.reshape(-1, k).astype(jnp.float32).mean(axis=1))
-  out["num_prompts"] = w_P.sum().astype(jnp.int32)
+    values["pass_k"] = (c_P > 0).astype(jnp.float32)
+  values["avg_length"] = lengths_N.reshape(-1, k).astype(jnp.float32).mean(axis=1)
+  values["truncated_fraction"] = truncated_N.reshape(-1, k).astype(jnp.float32).mean(axis=1)
+  with_stderr = ("accuracy",) + tuple(f"pass@{j}" for j in pass_js(k)) + (f"maj@{k}",)
+
+  def block(w_P, suffix):  # every metric over the prompts weighted by w_P
+    p = jnp.maximum(w_P.sum(), 1.0)
+    out = {}
+    for name, x_P in values.items():
+      mean = jnp.sum(w_P * x_P) / p
+      out[name + suffix] = mean
+      if name in with_stderr:
+        var = jnp.sum(w_P * (x_P - mean) ** 2) / jnp.maximum(p - 1.0, 1.0)
+        out[f"{name}_stderr{suffix}"] = jnp.where(p > 1, jnp.sqrt(var / p), jnp.nan)
+    out["num_prompts" + suffix] = w_P.sum().astype(jnp.int32)
+    return out
+
+  w_P = valid_P.astype(jnp.float32)
+  out = block(w_P, "")
   out["num_rollouts"] = out["num_prompts"] * k
+  weights = {None: w_P}
+  for s in range(num_sources):
+    weights[str(s)] = w_P * (source_P == s)
+    out.update(block(weights[str(s)], f"/{s}"))
+  if per_prompt is not None:
+    base, source = split_metric(per_prompt)
+    out["_values_P"], out["_weights_P"] = values[base], weights[source]
   return out
 
 
-def compile_metrics(mesh, k: int, threshold: float):
-  """grouped_metrics jitted once: rows split over the data axes, scalars replicated."""
+def compile_metrics(mesh, k: int, threshold: float, num_sources: int = 0,
+                    per_prompt: str | None = None):
+  """grouped_metrics jitted once: rows split over the data axes, scalars (and the stop
+  metric's per-prompt values) replicated."""
   rows = sharding_lib.batch_sharding(mesh, 1)
-  return jax.jit(lambda *a: grouped_metrics(*a, k=k, threshold=threshold),
-                 in_shardings=(rows,) * 5, out_shardings=sharding_lib.replicated(mesh))
+  return jax.jit(lambda *a: grouped_metrics(*a, k=k, threshold=threshold,
+                                            num_sources=num_sources, per_prompt=per_prompt),
+                 in_shardings=(rows,) * 7, out_shardings=sharding_lib.replicated(mesh))
+
+
+# Bootstrap resamples for the lower bound: the 5% quantile of 2000 means moves by ~0.1 of a
+# stderr between seeds, small next to the bound's own distance below the mean.
+BOOTSTRAP_SAMPLES = 2000
+NORMAL_BOUND_METRICS = ("accuracy",)
+
+
+def lower_bound(values_P, weights_P, metric: str, confidence: float, seed: int,
+                mean: float | None = None, stderr: float | None = None) -> float:
+  """One-sided lower confidence bound at `confidence` of the prompt mean of `metric`.
+
+  accuracy: mean - z * stderr (z the normal quantile), as reported. Others (reward_mean,
+  pass@j, pass_k, maj@k): the (1 - confidence) quantile of BOOTSTRAP_SAMPLES means of
+  prompts resampled with replacement (a seeded, percentile bootstrap over prompts).
+  """
+  base, _ = split_metric(metric)
+  if base in NORMAL_BOUND_METRICS and mean is not None:
+    if stderr is None or not np.isfinite(stderr):
+      return float("nan")
+    return float(mean - statistics.NormalDist().inv_cdf(confidence) * stderr)
+  x_P = np.sort(np.asarray(values_P, np.float64)[np.asarray(weights_P) > 0])
+  if x_P.size < 2:
+    return float("nan")  # one prompt says nothing about the spread
+  rng = np.random.default_rng(seed)
+  means = x_P[rng.integers(0, x_P.size, size=(BOOTSTRAP_SAMPLES, x_P.size))].mean(axis=1)
+  return float(np.quantile(means, 1.0 - confidence))
 
 
 def stop_message(metrics: Mapping[str, float], metric: str | None,
-                 threshold: float | None, step: int) -> str | None:
-  """The early-stop line when `metric` >= `threshold`, else None. A stop metric that this
-  validation did not report is a bug, not a reason to keep training: it raises."""
+                 threshold: float | None, step: int,
+                 confidence: float | None = None) -> str | None:
+  """The early-stop line when `metric` >= `threshold` (with `confidence`: when its lower
+  bound `<metric>_lcb` is), else None. A stop metric that this validation did not report is
+  a bug, not a reason to keep training: it raises."""
   if metric is None:
     return None
-  if metric not in metrics:
-    raise KeyError(f"stop_at_validation_metric={metric!r} is not among the validation "
-                   f"metrics reported at step {step}: {', '.join(sorted(metrics))}")
-  value = float(metrics[metric])
+  key = metric if confidence is None else f"{metric}_lcb"
+  if key not in metrics:
+    raise KeyError(f"stop_at_validation_metric={metric!r}: {key!r} is not among the "
+                   f"validation metrics reported at step {step}: "
+                   f"{', '.join(sorted(metrics))}")
+  value = float(metrics[key])
   if not value >= threshold:  # NaN never stops a run
     return None
-  return (f"early stop at step {step}: val {metric}={value:.4g} reached "
+  if confidence is None:
+    return (f"early stop at step {step}: val {metric}={value:.4g} reached "
+            f"stop_at_validation_threshold={threshold:g}")
+  return (f"early stop at step {step}: val {metric}={float(metrics[metric]):.4g}, its "
+          f"{confidence:g} lower bound {value:.4g} reached "
           f"stop_at_validation_threshold={threshold:g}")
 
 
 class Validator:
-  """Runs one grouped validation of `params`: samples, scores, metrics, sample log."""
+  """Runs one grouped validation of `params`: samples, scores, metrics, sample log.
+
+  sources: every source name in the validation set (all hosts' rows: known at startup), in
+  the order their metrics are logged; rows name theirs in batch["sources"]. stop_metric and
+  confidence: the stop rule's metric gets its lower bound `<metric>_lcb` when confidence is
+  set (seeded by `seed`, like the samples).
+  """
 
   def __init__(self, engine, batches: Sequence[dict], tokenizer, weights: Mapping[str, float],
-               *, threshold: float, seed: int, mesh, samples_dir: str | None = None):
+               *, threshold: float, seed: int, mesh, samples_dir: str | None = None,
+               sources: Sequence[str] = (), stop_metric: str | None = None,
+               confidence: float | None = None):
     self.engine, self.batches, self.tokenizer = engine, list(batches), tokenizer
-    self.weights, self.threshold = dict(weights), threshold
+    self.weights, self.threshold, self.seed = dict(weights), threshold, seed
     self.k = engine.profile("val").num_samples
     self.key = jax.random.key(seed)  # with the prompt index, the only source of randomness
     self.samples_dir, self.mesh = samples_dir, mesh
-    self._metrics = compile_metrics(mesh, self.k, threshold)
+    self.sources = list(sources)
+    self.majority = majority_reward(self.weights)
+    self.stop_metric = stop_metric if confidence is not None else None
+    self.confidence = confidence
+    per_prompt = None
+    if self.stop_metric is not None:
+      base, source = split_metric(self.stop_metric)
+      per_prompt = base if source is None else f"{base}/{self.sources.index(source)}"
+    self.names = metric_names(self.k, self.majority is not None, self.sources,
+                              self.stop_metric, confidence)
+    self._metrics = compile_metrics(mesh, self.k, threshold, len(self.sources), per_prompt)
 
   def __call__(self, params, step: int) -> dict:
     t0 = time.perf_counter()
@@ -170,7 +295,7 @@ class Validator:
     rollouts = [self.engine.sample("val", params, b["prompt_tokens_BxL"], b["prompt_mask_BxL"],
                                    key=self.key, row_ids_B=b["row_ids_B"])
                 for b in self.batches]
-    scores, totals, lengths, truncated, records = [], [], [], [], []
+    scores, totals, lengths, truncated, majs, records = [], [], [], [], [], []
     for batch, rollout in zip(self.batches, rollouts):
       tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
                                                    rollout.truncated_N))
@@ -182,20 +307,40 @@ class Validator:
       totals.append(np.asarray(total, np.float32))
       lengths.append(lens)
       truncated.append(trunc)
+      if self.majority is not None:
+        correct = correctness(self.weights, total, breakdown).reshape(-1, self.k)
+        majs.append(voting.maj_correct(
+            voting.extract_all(self.majority, completions, self.k), correct,
+            functools.partial(rewards_lib.answers_equal, self.majority)))
       records += self._records(batch, completions, score, lens, trunc)
     valid_P = np.concatenate([b["valid_B"] for b in self.batches])
+    source_P = np.asarray(
+        [self.sources.index("other" if s is None else s) if self.sources else 0
+         for b in self.batches for s in b.get("sources", [None] * len(b["valid_B"]))],
+        np.int32)
+    maj_P = np.concatenate(majs) if majs else np.zeros_like(valid_P, np.float32)
     # This process's rows, whole prompts each: the metrics are sums over prompts, so the
     # global array's row order (process by process) does not change them.
     metrics = jax.device_get(self._metrics(*sharding_lib.to_global(self.mesh, (
         np.concatenate(scores), np.concatenate(totals), np.concatenate(lengths),
-        np.concatenate(truncated), valid_P))))
+        np.concatenate(truncated), valid_P, source_P, maj_P))))
+    for i, source in enumerate(self.sources):  # index -> name, as the validator knows them
+      for key in [key for key in metrics if key.endswith(f"/{i}")]:
+        metrics[key[:-len(str(i))] + source] = metrics.pop(key)
+    if self.stop_metric is not None:
+      base = split_metric(self.stop_metric)[0]
+      stderr_key = self.stop_metric.replace(base, f"{base}_stderr", 1)
+      metrics[f"{self.stop_metric}_lcb"] = lower_bound(
+          metrics["_values_P"], metrics["_weights_P"], self.stop_metric, self.confidence,
+          self.seed, mean=float(metrics[self.stop_metric]),
+          stderr=float(metrics[stderr_key]) if stderr_key in metrics else None)
     # Every host's samples go to process 0's file (the others pass samples_dir=None).
     records = sorted((r for part in distributed.gather_objects(records) for r in part),
                      key=lambda r: r["prompt_index"])
     metrics["wall_time_s"] = time.perf_counter() - t0
     # In metric_names order (device_get sorts dict keys): accuracy first on every console line.
-    out = {name: (int(metrics[name]) if name.startswith("num_") else float(metrics[name]))
-           for name in metric_names(self.k)}
+    out = {name: (int(metrics[name]) if name.split("/")[0].startswith("num_")
+                  else float(metrics[name])) for name in self.names}
     if self.samples_dir is not None:
       self._write_samples(step, records)
     return out

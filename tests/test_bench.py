@@ -163,3 +163,23 @@ def test_all_runs_each_bench_for_the_preset(monkeypatch):
 def test_bad_prefill_and_all_arguments_exit(argv):
   with pytest.raises(SystemExit):
     bench.main(argv)
+
+
+def test_early_stop_bench_reads_both_rules_off_one_trajectory(capsys):
+  # Two tiny runs of 2 steps, validated after each: a threshold of 0 is reached by every
+  # accuracy and every lower bound at the first validation (the bound of 100 prompts at
+  # temperature 1 is > 0), so both rules stop at step 1 and nothing is early (accuracy >= 0).
+  results = bench.main(["early-stop", "--runs", "2", "--max_steps", "2", "--val_period", "1",
+                        "--threshold", "0", "--big_k", "1"])
+  runs, summary = results[:-1], results[-1]
+  assert [r["seed"] for r in runs] == [0, 1]
+  for r in runs:
+    point = r["trajectory"][0]
+    assert point["step"] == 1 and point["lcb"] < point["accuracy"]
+    assert 0 < point["large_sample_accuracy"] < 1
+    assert r["stops"]["plain"]["step"] == r["stops"]["confidence"]["step"] == 1
+  for rule in ("plain", "confidence"):
+    assert summary[rule]["stopped"] == 2 and summary[rule]["early_stops"] == 0
+    assert summary[rule]["mean_stop_step"] == 1
+  assert summary["large_sample"] == {"prompts": 500, "k": 1}
+  assert len(capsys.readouterr().out.strip().splitlines()) == 2 + 3  # progress + JSON

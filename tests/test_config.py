@@ -66,6 +66,9 @@ def test_validate_leaves_callers_config_alone():
     ("data.prompt_template", "Q:", "{question}"),
     ("mesh.tensor", 3, "mesh"),
     ("mesh.dcn_data", 3, "config.mesh.dcn_data=3"),
+    ("grpo.stop_at_validation_confidence", 0.0, "a number > 0 and < 1"),
+    ("grpo.stop_at_validation_confidence", 1.5, "a number > 0 and < 1"),
+    ("grpo.stop_at_validation_confidence", 0.9, "None while grpo.stop_at_validation_metric"),
     ("mesh.dcn_data", 0, "config.mesh.dcn_data=0"),
 ])
 def test_bad_values_name_the_key(path, value, expect):

@@ -176,7 +176,7 @@ def test_prompt_batches_shapes_and_keys(tok):
                                process_index=0, process_count=1)
   batch = next(batches)
   assert set(batch) == {"prompt_tokens_BxL", "prompt_mask_BxL", "row_ids_B", "prompts",
-                        "questions", "answers", "batch_offset"}
+                        "questions", "answers", "sources", "batch_offset"}
   assert batch["prompt_tokens_BxL"].shape == (4, 9)
   assert batch["prompt_tokens_BxL"].dtype == np.int32
   assert batch["prompt_mask_BxL"].dtype == bool
@@ -319,3 +319,21 @@ def test_make_sources_unknown_source():
   with pytest.raises(DataError, match=r"data\.source='csv' is unknown \(allowed: "
                      r"arithmetic, jsonl\)"):
     data.make_sources(types.SimpleNamespace(source="csv"))
+
+
+def test_several_validation_files_are_sources(tmp_path):
+  for name, n in (("a", 3), ("b", 2)):
+    with open(tmp_path / f"{name}.jsonl", "w") as f:
+      for i in range(n):
+        f.write(json.dumps({"q": f"{name}{i}", "a": str(i)}) + "\n")
+  (tmp_path / "train.jsonl").write_text((tmp_path / "a.jsonl").read_text())
+  cfg = types.SimpleNamespace(source="jsonl", train_path=str(tmp_path / "train.jsonl"),
+                              val_path=f"gsm={tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}",
+                              question_key="q", answer_key="a", num_val_examples=0)
+  _, val = data.make_sources(cfg)
+  # Named by `name=` or by the file's name; the order of the files is kept.
+  assert [r["source"] for r in val] == ["gsm"] * 3 + ["b"] * 2
+  assert data.source_names(val) == ["b", "gsm"]
+  assert data.source_names([{"question": "q", "answer": "a"}]) == []
+  with pytest.raises(DataError, match="same source name"):
+    data.val_files("x=a.jsonl,x=b.jsonl")

@@ -94,6 +94,13 @@ REFUSED = [
     (["--config.generation.val_top_k=-2"], ["config.generation.val_top_k=-2", "integer >= 0"]),
     (["--config.generation.backend=jetstream"], ["config.generation.backend='jetstream'",
                                                  "allowed: one of 'native'"]),
+    (["--config.grpo.stop_at_validation_metric=accuracy",
+      "--config.grpo.stop_at_validation_threshold=0.5",
+      "--config.grpo.stop_at_validation_confidence=1.0"],
+     ["config.grpo.stop_at_validation_confidence=1.0", "a number > 0 and < 1"]),
+    (["--config.grpo.stop_at_validation_metric=pass@2/gsm8k",
+      "--config.grpo.stop_at_validation_threshold=0.5"],  # arithmetic rows name no source
+     ["config.grpo.stop_at_validation_metric='pass@2/gsm8k'", "no validation source 'gsm8k'"]),
 ]
 
 

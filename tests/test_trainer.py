@@ -93,6 +93,42 @@ def test_early_stop_at_start_trains_nothing_and_pass_k_can_stop_alone(smoke, tmp
   assert json.load(open(tmp_path / "pass_k" / "summary.json"))["stopped_early"]
 
 
+class _ScriptedValidator:
+  """Stands in for validation.Validator: returns the scripted metrics of each step, so the
+  stop rule is tested on numbers chosen to sit on either side of the threshold."""
+
+  SCRIPT = {  # step -> (accuracy, its lower bound); the threshold below is 0.5
+      2: (0.60, 0.45),  # the mean reaches 0.5, its 0.95 bound does not
+      4: (0.58, 0.52),  # both do: the confidence rule stops here
+      6: (0.70, 0.66)}
+
+  def __init__(self, *args, **kwargs):
+    self.confidence = kwargs["confidence"]
+
+  def __call__(self, params, step):
+    accuracy, bound = self.SCRIPT.get(step, (0.0, 0.0))
+    out = {"accuracy": accuracy, "num_prompts": 32}
+    if self.confidence is not None:
+      out["accuracy_lcb"] = bound
+    return out
+
+
+@pytest.mark.parametrize("confidence,stop_step", [(None, 2), (0.95, 4)])
+def test_confidence_rule_waits_for_the_lower_bound(smoke, tmp_path, monkeypatch, confidence,
+                                                   stop_step):
+  monkeypatch.setattr(trainer.validation, "Validator", _ScriptedValidator)
+  setup = variant(smoke, tmp_path, val_at_start=False, val_period=2, max_num_steps=6,
+                  stop_at_validation_metric="accuracy", stop_at_validation_threshold=0.5,
+                  stop_at_validation_confidence=confidence)
+  assert trainer.run(setup) == 0
+  assert [r["step"] for r in rows(tmp_path, "val")] == list(range(2, stop_step + 1, 2))
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["early_stop"]["step"] == stop_step
+  if confidence is not None:
+    assert summary["early_stop"]["lower_bound"] == 0.52
+    assert "0.95 lower bound 0.52" in summary["early_stop"]["message"]
+
+
 def test_a_missing_stop_metric_fails_loudly(smoke, tmp_path):
   # The validator refuses this at startup; past it (a bug), the loop must not train on.
   setup = variant(smoke, tmp_path, val_at_start=True, stop_at_validation_metric="pass@3",

@@ -14,17 +14,20 @@ from jaxgrpo.tokenizer import Tokenizer
 from numpy_params import random_params  # tests/numpy_params.py
 
 
-def metrics_of(scores, k, valid=None, threshold=0.0, devices=1):
+def metrics_of(scores, k, valid=None, threshold=0.0, devices=1, source=None, num_sources=0,
+               maj=None, per_prompt=None):
   """grouped_metrics through its jitted, sharded call site, as the Validator calls it."""
   scores = np.asarray(scores, np.float32)
   p = len(scores) // k
   valid = np.ones(p, bool) if valid is None else np.asarray(valid, bool)
+  source = np.zeros(p, np.int32) if source is None else np.asarray(source, np.int32)
+  maj = np.zeros(p, np.float32) if maj is None else np.asarray(maj, np.float32)
   mesh = sharding.make_mesh({"data": devices, "fsdp": 1, "tensor": 1},
                             devices=jax.devices()[:devices])
-  fn = validation.compile_metrics(mesh, k, threshold)
-  out = fn(scores, scores, np.full(len(scores), 3, np.int32), np.zeros(len(scores), bool),
-           valid)
-  return {name: float(v) for name, v in jax.device_get(out).items()}
+  fn = validation.compile_metrics(mesh, k, threshold, num_sources, per_prompt)
+  out = jax.device_get(fn(scores, scores, np.full(len(scores), 3, np.int32),
+                          np.zeros(len(scores), bool), valid, source, maj))
+  return {name: (v if name.startswith("_") else float(v)) for name, v in out.items()}
 
 
 def test_two_prompts_k4_by_hand():
@@ -83,12 +86,75 @@ def test_pass_at_j_matches_exact_combinatorics():
       np.testing.assert_allclose(got, np.array(exact, float), atol=1e-6, err_msg=f"{n=} {j=}")
 
 
+def test_per_source_metrics_weighted_by_their_prompts():
+  # k=2, 4 prompts: source 0 holds prompts 0, 1 (scores [1,1], [0,1]); source 1 holds
+  # prompts 2, 3 ([0,0], [1,0]). Source 0: accuracy (1 + 0.5) / 2 = 0.75, pass_k 1.0;
+  # source 1: accuracy (0 + 0.5) / 2 = 0.25, pass_k 0.5. Overall accuracy 4/8 = 0.5, and
+  # the prompt-weighted average of the sources, (2 * 0.75 + 2 * 0.25) / 4, is 0.5 too.
+  # maj: prompts 0 and 3 voted right -> maj@2 overall 0.5, source 0: 0.5, source 1: 0.5.
+  m = metrics_of([1, 1, 0, 1, 0, 0, 1, 0], k=2, source=[0, 0, 1, 1], num_sources=2,
+                 maj=[1, 0, 0, 1])
+  assert (m["accuracy/0"], m["accuracy/1"], m["accuracy"]) == pytest.approx((0.75, 0.25, 0.5))
+  assert (m["pass_k/0"], m["pass_k/1"]) == pytest.approx((1.0, 0.5))
+  assert (m["num_prompts/0"], m["num_prompts/1"]) == (2, 2)
+  assert (m["maj@2"], m["maj@2/0"], m["maj@2/1"]) == pytest.approx((0.5, 0.5, 0.5))
+  for name in ("accuracy", "pass@1", "pass@2", "pass_k", "reward_mean", "maj@2"):
+    weighted = sum(m[f"num_prompts/{s}"] * m[f"{name}/{s}"] for s in (0, 1)) / 4
+    assert weighted == pytest.approx(m[name]), name
+  # A padding prompt of source 1 counts nowhere.
+  padded = metrics_of([1, 1, 0, 1, 0, 0, 1, 0, 1, 1], k=2, source=[0, 0, 1, 1, 1],
+                      valid=[1, 1, 1, 1, 0], num_sources=2, maj=[1, 0, 0, 1, 1])
+  assert padded["accuracy/1"] == pytest.approx(0.25) and padded["num_prompts/1"] == 2
+
+
+def test_lower_bounds():
+  # Accuracy: mean - z_0.95 * stderr with z_0.95 = 1.6449 (normal quantile): 0.5 - 1.6449
+  # * 0.1 = 0.3355.
+  assert validation.lower_bound([], [], "accuracy", 0.95, 0, mean=0.5,
+                                stderr=0.1) == pytest.approx(0.33551, abs=1e-4)
+  # Bootstrap: 0/1 per prompt, 60 of 100 prompts pass. The percentile bound sits near
+  # 0.6 - 1.645 * sqrt(0.6 * 0.4 / 100) = 0.519; it is seeded, ignores padding (weight 0),
+  # and depends on the multiset of values, not their order (hosts split prompts
+  # differently).
+  x = np.array([1.0] * 60 + [0.0] * 40)
+  w = np.ones(100)
+  bound = validation.lower_bound(x, w, "pass_k", 0.95, seed=3)
+  assert 0.50 < bound < 0.54
+  assert validation.lower_bound(x[::-1], w, "pass_k", 0.95, seed=3) == bound
+  padded = validation.lower_bound(np.r_[x, 1.0], np.r_[w, 0.0], "pass_k", 0.95, seed=3)
+  assert padded == bound
+  assert validation.lower_bound(x, w, "pass_k", 0.99, seed=3) < bound  # more confidence
+  # No spread, no doubt: every prompt passes.
+  assert validation.lower_bound(np.ones(50), np.ones(50), "maj@4/gsm8k", 0.95, 0) == 1.0
+
+
+def test_the_validator_logs_the_stop_metrics_lower_bound_per_source(tmp_path):
+  # Two sources on a real tiny model; the per-prompt values that feed the bound are the
+  # stop metric's over that source's prompts only.
+  rows = [dict(r, source="even" if i % 2 == 0 else "odd") for i, r in enumerate(ROWS)]
+  validator, params = make_validator(sampling.SamplingParams(1.0, 1.0, 0), 2, 4, rows=rows,
+                                     sources=["even", "odd"], stop_metric="pass@2/odd",
+                                     confidence=0.9)
+  m = validator(params, 0)
+  assert list(m)[-1] == "pass@2/odd_lcb" and m["num_prompts/odd"] == 6
+  assert m["pass@2/odd_lcb"] <= m["pass@2/odd"] or math.isnan(m["pass@2/odd_lcb"])
+  weighted = (6 * m["accuracy/even"] + 6 * m["accuracy/odd"]) / 12
+  assert weighted == pytest.approx(m["accuracy"])
+  assert "maj@2/odd" in m  # exact_match has an answer extractor
+
+
 def test_reported_names():
   assert validation.pass_js(1) == (1,) and validation.pass_js(8) == (1, 2, 4, 8)
   assert validation.pass_js(6) == (1, 2, 4, 6)
   assert "pass_k" not in validation.stop_metric_names(1)
   assert validation.stop_metric_names(4) == ["accuracy", "reward_mean", "pass@1", "pass@2",
                                              "pass@4", "pass_k"]
+  assert "maj@4" in validation.stop_metric_names(4, majority=True)
+  assert validation.majority_reward({"math": 1.0, "exact_match": 1.0}) == "math"
+  assert validation.majority_reward({"format": 1.0}) is None
+  names = validation.metric_names(2, True, ["a", "b"], "pass@2/b", 0.9)
+  assert names[:3] == ["accuracy", "accuracy_stderr", "reward_mean"]
+  assert "maj@2" in names and "pass@2/a" in names and names[-1] == "pass@2/b_lcb"
 
 
 def test_stop_message():
@@ -100,6 +166,13 @@ def test_stop_message():
   assert validation.stop_message(m, "pass@2", 0.0, 3) is None  # NaN never stops a run
   with pytest.raises(KeyError, match="pass@4.*accuracy, pass@2, pass_k"):
     validation.stop_message(m, "pass@4", 0.5, 3)
+  # The confidence rule reads the bound, not the mean.
+  m = {"accuracy": 0.6, "accuracy_lcb": 0.45}
+  assert validation.stop_message(m, "accuracy", 0.5, 3) is not None
+  assert validation.stop_message(m, "accuracy", 0.5, 3, confidence=0.95) is None
+  line = validation.stop_message({"accuracy": 0.6, "accuracy_lcb": 0.55}, "accuracy", 0.5, 4,
+                                 confidence=0.95)
+  assert "0.95 lower bound 0.55" in line and "accuracy=0.6" in line
 
 
 def test_correctness_prefers_math_then_exact_match():
@@ -125,17 +198,19 @@ CFG = model.ModelConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=2, nu
 ROWS = data.arithmetic_examples(12, num_digits=3, seed=5)
 
 
-def make_validator(val_sp, k, batch_size, tmp_path=None, devices=1, seed=0):
+def make_validator(val_sp, k, batch_size, tmp_path=None, devices=1, seed=0, rows=ROWS,
+                   **validator_kwargs):
   mesh = sharding.make_mesh({"data": devices, "fsdp": 1, "tensor": 1},
                             devices=jax.devices()[:devices])
   train = sampling.Profile(sampling.SamplingParams(1.0, 1.0, 0), 2, 5)
   engine = sampling.RolloutEngine(
       CFG, mesh, {"train": train, "val": sampling.Profile(val_sp, k, 5)},
       max_prompt_length=9, eos_id=TOK.eos_id, pad_id=TOK.pad_id, seed=123)
-  batches = data.validation_batches(ROWS, TOK, batch_size, 9, process_index=0, process_count=1)
+  batches = data.validation_batches(rows, TOK, batch_size, 9, process_index=0, process_count=1)
   validator = validation.Validator(
       engine, batches, TOK, {"exact_match": 1.0}, threshold=0.0, seed=seed, mesh=mesh,
-      samples_dir=None if tmp_path is None else str(tmp_path / "val_samples"))
+      samples_dir=None if tmp_path is None else str(tmp_path / "val_samples"),
+      **validator_kwargs)
   params = sharding.shard_params(random_params(CFG, 0), CFG, mesh)
   return validator, params
 
