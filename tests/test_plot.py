@@ -144,3 +144,20 @@ def test_cli_bad_input(tmp_path):
   _assert_one_line_error(_cli(str(train_only)), "no validation rows")
   _assert_one_line_error(_cli())
   _assert_one_line_error(_cli(str(empty), str(train_only)))
+
+
+def test_figure_draws_the_lower_bound_and_a_stop_metric_without_a_curve():
+  # The confidence rule logs <metric>_lcb: drawn dotted beside the metric, so the chart shows
+  # the line that must cross the threshold. maj@4/gsm8k has no curve of its own: it is drawn.
+  rows = {10: {"accuracy": 0.5, "maj@4/gsm8k": 0.6, "maj@4/gsm8k_lcb": 0.48},
+          20: {"accuracy": 0.6, "maj@4/gsm8k": 0.7, "maj@4/gsm8k_lcb": 0.61}}
+  ax = plot.figure(rows, "maj@4/gsm8k", 0.6).axes[0]
+  lines = {line.get_label(): line for line in ax.get_lines()}
+  assert list(lines) == ["accuracy", "maj@4/gsm8k", "maj@4/gsm8k lower bound",
+                         "stop: maj@4/gsm8k >= 0.6"]
+  bound = lines["maj@4/gsm8k lower bound"]
+  assert list(bound.get_ydata()) == [0.48, 0.61] and bound.get_linestyle() == ":"
+  # Without a logged bound (plain rule) only the metric's own curve is added.
+  plain = {s: {k: v for k, v in r.items() if not k.endswith("_lcb")} for s, r in rows.items()}
+  labels = [l.get_label() for l in plot.figure(plain, "accuracy", 0.6).axes[0].get_lines()]
+  assert labels == ["accuracy", "stop: accuracy >= 0.6"]
