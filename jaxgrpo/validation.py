@@ -21,7 +21,7 @@ c of them passing (Chen et al. 2021, "Evaluating Large Language Models Trained o
     *_stderr   standard error across prompts (sample std with ddof 1 over sqrt(P))
 
     maj@k      share of prompts whose most frequent answer among the k samples is right
-               (when the correctness reward has an answer extractor: see voting.py)
+               (k > 1, and the correctness reward has an answer extractor: see voting.py)
 
 Deviation from the paper: it estimates pass@j from n >> j samples; here n = k, so pass@k is
 the plain empirical rate and the smaller j reuse the same k samples.
@@ -108,14 +108,14 @@ def stop_metric_names(k: int, majority: bool = False) -> list[str]:
   named per source, `<metric>/<source>`)."""
   names = ["accuracy", "reward_mean"] + [f"pass@{j}" for j in pass_js(k)]
   names += ["pass_k"] if k > 1 else []
-  return names + ([f"maj@{k}"] if majority else [])
+  return names + ([f"maj@{k}"] if majority and k > 1 else [])
 
 
 def _source_metric_names(k: int, majority: bool) -> list[str]:
   names = ["accuracy", "accuracy_stderr", "reward_mean"]
   for j in pass_js(k):
     names += [f"pass@{j}", f"pass@{j}_stderr"]
-  names += [f"maj@{k}", f"maj@{k}_stderr"] if majority else []
+  names += [f"maj@{k}", f"maj@{k}_stderr"] if majority and k > 1 else []
   names += ["pass_k"] if k > 1 else []
   return names + ["avg_length", "truncated_fraction", "num_prompts"]
 
@@ -278,7 +278,8 @@ class Validator:
     self.key = jax.random.key(seed)  # with the prompt index, the only source of randomness
     self.samples_dir, self.mesh = samples_dir, mesh
     self.sources = list(sources)
-    self.majority = majority_reward(self.weights)
+    # One sample per prompt has no vote to take (maj@1 would repeat accuracy).
+    self.majority = majority_reward(self.weights) if self.k > 1 else None
     self.stop_metric = stop_metric if confidence is not None else None
     self.confidence = confidence
     per_prompt = None
