@@ -1,6 +1,7 @@
 """launch/compile_check.py: AOT compilation for a TPU topology on this CPU-only machine.
 
-The CLI tests need libtpu (`pip install 'jax[tpu]'`) and skip without it. They run the
+The CLI tests need libtpu (`pip install -e '.[tpu]'`, kept out of the test venv: see
+pyproject.toml), in the Python named by $JAXGRPO_TPU_PYTHON or this one, and skip without it. They run the
 check in subprocesses, as a user does: libtpu then loads in a process of its own, never in
 the test worker, and exit status and stderr are what is checked. Compilation for a topology
 works with JAX_PLATFORMS=cpu (conftest.py sets it): the devices are compile-only
@@ -33,11 +34,16 @@ TOO_BIG = ("--config.model.checkpoint=", "--config.model.d_model=1024",
 
 @pytest.fixture(name="check")
 def check_fixture():
-  """Runs the CLI; skips the test where libtpu is not installed."""
-  pytest.importorskip("libtpu", reason="needs jax[tpu] (libtpu) to compile for a TPU topology")
+  """Runs the CLI with a Python that has libtpu ($JAXGRPO_TPU_PYTHON, else this one);
+  skips the test where there is none."""
+  python = os.environ.get("JAXGRPO_TPU_PYTHON") or sys.executable
+  found = subprocess.run([python, "-c", "import libtpu"], capture_output=True).returncode == 0
+  if not found:
+    pytest.skip("needs jax[tpu] (libtpu) to compile for a TPU topology: pip install "
+                "-e '.[tpu]' in a venv and set JAXGRPO_TPU_PYTHON to its python")
 
   def run(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+    return subprocess.run([python, SCRIPT, *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   return run
 
