@@ -219,7 +219,8 @@ def _prepare(rows: Sequence[dict[str, Any]], row_ids: Sequence[int], tokenizer: 
   ids_list = tokenizer.encode_batch(prompts, add_bos=getattr(template, "add_bos", True))
   _check_lengths(ids_list, prompts, row_ids, max_prompt_length)
   return [{"prompt": p, "ids": ids, "row_id": i, "question": rows[i]["question"],
-           "answer": rows[i]["answer"], "source": str(rows[i]["source"]) if "source" in rows[i] else None}
+           "answer": rows[i]["answer"],
+           "source": str(rows[i]["source"]) if "source" in rows[i] else None}
           for p, ids, i in zip(prompts, ids_list, row_ids)]
 
 

@@ -149,15 +149,15 @@ def pass_at_j(c_P, n: int, j: int):
 
 
 def grouped_metrics(scores_N, rewards_N, lengths_N, truncated_N, valid_P, source_P=None,
-                    maj_P=None, *, k: int, threshold: float, num_sources: int = 0,
+                    maj_P=None, *, k: int, threshold: float, sources: Sequence[str] = (),
                     per_prompt: str | None = None) -> dict:
   """Every validation metric from N = P*k rows (prompt-major); padding prompts masked out.
 
-  source_P: each prompt's index into the run's source names (with num_sources > 0, metrics
-  are also computed per source, keyed `<metric>/<index>`); maj_P: 1 where the prompt's
-  majority answer is right (maj@k is reported when given). per_prompt names a metric
-  ('pass@2/1', say) whose per-prompt values and prompt weights are returned too, under
-  '_values_P' and '_weights_P', for the stop metric's lower bound.
+  source_P: each prompt's index into `sources` (metrics are also computed per source, keyed
+  `<metric>/<source>`); maj_P: 1 where the prompt's majority answer is right (maj@k is
+  reported when given). per_prompt names a metric ('pass@2/gsm8k', say) whose per-prompt
+  values and prompt weights are returned too, under '_values_P' and '_weights_P', for the
+  stop metric's lower bound.
   """
   scores_PxK = scores_N.reshape(-1, k).astype(jnp.float32)
   c_P = jnp.sum(scores_PxK > threshold, axis=1)
@@ -189,22 +189,23 @@ def grouped_metrics(scores_N, rewards_N, lengths_N, truncated_N, valid_P, source
   out = block(w_P, "")
   out["num_rollouts"] = out["num_prompts"] * k
   weights = {None: w_P}
-  for s in range(num_sources):
-    weights[str(s)] = w_P * (source_P == s)
-    out.update(block(weights[str(s)], f"/{s}"))
+  for s, name in enumerate(sources):
+    weights[name] = w_P * (source_P == s)
+    out.update(block(weights[name], f"/{name}"))
   if per_prompt is not None:
     base, source = split_metric(per_prompt)
     out["_values_P"], out["_weights_P"] = values[base], weights[source]
   return out
 
 
-def compile_metrics(mesh, k: int, threshold: float, num_sources: int = 0,
+def compile_metrics(mesh, k: int, threshold: float, sources: Sequence[str] = (),
                     per_prompt: str | None = None):
   """grouped_metrics jitted once: rows split over the data axes, scalars (and the stop
   metric's per-prompt values) replicated."""
   rows = sharding_lib.batch_sharding(mesh, 1)
-  return jax.jit(lambda *a: grouped_metrics(*a, k=k, threshold=threshold,
-                                            num_sources=num_sources, per_prompt=per_prompt),
+  sources = tuple(sources)
+  return jax.jit(lambda *a: grouped_metrics(*a, k=k, threshold=threshold, sources=sources,
+                                            per_prompt=per_prompt),
                  in_shardings=(rows,) * 7, out_shardings=sharding_lib.replicated(mesh))
 
 
@@ -282,13 +283,9 @@ class Validator:
     self.majority = majority_reward(self.weights) if self.k > 1 else None
     self.stop_metric = stop_metric if confidence is not None else None
     self.confidence = confidence
-    per_prompt = None
-    if self.stop_metric is not None:
-      base, source = split_metric(self.stop_metric)
-      per_prompt = base if source is None else f"{base}/{self.sources.index(source)}"
     self.names = metric_names(self.k, self.majority is not None, self.sources,
                               self.stop_metric, confidence)
-    self._metrics = compile_metrics(mesh, self.k, threshold, len(self.sources), per_prompt)
+    self._metrics = compile_metrics(mesh, self.k, threshold, self.sources, self.stop_metric)
 
   def __call__(self, params, step: int) -> dict:
     t0 = time.perf_counter()
@@ -296,6 +293,8 @@ class Validator:
     rollouts = [self.engine.sample("val", params, b["prompt_tokens_BxL"], b["prompt_mask_BxL"],
                                    key=self.key, row_ids_B=b["row_ids_B"])
                 for b in self.batches]
+    # Process 0 writes every host's samples, so on a pod every host collects its own.
+    collect = self.samples_dir is not None or jax.process_count() > 1
     scores, totals, lengths, truncated, majs, records = [], [], [], [], [], []
     for batch, rollout in zip(self.batches, rollouts):
       tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
@@ -313,21 +312,18 @@ class Validator:
         majs.append(voting.maj_correct(
             voting.extract_all(self.majority, completions, self.k), correct,
             functools.partial(rewards_lib.answers_equal, self.majority)))
-      records += self._records(batch, completions, score, lens, trunc)
+      if collect:
+        records += self._records(batch, completions, score, lens, trunc)
     valid_P = np.concatenate([b["valid_B"] for b in self.batches])
     source_P = np.asarray(
         [self.sources.index("other" if s is None else s) if self.sources else 0
-         for b in self.batches for s in b.get("sources", [None] * len(b["valid_B"]))],
-        np.int32)
+         for b in self.batches for s in b["sources"]], np.int32)
     maj_P = np.concatenate(majs) if majs else np.zeros_like(valid_P, np.float32)
     # This process's rows, whole prompts each: the metrics are sums over prompts, so the
     # global array's row order (process by process) does not change them.
     metrics = jax.device_get(self._metrics(*sharding_lib.to_global(self.mesh, (
         np.concatenate(scores), np.concatenate(totals), np.concatenate(lengths),
         np.concatenate(truncated), valid_P, source_P, maj_P))))
-    for i, source in enumerate(self.sources):  # index -> name, as the validator knows them
-      for key in [key for key in metrics if key.endswith(f"/{i}")]:
-        metrics[key[:-len(str(i))] + source] = metrics.pop(key)
     if self.stop_metric is not None:
       base = split_metric(self.stop_metric)[0]
       stderr_key = self.stop_metric.replace(base, f"{base}_stderr", 1)
@@ -335,9 +331,9 @@ class Validator:
           metrics["_values_P"], metrics["_weights_P"], self.stop_metric, self.confidence,
           self.seed, mean=float(metrics[self.stop_metric]),
           stderr=float(metrics[stderr_key]) if stderr_key in metrics else None)
-    # Every host's samples go to process 0's file (the others pass samples_dir=None).
-    records = sorted((r for part in distributed.gather_objects(records) for r in part),
-                     key=lambda r: r["prompt_index"])
+    if jax.process_count() > 1:  # into process 0's file (the others pass samples_dir=None)
+      records = sorted((r for part in distributed.gather_objects(records) for r in part),
+                       key=lambda r: r["prompt_index"])
     metrics["wall_time_s"] = time.perf_counter() - t0
     # In metric_names order (device_get sorts dict keys): accuracy first on every console line.
     out = {name: (int(metrics[name]) if name.split("/")[0].startswith("num_")

@@ -14,7 +14,7 @@ from jaxgrpo.tokenizer import Tokenizer
 from numpy_params import random_params  # tests/numpy_params.py
 
 
-def metrics_of(scores, k, valid=None, threshold=0.0, devices=1, source=None, num_sources=0,
+def metrics_of(scores, k, valid=None, threshold=0.0, devices=1, source=None, sources=(),
                maj=None, per_prompt=None):
   """grouped_metrics through its jitted, sharded call site, as the Validator calls it."""
   scores = np.asarray(scores, np.float32)
@@ -24,7 +24,7 @@ def metrics_of(scores, k, valid=None, threshold=0.0, devices=1, source=None, num
   maj = np.zeros(p, np.float32) if maj is None else np.asarray(maj, np.float32)
   mesh = sharding.make_mesh({"data": devices, "fsdp": 1, "tensor": 1},
                             devices=jax.devices()[:devices])
-  fn = validation.compile_metrics(mesh, k, threshold, num_sources, per_prompt)
+  fn = validation.compile_metrics(mesh, k, threshold, sources, per_prompt)
   out = jax.device_get(fn(scores, scores, np.full(len(scores), 3, np.int32),
                           np.zeros(len(scores), bool), valid, source, maj))
   return {name: (v if name.startswith("_") else float(v)) for name, v in out.items()}
@@ -92,7 +92,7 @@ def test_per_source_metrics_weighted_by_their_prompts():
   # source 1: accuracy (0 + 0.5) / 2 = 0.25, pass_k 0.5. Overall accuracy 4/8 = 0.5, and
   # the prompt-weighted average of the sources, (2 * 0.75 + 2 * 0.25) / 4, is 0.5 too.
   # maj: prompts 0 and 3 voted right -> maj@2 overall 0.5, source 0: 0.5, source 1: 0.5.
-  m = metrics_of([1, 1, 0, 1, 0, 0, 1, 0], k=2, source=[0, 0, 1, 1], num_sources=2,
+  m = metrics_of([1, 1, 0, 1, 0, 0, 1, 0], k=2, source=[0, 0, 1, 1], sources=("0", "1"),
                  maj=[1, 0, 0, 1])
   assert (m["accuracy/0"], m["accuracy/1"], m["accuracy"]) == pytest.approx((0.75, 0.25, 0.5))
   assert (m["pass_k/0"], m["pass_k/1"]) == pytest.approx((1.0, 0.5))
@@ -103,7 +103,7 @@ def test_per_source_metrics_weighted_by_their_prompts():
     assert weighted == pytest.approx(m[name]), name
   # A padding prompt of source 1 counts nowhere.
   padded = metrics_of([1, 1, 0, 1, 0, 0, 1, 0, 1, 1], k=2, source=[0, 0, 1, 1, 1],
-                      valid=[1, 1, 1, 1, 0], num_sources=2, maj=[1, 0, 0, 1, 1])
+                      valid=[1, 1, 1, 1, 0], sources=("0", "1"), maj=[1, 0, 0, 1, 1])
   assert padded["accuracy/1"] == pytest.approx(0.25) and padded["num_prompts/1"] == 2
 
 
