@@ -51,6 +51,8 @@ def get_config(arg=None):
 
   c.generation = ml_collections.ConfigDict(dict(
       temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=512, backend="native",
+      # jetstream only: decode slots (0: one per row of a rollout, so a call is one wave).
+      max_concurrent_decodes=0,
       val_temperature=0.6, val_top_p=config_dict.placeholder(float),
       val_top_k=config_dict.placeholder(int)))
 

@@ -49,6 +49,8 @@ def get_config(arg=None):
   # setting one, e.g. --config.generation.val_temperature=0.3, never moves the training value.
   c.generation = ml_collections.ConfigDict(dict(
       temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5, backend="native",
+      # jetstream only: decode slots (0: one per row of a rollout, so a call is one wave).
+      max_concurrent_decodes=0,
       val_temperature=config_dict.placeholder(float),
       val_top_p=config_dict.placeholder(float),
       val_top_k=config_dict.placeholder(int)))

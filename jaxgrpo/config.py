@@ -86,7 +86,11 @@ VAL_FOLLOWS = {"val_temperature": "temperature", "val_top_p": "top_p", "val_top_
 # What each rollout backend cannot do: backend -> {generation key: why}. The native sampler
 # honours every setting; an adapter (issue 10's JetStream) lists its limits here, and the
 # validator refuses them at startup instead of ignoring them.
-BACKEND_LIMITS: dict[str, dict[str, Callable[[Any], str | None]]] = {"native": {}}
+# The JetStream adapter (jaxgrpo/engine/jetstream_engine.py) draws tokens with the native
+# sampler's own function and random streams, so it too honours every sampling setting; what
+# it cannot do (several processes) is checked in _check_backend.
+BACKEND_LIMITS: dict[str, dict[str, Callable[[Any], str | None]]] = {"native": {},
+                                                                     "jetstream": {}}
 
 
 SCHEMA: dict[str, Any] = {
@@ -115,6 +119,7 @@ SCHEMA: dict[str, Any] = {
     "generation": {
         "temperature": _num(0, lo_open=True), "top_p": _num(0, 1, lo_open=True),
         "top_k": _int(0), "max_new_tokens": _int(1), "backend": _choice(*BACKEND_LIMITS),
+        "max_concurrent_decodes": _int(0),
         # None follows the training value (resolved by `validate`); 0 is greedy.
         "val_temperature": _optional(_num(0)), "val_top_p": _optional(_num(0, 1, lo_open=True)),
         "val_top_k": _optional(_int(0))},
@@ -306,6 +311,7 @@ def _check_cross_fields(c, num_devices: int):
         _fail(f"model.{key}", value, "a value, or a checkpoint to take it from "
               "(model.hf_checkpoint=/path/to/hf/model or model.checkpoint)")
   _check_model_shapes(c, m, sizes)
+  _check_backend(c.generation, rows)
   _check_stop_rule(g, c.rewards)
   _check_checkpoint(c.checkpoint, g, c.rewards)
   d = c.data
@@ -316,6 +322,27 @@ def _check_cross_fields(c, num_devices: int):
           "Face folder (its tokenizer_config.json holds the chat template)")
   if "{question}" not in d.prompt_template:
     _fail("data.prompt_template", d.prompt_template, "a template containing {question}")
+
+
+def _check_backend(gen, rows: int):
+  """The jetstream backend: its extra installed (found, not imported: it imports
+  TensorFlow), one process, and decode slots that split over the data axes."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  if gen.backend != "jetstream":
+    if gen.max_concurrent_decodes:
+      _fail("generation.max_concurrent_decodes", gen.max_concurrent_decodes,
+            f"0 with generation.backend={gen.backend!r} (only 'jetstream' has decode slots)")
+    return
+  if importlib.util.find_spec("jetstream") is None:
+    _fail("generation.backend", gen.backend, "'native', or 'jetstream' after "
+          "pip install 'jaxgrpo[jetstream]' (google-jetstream is not installed)")
+  if jax.process_count() > 1:
+    _fail("generation.backend", gen.backend, f"'native' on {jax.process_count()} processes "
+          "(the jetstream backend runs on one)")
+  if gen.max_concurrent_decodes % rows:
+    _fail("generation.max_concurrent_decodes", gen.max_concurrent_decodes,
+          f"0 (one slot per rollout row) or a multiple of {rows} (mesh data x fsdp)")
 
 
 def _check_model_shapes(c, m, sizes):

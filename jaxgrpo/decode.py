@@ -126,6 +126,27 @@ def _rope(x, cos, sin):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=2).astype(x.dtype)
 
 
+def _at_slot(i, shape, axis: int):
+  """Where generated-token slot `i` sits in an array of `shape` whose `axis` runs over the
+  slots: i is one step for every row (the sampler), or one per row [B] (JetStream's
+  continuous batching, where each slot is at its own step). Returns (slots [T] broadcast
+  along `axis`, i broadcast to match)."""
+  view = [1] * len(shape)
+  view[axis] = shape[axis]
+  slots = jnp.arange(shape[axis]).reshape(view)
+  if jnp.ndim(i) == 0:
+    return slots, i
+  return slots, jnp.reshape(i, (-1,) + (1,) * (len(shape) - 1))
+
+
+def _write(buffer, new, i, axis: int):
+  """buffer with `new` (size 1 along `axis`) written at slot i (scalar, or one per row)."""
+  if jnp.ndim(i) == 0:  # one dynamic slice: the sampler's hot loop
+    return jax.lax.dynamic_update_slice_in_dim(buffer, new, i, axis=axis)
+  slots, at = _at_slot(i, buffer.shape, axis)
+  return jnp.where(slots == at, new, buffer)
+
+
 def _attend(q_BxKxGxRxD, layer_k, layer_v, cache: Cache, l: int, i):
   """Softmax over the prompt's and the samples' own keys, without concatenating them."""
   b, hk, g, r, d = q_BxKxGxRxD.shape
@@ -134,7 +155,8 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, cache: Cache, l: int, i):
                         cache.prompt_k[l], preferred_element_type=f32) + cache.prompt_bias
   s_prompt = s_prompt.reshape(b, hk, g, r, -1)
   s_gen = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, layer_k, preferred_element_type=f32)
-  s_gen = jnp.where(jnp.arange(layer_k.shape[-1]) <= i, s_gen, _NEG)
+  slots, at = _at_slot(i, s_gen.shape, s_gen.ndim - 1)
+  s_gen = jnp.where(slots <= at, s_gen, _NEG)
   top = jnp.maximum(jnp.max(s_prompt, axis=-1, keepdims=True),
                     jnp.max(s_gen, axis=-1, keepdims=True))
   e_prompt, e_gen = jnp.exp(s_prompt - top), jnp.exp(s_gen - top)
@@ -150,7 +172,8 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, cache: Cache, l: int, i):
 def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache):
   """Logits [B, G, V] (float32) for the tokens fed at decode step i, and the cache with
   their keys and values written at slot i. All G samples of prompt b sit at
-  positions_B[b] (prompt length + i - 1).
+  positions_B[b] (prompt length + i - 1). i is a scalar (every row at the same step, the
+  sampler) or one step per row, i_B (the JetStream adapter's slots).
 
   Activations are feature-major, x [d_model, N] with N = B*G rows as columns, so every
   projection is weight @ activations: XLA's CPU matmul measured up to 3x faster with the
@@ -174,9 +197,8 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     qk = _rope(qk, cos, sin)
     q = (qk[:, :r] * d ** -0.5).transpose(3, 0, 4, 1, 2)   # [B, H_kv, G, r, D]
     k = qk[:, r].transpose(2, 0, 3, 1)                     # [B, H_kv, G, D]
-    layer_k = jax.lax.dynamic_update_slice_in_dim(cache.gen_k[l], k[..., None], i, axis=4)
-    layer_v = jax.lax.dynamic_update_slice_in_dim(
-        cache.gen_v[l], v.transpose(2, 0, 3, 1)[:, :, :, None], i, axis=3)
+    layer_k = _write(cache.gen_k[l], k[..., None], i, axis=4)
+    layer_v = _write(cache.gen_v[l], v.transpose(2, 0, 3, 1)[:, :, :, None], i, axis=3)
     o = _attend(q, layer_k, layer_v, cache, l, i)  # [B, H_kv, G, r, D]
     x = x + jnp.einsum("mkre,bkgre->mbg", layer.out, o).reshape(-1, b * g)
     xn = _norm(x, layer.mlp_norm, cfg)

@@ -27,8 +27,9 @@ class ExportError(ValueError):
   """A workdir or step that cannot be exported, in one line."""
 
 
-def export(workdir: str, out: str, step: int | None = None) -> tuple[int, list[str]]:
-  """Exports checkpoint `step` (default: the newest) of `workdir` to `out`."""
+def load_run(workdir: str, step: int | None = None):
+  """A run folder's config, model config, tokenizer and the parameters of checkpoint `step`
+  (default: the newest): (config, model_cfg, tokenizer, params, step). Host arrays."""
   from jaxgrpo import train  # pylint: disable=g-import-not-at-top
   config_path = os.path.join(workdir, "config.json")
   if not os.path.isfile(config_path):
@@ -42,7 +43,7 @@ def export(workdir: str, out: str, step: int | None = None) -> tuple[int, list[s
   directory = os.path.join(workdir, checkpoint.DIR_NAME)
   steps = checkpoint.step_dirs(directory)
   if not steps:
-    raise ExportError(f"{directory}: no checkpoints to export")
+    raise ExportError(f"{directory}: no checkpoints")
   if step is None:
     step = steps[-1]
   elif step not in steps:
@@ -56,8 +57,14 @@ def export(workdir: str, out: str, step: int | None = None) -> tuple[int, list[s
     state, _ = ckpts.restore(step)
   finally:
     ckpts.close()
+  return config, cfg, tokenizer, state["params"], step
+
+
+def export(workdir: str, out: str, step: int | None = None) -> tuple[int, list[str]]:
+  """Exports checkpoint `step` (default: the newest) of `workdir` to `out`."""
+  config, cfg, tokenizer, params, step = load_run(workdir, step)
   source = config.model.get("hf_checkpoint") or config.model.get("checkpoint") or None
-  written = hf.save_hf(out, cfg, state["params"], tokenizer, source=source)
+  written = hf.save_hf(out, cfg, params, tokenizer, source=source)
   return step, written
 
 

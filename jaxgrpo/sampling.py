@@ -323,11 +323,15 @@ class RolloutEngine:
     self.compilations = {name: 0 for name in PROFILE_NAMES}
     self._calls = {name: 0 for name in PROFILE_NAMES}
     self._base_key = jax.random.key(seed)
-    self._samplers = {
-        name: compile_sampler(cfg, profiles[name], eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                              on_trace=functools.partial(self._count, name),
-                              share_prefix=share_prefix)
-        for name in PROFILE_NAMES}
+    self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)
+
+  def _build(self, *, eos_id, share_prefix: bool):
+    """One compiled sampler per profile (a backend adapter replaces this and `_roll`)."""
+    return {name: compile_sampler(self.cfg, self.profiles[name], eos_id=eos_id,
+                                  pad_id=self.pad_id, mesh=self.mesh,
+                                  on_trace=functools.partial(self._count, name),
+                                  share_prefix=share_prefix)
+            for name in PROFILE_NAMES}
 
   def _count(self, name):
     self.compilations[name] += 1
@@ -374,7 +378,11 @@ class RolloutEngine:
     row_ids_B = np.asarray(row_ids_B, np.int32)
     if row_ids_B.shape != (rows,):
       raise ValueError(f"row_ids_B has shape {row_ids_B.shape}; expected ({rows},)")
-    tokens, mask, row_ids_B = sharding_lib.to_global(self.mesh, (tokens, mask, row_ids_B))
+    return self._roll(name, params, tokens, mask, key, row_ids_B)
+
+  def _roll(self, name: str, params, tokens_BxP, mask_BxP, key, row_ids_B) -> Rollout:
+    """The rollout itself, from this process's left-padded prompts (numpy)."""
+    tokens, mask, row_ids_B = sharding_lib.to_global(self.mesh, (tokens_BxP, mask_BxP, row_ids_B))
     return self._samplers[name](params, tokens, mask, sharding_lib.replicate_key(self.mesh, key),
                                 row_ids_B)
 

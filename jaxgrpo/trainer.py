@@ -93,9 +93,18 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                                         gen.max_new_tokens),
               "val": sampling.Profile(val_sp, val_k or g.val_num_generations_per_prompt,
                                       gen.max_new_tokens)}
-  return sampling.RolloutEngine(
-      model_cfg, mesh, profiles, max_prompt_length=c.data.max_prompt_length,
-      eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id, seed=c.seed)
+  common = dict(max_prompt_length=c.data.max_prompt_length, eos_id=tokenizer.stop_ids,
+                pad_id=tokenizer.pad_id, seed=c.seed)
+  if gen.backend == "jetstream":
+    # Imported here and only here: it imports JetStream and, through it, TensorFlow.
+    from jaxgrpo.engine import jetstream_engine  # pylint: disable=g-import-not-at-top
+    procs = jax.process_count()
+    auto = {name: p.num_samples * batch // procs for (name, p), batch in zip(
+        profiles.items(), (g.num_prompts_per_step, g.val_batch_size))}
+    slots = {name: gen.max_concurrent_decodes or n for name, n in auto.items()}
+    return jetstream_engine.JetStreamRolloutEngine(model_cfg, mesh, profiles,
+                                                   tokenizer=tokenizer, slots=slots, **common)
+  return sampling.RolloutEngine(model_cfg, mesh, profiles, **common)
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step):

@@ -10,6 +10,7 @@ so "no compilation before the error" is checked, not assumed.
 temperature override that the unset validation temperature must follow.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +57,38 @@ def assert_clean_error(proc, *fragments):
   for fragment in fragments:
     assert fragment in lines[0], lines[0]
 
+
+
+# Imports a run must never make: the jetstream extra and what it pulls in.
+HEAVY = ("jetstream", "tensorflow", "seqio")
+
+
+def run_recording_imports(*args, workdir):
+  """Runs `jaxgrpo.train` in a subprocess that records every import statement for HEAVY (and
+  refuses it, as if not installed: so even where the extra is installed nothing loads, and
+  where it is not, an attempt is still seen). Returns (process, attempted, loaded)."""
+  script = f"""
+import json, sys
+HEAVY = {HEAVY!r}
+attempts = []
+class Recorder:
+  def find_spec(self, name, path=None, target=None):
+    # An import statement, not a probe: importlib.util.find_spec("tensorflow") (etils asks,
+    # to pick a gs:// backend) loads nothing and is let through.
+    importing = sys._getframe(2).f_code.co_name == "_find_and_load_unlocked"
+    if importing and name.split(".")[0] in HEAVY:
+      attempts.append(name)
+      raise ModuleNotFoundError(name)
+    return None
+sys.meta_path.insert(0, Recorder())
+from jaxgrpo import train
+rc = train.main(["train", "--workdir={workdir}", *{list(args)!r}])
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
+print("IMPORTS " + json.dumps({{"attempted": attempts, "loaded": loaded}}))
+sys.exit(rc)
+"""
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env=env(), cwd=ROOT, timeout=600)
+  line = [l for l in proc.stdout.splitlines() if l.startswith("IMPORTS ")]
+  record = json.loads(line[-1][len("IMPORTS "):]) if line else {}
+  return proc, record.get("attempted"), record.get("loaded")

@@ -229,3 +229,50 @@ def test_checkpoint_keys_are_checked():
     c.checkpoint[key] = value
     with pytest.raises(config_lib.ConfigError, match=f"config.checkpoint.{key}="):
       config_lib.validate(c, num_devices=8)
+
+
+def _jetstream(monkeypatch, installed: bool):
+  """backend='jetstream' as if the extra were (or were not) installed: the validator only
+  looks for the package (importing it would import TensorFlow)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+      (object() if installed else None) if name == "jetstream" else real(name, *a)))
+  c = math_config()
+  c.generation.backend = "jetstream"
+  return c
+
+
+def test_jetstream_backend_without_the_extra_names_the_install(monkeypatch):
+  c = _jetstream(monkeypatch, installed=False)
+  with pytest.raises(config_lib.ConfigError, match=r"config.generation.backend='jetstream': "
+                     r"allowed: 'native', or 'jetstream' after pip install 'jaxgrpo\[jetstream\]'"):
+    config_lib.validate(c, num_devices=8)
+
+
+def test_jetstream_slots_split_over_the_data_axes(monkeypatch):
+  c = _jetstream(monkeypatch, installed=True)
+  assert config_lib.validate(c, num_devices=8).generation.max_concurrent_decodes == 0  # auto
+  c.generation.max_concurrent_decodes = 16
+  config_lib.validate(c, num_devices=8)
+  c.generation.max_concurrent_decodes = 12  # 8 data-parallel devices
+  with pytest.raises(config_lib.ConfigError, match="max_concurrent_decodes=12: allowed: 0 .* "
+                     "or a multiple of 8"):
+    config_lib.validate(c, num_devices=8)
+
+
+def test_jetstream_backend_runs_on_one_process(monkeypatch):
+  import jax  # pylint: disable=g-import-not-at-top
+  c = _jetstream(monkeypatch, installed=True)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(config_lib.ConfigError, match="backend='jetstream': allowed: 'native' on "
+                     "2 processes"):
+    config_lib.validate(c, num_devices=8)
+
+
+def test_slots_are_refused_with_the_native_backend():
+  c = math_config()
+  c.generation.max_concurrent_decodes = 8  # never silently ignored
+  with pytest.raises(config_lib.ConfigError, match="max_concurrent_decodes=8: allowed: 0 with "
+                     "generation.backend='native'"):
+    config_lib.validate(c, num_devices=8)

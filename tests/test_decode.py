@@ -110,3 +110,39 @@ def test_prepare_keeps_each_kv_heads_queries_key_and_value_together():
     np.testing.assert_array_equal(qkv[0, h], a["q"][:, h].T)
   np.testing.assert_array_equal(qkv[0, 4], a["k"][:, 0].T)
   np.testing.assert_array_equal(qkv[0, 5], a["v"][:, 0].T)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _per_row_steps(cfg, params, prompt_BxP, mask_BxP, cont_BxT, offsets):
+  """Decode-step logits when row b starts offsets[b] calls late (JetStream's slots: each at
+  its own step, i_B a vector). Before its start a row feeds its first token at slot 0 and
+  after its end re-feeds its last at slot t-1: both are rewritten before they are read."""
+  b, t = cont_BxT.shape
+  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP)
+  cache = decode.init_cache(ks, vs, mask_BxP, cfg, 1, t)
+  weights = decode.prepare(params, cfg)
+  prompt_len_B = jnp.sum(mask_BxP, axis=-1)
+  out = jnp.zeros((b, t, cfg.vocab_size), jnp.float32)
+  for k in range(t + max(offsets)):
+    i_B = jnp.clip(k - jnp.asarray(offsets), 0, t - 1)
+    tokens = jnp.take_along_axis(cont_BxT, i_B[:, None], axis=1)
+    logits, cache = decode.step(weights, cfg, tokens, prompt_len_B + i_B, i_B, cache)
+    for row, off in enumerate(offsets):
+      if 0 <= k - off < t:
+        out = out.at[row, k - off].set(logits[row, 0])
+  return out
+
+
+def test_decode_step_takes_one_step_per_row():
+  cfg = BASE
+  params = random_params(cfg, seed=1, scale_noise=0.1)
+  p, t = 7, 4
+  rng = np.random.default_rng(1)
+  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
+  cont_BxT = rng.integers(0, cfg.vocab_size, size=(3, t)).astype(np.int32)
+  got = _per_row_steps(cfg, params, prompt_BxP, mask_BxP, cont_BxT, (0, 2, 1))
+  rows = np.concatenate([prompt_BxP, cont_BxT], axis=1)
+  full = model.forward(params, cfg, rows, np.concatenate([mask_BxP, np.ones((3, t), bool)], 1))
+  # Token j of row b, fed at position length_b + j, predicts what the full pass predicts at
+  # column p + j, whatever step the other rows are at.
+  np.testing.assert_allclose(got, full[:, p:], atol=1e-5)

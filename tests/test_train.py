@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cli import MATH, ROOT, assert_clean_error, env, run_train  # tests/cli.py
+from cli import MATH, ROOT, assert_clean_error, env, run_recording_imports, run_train  # tests/cli.py
 
 
 def write(path, text):
@@ -92,8 +92,10 @@ REFUSED = [
     (["--config.generation.val_top_p=1.5"], ["config.generation.val_top_p=1.5", "<= 1"]),
     (["--config.generation.val_top_p=0"], ["config.generation.val_top_p=0", "> 0"]),
     (["--config.generation.val_top_k=-2"], ["config.generation.val_top_k=-2", "integer >= 0"]),
-    (["--config.generation.backend=jetstream"], ["config.generation.backend='jetstream'",
-                                                 "allowed: one of 'native'"]),
+    (["--config.generation.backend=jetsteam"], ["config.generation.backend='jetsteam'",
+                                                "allowed: one of 'native', 'jetstream'"]),
+    (["--config.generation.max_concurrent_decodes=16"],
+     ["config.generation.max_concurrent_decodes=16", "0 with generation.backend='native'"]),
     (["--config.grpo.stop_at_validation_metric=accuracy",
       "--config.grpo.stop_at_validation_threshold=0.5",
       "--config.grpo.stop_at_validation_confidence=1.0"],
@@ -200,3 +202,14 @@ POD_REFUSED = [
 
 def test_pod_flags_are_refused_at_startup(tmp_path):
   _assert_all_refused(tmp_path, POD_REFUSED)
+
+
+def test_train_never_imports_jetstream_or_tensorflow(tmp_path):
+  # The jetstream extra pulls TensorFlow (~2 GB, ~6 s and ~300 MiB to import): importing
+  # jaxgrpo.train and running the default config must not even try to import it. The
+  # subprocess records (and refuses) every attempt, so this holds with or without the extra.
+  proc, attempted, loaded = run_recording_imports(f"--config={MATH}:smoke",
+                                                  "--config.grpo.max_num_steps=1",
+                                                  workdir=tmp_path / "w")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert attempted == [] and loaded == [], (attempted, loaded)
