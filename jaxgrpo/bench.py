@@ -376,9 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--out", default=None, help="also append the JSON lines to this file")
   v.set_defaults(run=run_validation)
   from jaxgrpo import bench_step  # pylint: disable=C0415  (it imports this module)
-  from jaxgrpo import bench_early_stop  # pylint: disable=C0415
+  from jaxgrpo import bench_backends, bench_early_stop  # pylint: disable=C0415
   bench_step.add_parsers(sub)
   bench_early_stop.add_parsers(sub)
+  bench_backends.add_parsers(sub)
   pf = sub.add_parser("prefill", help="prefill FLOP rate, and what prefix sharing buys")
   pf.add_argument("--preset", choices=sorted(PRESETS), default="small")
   pf.add_argument("--prompts", type=int, default=4, help="distinct prompts")

@@ -429,6 +429,10 @@ class JetStreamRolloutEngine(sampling.RolloutEngine):
     out = {"tokens": np.full((b * g, t), self.pad_id, np.int32),
            "logp": np.zeros((b * g, t), np.float32), "raw": np.zeros((b * g, t), np.float32),
            "length": np.zeros((b * g,), np.int32)}
+    # Sample numbers as device scalars: a numpy leaf in the prefix made each insert ~20x
+    # slower (4 ms instead of 0.2 on CPU, measured), all of it in the host-side transfer.
+    sample_ids = [jax.device_put(np.int32(s), sharding_lib.replicated(self.mesh))
+                  for s in range(g)]
     waiting = collections.deque(itertools.product(range(b), range(g)))
     prefixes, owner, free = {}, {}, collections.deque(range(engine.max_concurrent_decodes))
     while waiting or owner:
@@ -439,19 +443,18 @@ class JetStreamRolloutEngine(sampling.RolloutEngine):
           prefixes[p] = engine.prefill(params=ps, padded_tokens=ids, true_length=len(ids),
                                        row_id=int(row_ids_B[p]))
         slot = free.popleft()
-        state = engine.insert(prefixes[p].replace(sample=np.int32(s)), state, slot)
+        state = engine.insert(prefixes[p].replace(sample=sample_ids[s]), state, slot)
         owner[slot] = p * g + s
       state, _ = engine.generate(ps, state)
       live = np.asarray(state.live_S)
       ended = [slot for slot in owner if not live[slot]]
-      if ended:
-        idx = np.asarray(ended)
-        rows = jax.device_get((state.tokens_SxT[idx], state.logp_SxT[idx],
-                               state.raw_logp_SxT[idx], state.step_S[idx]))
-        for j, slot in enumerate(ended):
+      if ended:  # whole arrays: indexing by the ended slots would compile per count
+        rows = jax.device_get((state.tokens_SxT, state.logp_SxT, state.raw_logp_SxT,
+                               state.step_S))
+        for slot in ended:
           n = owner.pop(slot)
           for field, got in zip(("tokens", "logp", "raw", "length"), rows):
-            out[field][n] = got[j]
+            out[field][n] = got[slot]
           free.append(slot)
     mask = np.arange(t)[None] < out["length"][:, None]
     last = out["tokens"][np.arange(b * g), np.maximum(out["length"] - 1, 0)]
