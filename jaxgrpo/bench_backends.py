@@ -77,7 +77,8 @@ def run_backends(args) -> list[dict]:
                else None),
         rounds=args.rounds, first_call_s=round(first[name], 3), median_s=round(med, 4),
         tokens_per_s=round(n_tokens / med, 1), time_vs_native=round(med / native, 2),
-        same_tokens_as_native=True, **bench._machine(devices, loadavg_start)))  # pylint: disable=W0212
+        same_tokens_as_native=True,
+        **bench._machine(devices, loadavg_start)))  # pylint: disable=protected-access
   return out
 
 

@@ -85,7 +85,8 @@ def complete(port: int, text: str, max_tokens: int, host: str = "localhost",
              timeout: float = 60.0) -> str:
   """One request to a running server: the completion's text."""
   import grpc  # pylint: disable=g-import-not-at-top
-  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # pylint: disable=g-import-not-at-top
+  from jetstream.core.proto import (  # pylint: disable=g-import-not-at-top
+      jetstream_pb2, jetstream_pb2_grpc)
   with grpc.insecure_channel(f"{host}:{port}") as channel:
     grpc.channel_ready_future(channel).result(timeout=timeout)
     stub = jetstream_pb2_grpc.OrchestratorStub(channel)

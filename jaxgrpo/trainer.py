@@ -97,13 +97,13 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                 pad_id=tokenizer.pad_id, seed=c.seed)
   if gen.backend == "jetstream":
     # Imported here and only here: it imports JetStream and, through it, TensorFlow.
-    from jaxgrpo.engine import jetstream_engine  # pylint: disable=g-import-not-at-top
+    from jaxgrpo.engine import jetstream_rollouts  # pylint: disable=g-import-not-at-top
     procs = jax.process_count()
     auto = {name: p.num_samples * batch // procs for (name, p), batch in zip(
         profiles.items(), (g.num_prompts_per_step, g.val_batch_size))}
     slots = {name: gen.max_concurrent_decodes or n for name, n in auto.items()}
-    return jetstream_engine.JetStreamRolloutEngine(model_cfg, mesh, profiles,
-                                                   tokenizer=tokenizer, slots=slots, **common)
+    return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
+                                                     tokenizer=tokenizer, slots=slots, **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, **common)
 
 

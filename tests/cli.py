@@ -92,3 +92,12 @@ sys.exit(rc)
   line = [l for l in proc.stdout.splitlines() if l.startswith("IMPORTS ")]
   record = json.loads(line[-1][len("IMPORTS "):]) if line else {}
   return proc, record.get("attempted"), record.get("loaded")
+
+
+def assert_smoke_run_imports_nothing_heavy(workdir):
+  """A one-step smoke run of the default config neither tries to import HEAVY nor loads it."""
+  proc, attempted, loaded = run_recording_imports(f"--config={MATH}:smoke",
+                                                  "--config.grpo.max_num_steps=1",
+                                                  workdir=workdir)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert attempted == [] and loaded == [], (attempted, loaded)

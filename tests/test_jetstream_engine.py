@@ -1,4 +1,5 @@
-"""Tests for jaxgrpo/engine/jetstream_engine.py, and `python -m jaxgrpo.serve` answering a
+"""Tests for jaxgrpo/engine/jetstream_engine.py and jetstream_rollouts.py (the backend's
+rollouts and a GRPO run with it), and `python -m jaxgrpo.serve` answering a
 request (here because it serves this module's trained run; tests/test_serve.py has the rest).
 
 Marked `jetstream`: they need the jetstream extra (google-jetstream 0.2.2, which pulls
@@ -24,6 +25,7 @@ import numpy as np  # noqa: E402
 # First, so that the root logger it restores is the one before JetStream's orchestrator
 # reconfigured it (DEBUG to stdout).
 from jaxgrpo.engine import jetstream_engine as je  # noqa: E402
+from jaxgrpo.engine import jetstream_rollouts as jr  # noqa: E402
 from jetstream.core import orchestrator  # noqa: E402
 from jetstream.core.proto import jetstream_pb2  # noqa: E402
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2  # noqa: E402
@@ -31,7 +33,8 @@ import portpicker  # noqa: E402  (a JetStream dependency)
 
 from jaxgrpo import model, sampling, sharding  # noqa: E402
 from jaxgrpo import tokenizer as tokenizer_lib  # noqa: E402
-from cli import HEAVY, MATH, ROOT, env, run_recording_imports, run_train  # noqa: E402
+from cli import (HEAVY, MATH, ROOT, assert_smoke_run_imports_nothing_heavy, env,  # noqa: E402
+                 run_train)
 from numpy_params import random_params  # noqa: E402
 
 CFG = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -72,7 +75,7 @@ def _engines(mesh, train, val, slots, g=4):
   kw = dict(max_prompt_length=13, eos_id=(TOKENIZER.eos_id, 8), pad_id=TOKENIZER.pad_id,
             seed=0)
   return (sampling.RolloutEngine(CFG, mesh, profiles, **kw),
-          je.JetStreamRolloutEngine(CFG, mesh, profiles, tokenizer=TOKENIZER, slots=slots, **kw))
+          jr.JetStreamRolloutEngine(CFG, mesh, profiles, tokenizer=TOKENIZER, slots=slots, **kw))
 
 
 def test_every_abstract_member_is_implemented(params):
@@ -241,11 +244,7 @@ def test_serve_answers_a_request_on_localhost(runs):
 def test_train_never_imports_jetstream_where_it_is_installed(tmp_path):
   # The same check as tests/test_train.py's, here where jetstream and TensorFlow are
   # installed and would load if anything imported them.
-  proc, attempted, loaded = run_recording_imports(f"--config={MATH}:smoke",
-                                                  "--config.grpo.max_num_steps=1",
-                                                  workdir=tmp_path / "w")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert attempted == [] and loaded == [], (attempted, loaded)
+  assert_smoke_run_imports_nothing_heavy(tmp_path / "w")
   check = subprocess.run([sys.executable, "-c", "import sys, jaxgrpo.train; print(sorted("
                           f"m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"],
                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
