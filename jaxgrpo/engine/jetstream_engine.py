@@ -243,6 +243,9 @@ class Engine(engine_api.Engine):
                        f"of at most max_prefill_length={self._prefill_length} tokens")
     padded_tokens = np.pad(padded_tokens, (0, self._prefill_length - padded_tokens.shape[0]),
                            constant_values=self.pad_id)  # one compiled shape for every bucket
+    # JetStream keeps the last max_prefill_length tokens of a longer prompt but reports its
+    # whole length as true_length.
+    true_length = min(int(true_length), self._prefill_length)
     row_id = next(self._requests) if row_id is None else row_id
     return self._prefill(params.params, padded_tokens, np.int32(true_length), np.int32(row_id))
 
