@@ -79,6 +79,8 @@ class JetStreamRolloutEngine(sampling.RolloutEngine):
         slot = free.popleft()
         state = engine.insert(prefixes[p].replace(sample=sample_ids[s]), state, slot)
         owner[slot] = p * g + s
+        if s == g - 1:  # its last sample is in: a prompt's keys and values held no longer
+          del prefixes[p]
       state, _ = engine.generate(ps, state)
       live = np.asarray(state.live_S)
       ended = [slot for slot in owner if not live[slot]]
