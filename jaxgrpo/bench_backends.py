@@ -60,7 +60,10 @@ def run_backends(args) -> list[dict]:
                               batch["prompt_mask_BxL"], step=r)
       tokens[name] = np.asarray(jax.device_get(rollout.tokens_NxT))
       elapsed = time.perf_counter() - t0
-      (times[name].append(elapsed) if r else first.__setitem__(name, elapsed))
+      if r:
+        times[name].append(elapsed)
+      else:
+        first[name] = elapsed
       lengths = np.asarray(rollout.lengths_N)
     for name in engines:
       if not np.array_equal(tokens[name], tokens["native"]):

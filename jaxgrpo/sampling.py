@@ -188,10 +188,14 @@ def row_uniforms(key, row_ids_B, step, num_samples: int):
   validation keys its prompts by their index in the validation set, and the same
   parameters give the same samples whatever the batch size or mesh.
   """
-  def one(row_id):
-    return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, row_id), step),
-                              (num_samples,))
-  return jax.vmap(one)(row_ids_B)
+  return jax.vmap(lambda row_id: row_uniform(key, row_id, step, num_samples))(row_ids_B)
+
+
+def row_uniform(key, row_id, step, num_samples: int):
+  """The uniforms [num_samples] of one prompt (row id) at one step: the single definition of
+  the samplers' random streams (the JetStream adapter draws each slot's from it too)."""
+  return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, row_id), step),
+                            (num_samples,))
 
 
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
@@ -382,7 +386,8 @@ class RolloutEngine:
 
   def _roll(self, name: str, params, tokens_BxP, mask_BxP, key, row_ids_B) -> Rollout:
     """The rollout itself, from this process's left-padded prompts (numpy)."""
-    tokens, mask, row_ids_B = sharding_lib.to_global(self.mesh, (tokens_BxP, mask_BxP, row_ids_B))
+    tokens, mask, row_ids_B = sharding_lib.to_global(self.mesh,
+                                                     (tokens_BxP, mask_BxP, row_ids_B))
     return self._samplers[name](params, tokens, mask, sharding_lib.replicate_key(self.mesh, key),
                                 row_ids_B)
 

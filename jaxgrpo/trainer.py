@@ -98,10 +98,11 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
   if gen.backend == "jetstream":
     # Imported here and only here: it imports JetStream and, through it, TensorFlow.
     from jaxgrpo.engine import jetstream_rollouts  # pylint: disable=g-import-not-at-top
-    procs = jax.process_count()
-    auto = {name: p.num_samples * batch // procs for (name, p), batch in zip(
-        profiles.items(), (g.num_prompts_per_step, g.val_batch_size))}
-    slots = {name: gen.max_concurrent_decodes or n for name, n in auto.items()}
+    # Default: one slot per row of this process's rollout, so a call is one wave.
+    prompts = {"train": g.num_prompts_per_step, "val": g.val_batch_size}
+    slots = {name: gen.max_concurrent_decodes
+             or profiles[name].num_samples * prompts[name] // jax.process_count()
+             for name in profiles}
     return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
                                                      tokenizer=tokenizer, slots=slots, **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, **common)

@@ -36,9 +36,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, NamedTuple
-
 import logging
+from typing import Any, NamedTuple
 
 from flax import struct
 import jax
@@ -334,10 +333,9 @@ class Engine(engine_api.Engine):
     sp, t, g = self.profile.sampling, self.profile.max_new_tokens, self.profile.num_samples
     live, i = state.live_S, state.step_S
     u_S = None
-    if not sp.greedy:  # sampling.row_uniforms' value for (row id, token index)[sample]
-      u_S = jax.vmap(lambda r, s, j: jax.random.uniform(
-          jax.random.fold_in(jax.random.fold_in(state.key, r), j), (g,))[s])(
-              state.row_id_S, state.sample_S, i)
+    if not sp.greedy:  # the native sampler's uniform for (row id, token index)[sample]
+      u_S = jax.vmap(lambda r, s, j: sampling.row_uniform(state.key, r, j, g)[s])(
+          state.row_id_S, state.sample_S, i)
     token, logp, raw = sampling.draw(state.logits_SxV, u_S, sp)
     token = jnp.where(live, token, self.pad_id)
     col = jnp.minimum(i, t - 1)
