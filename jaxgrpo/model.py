@@ -92,6 +92,21 @@ def _fan_in_init(fan_in):
   return nn.initializers.normal(stddev=fan_in ** -0.5)
 
 
+def dense(x, w, in_dims: int = 1):
+  """x's last `in_dims` axes contracted with w's first `in_dims`, as ONE 2-D matmul.
+
+  Leading axes (batch, group, time) are flattened into rows first. Written as an einsum
+  over [B, G, T, d], the weight gradient contracts three axes, and XLA's CPU backend then
+  materialised the activation gradient transposed, fused into the elementwise producer
+  (e.g. SwiGLU's backward) as a strided loop: ~40 ms per [2048, 1024] tensor, ~12% of
+  the small-preset update. As a 2-D matmul the gradient is one plain dot (BENCHMARKS.md).
+  """
+  lead, out = x.shape[:x.ndim - in_dims], w.shape[in_dims:]
+  k = math.prod(w.shape[:in_dims])
+  y = x.reshape(math.prod(lead), k) @ w.reshape(k, math.prod(out))
+  return y.reshape(*lead, *out)
+
+
 class RMSNorm(nn.Module):
   """x / rms(x) * scale, computed in float32 whatever the compute dtype."""
 
@@ -177,9 +192,9 @@ class Attention(nn.Module):
 
   def _qkv(self, x, positions):
     dt = DTYPES[self.cfg.dtype]
-    q = jnp.einsum("...d,dhk->...hk", x, self.wq.astype(dt))
-    k = jnp.einsum("...d,dhk->...hk", x, self.wk.astype(dt))
-    v = jnp.einsum("...d,dhk->...hk", x, self.wv.astype(dt))
+    q = dense(x, self.wq.astype(dt))
+    k = dense(x, self.wk.astype(dt))
+    v = dense(x, self.wv.astype(dt))
     if self.cfg.qkv_bias:
       q, k, v = q + self.bq.astype(dt), k + self.bk.astype(dt), v + self.bv.astype(dt)
     if self.cfg.qk_norm:  # Qwen3 normalises each head before the rotation.
@@ -188,7 +203,7 @@ class Attention(nn.Module):
     return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
 
   def _out(self, o):
-    return jnp.einsum("...hk,hkd->...d", o, self.wo.astype(DTYPES[self.cfg.dtype]))
+    return dense(o, self.wo.astype(DTYPES[self.cfg.dtype]), in_dims=2)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxT):
     c = self.cfg
@@ -258,8 +273,8 @@ class MLP(nn.Module):
     up = _param(self, "up", _fan_in_init(c.d_model), (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
     down = _param(self, "down", _fan_in_init(c.mlp_dim), (c.mlp_dim, c.d_model),
                   ("mlp", "embed"), c)
-    h = jax.nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
-    return h @ down.astype(dt)
+    h = jax.nn.silu(dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
+    return dense(h, down.astype(dt))
 
 
 class Block(nn.Module):
@@ -306,9 +321,9 @@ class Decoder(nn.Module):
     x = self.final_norm(x)
     dt = DTYPES[self.cfg.dtype]
     if self.cfg.tie_embeddings:
-      logits = jnp.einsum("...d,vd->...v", x, self.embedding.astype(dt))
+      logits = dense(x, self.embedding.astype(dt).T)
     else:
-      logits = x @ self.lm_head.astype(dt)
+      logits = dense(x, self.lm_head.astype(dt))
     return logits.astype(jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, return_kv: bool = False):

@@ -197,3 +197,33 @@ def test_llama3_rope_scaling_by_hand():
   s = (64 / (2 * np.pi / 0.1) - 1) / 3
   want = [1.0, (1 - s) * 0.1 / 8 + s * 0.1, 0.01 / 8, 0.001 / 8]
   np.testing.assert_allclose(model.rope_frequencies(cfg, 8), want, rtol=1e-5)
+
+
+def test_dense_contracts_trailing_axes_like_einsum():
+  # dense(x, w) is the einsum "...d,dn->...n"; with in_dims=2 "...hk,hkd->...d" (the output
+  # projection). Hand example: x = [[1, 2]] (one row), w = [[1, 0, 2], [0, 1, 3]] gives
+  # [1*1 + 2*0, 1*0 + 2*1, 1*2 + 2*3] = [1, 2, 8].
+  got = model.dense(jnp.array([[1.0, 2.0]]), jnp.array([[1.0, 0.0, 2.0], [0.0, 1.0, 3.0]]))
+  np.testing.assert_allclose(got, [[1.0, 2.0, 8.0]])
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 3, 4, 5, 6)).astype(np.float32)
+  w = rng.normal(size=(5, 6, 7)).astype(np.float32)
+  np.testing.assert_allclose(model.dense(x, w, in_dims=2),
+                             np.einsum("bgthk,hkd->bgtd", x, w), rtol=1e-5, atol=1e-5)
+  w1 = rng.normal(size=(6, 2, 3)).astype(np.float32)
+  np.testing.assert_allclose(model.dense(x, w1), np.einsum("...d,dhk->...hk", x, w1),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_weight_gradients_need_no_transposed_activation_copy():
+  # The training loss runs the MLP on [B, G, T, d]. Written as an einsum over those axes,
+  # XLA's CPU backend computed each weight gradient from a transposed copy of the [B*G*T,
+  # mlp] activation gradient, fused into SwiGLU's backward as a strided loop (~12% of the
+  # small-preset update, BENCHMARKS.md). model.dense flattens the rows, so the compiled
+  # gradient has no transpose at all.
+  mlp = model.MLP(BASE)
+  x = jnp.ones((2, 3, 4, BASE.d_model))
+  params = mlp.init(jax.random.key(0), x)
+  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(mlp.apply(p, x) ** 2)))
+  hlo = grad.lower(params, x).compile().as_text()
+  assert " transpose(" not in hlo
