@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxgrpo import compile_options
 from jaxgrpo import model as model_lib
 from jaxgrpo import sampling
 from jaxgrpo import sharding as sharding_lib
@@ -233,7 +234,8 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
   ref_sh = None if ref_params is None else jax.tree.map(lambda x: x.sharding, ref_params)
   rows = {k: sharding_lib.batch_sharding(mesh, n) for k, n in BATCH_RANKS.items()}
   return jax.jit(step_fn, in_shardings=(state_sh, rows, ref_sh),
-                 out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0)
+                 out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0,
+                 compiler_options=compile_options.compiler_options(mesh))
 
 
 BATCH_RANKS = {"prompt_tokens_BxP": 2, "prompt_mask_BxP": 2, "completion_tokens_NxT": 2,

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo import compile_options
 from jaxgrpo import decode
 from jaxgrpo import model as model_lib
 from jaxgrpo import sharding as sharding_lib
@@ -307,7 +308,8 @@ def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad
       traced,
       in_shardings=(sharding_lib.param_shardings(cfg, mesh), rows2, rows2,
                     sharding_lib.replicated(mesh), rows1),
-      out_shardings=Rollout(rows2, rows2, rows2, rows2, rows1, rows1))
+      out_shardings=Rollout(rows2, rows2, rows2, rows2, rows1, rows1),
+      compiler_options=compile_options.compiler_options(mesh))
 
 
 class RolloutEngine:

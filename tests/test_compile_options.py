@@ -1,0 +1,64 @@
+"""Tests for jaxgrpo.compile_options: which XLA options the sampler and the update get."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from jaxgrpo import compile_options
+from jaxgrpo import grpo
+from jaxgrpo import model as model_lib
+from jaxgrpo import sampling
+from jaxgrpo import sharding
+
+CFG = model_lib.ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2,
+                            num_kv_heads=1, head_dim=4, mlp_dim=16)
+SP = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+# An option XLA does not know: compiling with it fails, which shows the option reached XLA.
+UNKNOWN = {"xla_jaxgrpo_no_such_option": 1}
+
+
+@pytest.fixture(name="mesh")
+def fixture_mesh():
+  return sharding.make_mesh({"data": -1}, jax.devices()[:1])
+
+
+def test_cpu_programs_compile_at_llvm_level_2(mesh, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  assert compile_options.compiler_options(mesh) == {"xla_backend_optimization_level": 2}
+
+
+def test_users_xla_flags_win(mesh, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
+  assert compile_options.compiler_options(mesh) == {}
+
+
+def test_other_platforms_get_no_options():
+  tpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="tpu")]))
+  assert compile_options.compiler_options(tpu) == {}
+
+
+def test_sampler_and_update_compile_with_the_options(mesh, monkeypatch):
+  monkeypatch.setattr(compile_options, "CPU_OPTIONS", UNKNOWN)
+  params = sharding.init_sharded(CFG, mesh, jax.random.key(0))
+  profile = sampling.Profile(SP, 2, 2)
+  sampler = sampling.compile_sampler(CFG, profile, eos_id=None, pad_id=0, mesh=mesh)
+  tokens, mask = np.ones((1, 3), np.int32), np.ones((1, 3), bool)
+  with pytest.raises(Exception, match="xla_jaxgrpo_no_such_option"):
+    sampler.lower(params, tokens, mask, jax.random.key(1), np.zeros(1, np.int32)).compile()
+
+  optimizer, lr = grpo.make_optimizer(1e-3, 0, 10, 0.0, 0.0, "constant")
+  state = grpo.init_state(params, optimizer, mesh)
+  loss = grpo.LossConfig(num_generations=2, beta=0.0, kl_type="k3", epsilon=0.2,
+                         epsilon_high=0.2, loss_agg="token_mean", scale_rewards="group",
+                         mask_truncated_completions=False, max_new_tokens=2)
+  update = grpo.compile_update(state, None, cfg=CFG, loss=loss, sp=SP, optimizer=optimizer,
+                               lr_schedule=lr, mesh=mesh)
+  batch = {"prompt_tokens_BxP": tokens, "prompt_mask_BxP": mask,
+           "completion_tokens_NxT": np.ones((2, 2), np.int32),
+           "completion_mask_NxT": np.ones((2, 2), bool),
+           "old_logp_NxT": np.zeros((2, 2), np.float32), "rewards_N": np.zeros(2, np.float32),
+           "truncated_N": np.zeros(2, bool)}
+  with pytest.raises(Exception, match="xla_jaxgrpo_no_such_option"):
+    update.lower(state, batch, None).compile()
