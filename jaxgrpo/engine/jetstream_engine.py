@@ -56,6 +56,7 @@ _root.setLevel(_level)
 for _h in [h for h in _root.handlers if h not in _handlers]:
   _root.removeHandler(_h)
 
+from jaxgrpo import compile_options
 from jaxgrpo import decode
 from jaxgrpo import model as model_lib
 from jaxgrpo import sampling
@@ -197,16 +198,19 @@ class Engine(engine_api.Engine):
     self._requests = itertools.count()  # row ids for requests that bring none (serving)
     rep = sharding_lib.replicated(mesh)
     state = self._state_shardings()
-    self._prepare = jax.jit(self._traced(
+    # The native sampler's XLA options, so both backends' programs round alike (the tests
+    # compare their log-probs to 1e-5) and compile as fast.
+    jit = functools.partial(jax.jit, compiler_options=compile_options.compiler_options(mesh))
+    self._prepare = jit(self._traced(
         "prepare", lambda params: Params(params, decode.prepare(params, cfg))))
-    self._prefill = jax.jit(self._traced("prefill", self._prefill_fn),
-                            out_shardings=self.get_prefix_destination_sharding())
-    self._insert = jax.jit(self._traced("insert", self._insert_fn), donate_argnums=(1,),
+    self._prefill = jit(self._traced("prefill", self._prefill_fn),
+                        out_shardings=self.get_prefix_destination_sharding())
+    self._insert = jit(self._traced("insert", self._insert_fn), donate_argnums=(1,),
+                       out_shardings=state)
+    self._generate = jit(self._traced("generate", self._generate_fn), donate_argnums=(1,),
+                         out_shardings=(state, rep))
+    self._init_state = jit(self._traced("init_decode_state", self._init_state_fn),
                            out_shardings=state)
-    self._generate = jax.jit(self._traced("generate", self._generate_fn), donate_argnums=(1,),
-                             out_shardings=(state, rep))
-    self._init_state = jax.jit(self._traced("init_decode_state", self._init_state_fn),
-                               out_shardings=state)
 
   def _traced(self, name, fn):
     @functools.wraps(fn)
