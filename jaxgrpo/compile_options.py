@@ -7,9 +7,11 @@ Measured on the bench presets (in-process A/B, BENCHMARKS.md, "First step"): the
 compiles ~1 s faster (tiny 2.5-2.7 s instead of 3.6-3.8 s, small 2.6-3.0 s instead of
 3.8-4.1 s) and runs as fast (0.89-1.04x the time, within the machine's noise); the
 update's compile time moves by less than 0.3 s either way and it runs 0.97-1.04x as long.
-Level 1 measured the same; level 0 doubled the sampler's time. Compiling without XLA's new fusion emitters
-(`xla_cpu_use_fusion_emitters=false`) compiled faster still but ran 5-10% slower.
+Level 1 measured the same; level 0 doubled the sampler's time. Compiling without XLA's new
+fusion emitters (`xla_cpu_use_fusion_emitters=false`) compiled faster still but ran 5-10%
+slower.
 
+The JetStream adapter's programs get the same options, so both backends round alike.
 Other platforms get no options: TPU and GPU compile their kernels differently.
 A user's own XLA_FLAGS win: an option named there is never overridden.
 """
