@@ -124,6 +124,19 @@ def test_sampler_bench_reports_its_roofline_fraction(monkeypatch):
 
 def test_prefill_bench_times_shared_and_unshared_rollouts(monkeypatch, capsys):
   monkeypatch.setattr(bench.roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
+  # Every call still runs; the clock is replaced so the figures are known. In call order:
+  # the prefill (first + 2 reps), the first shared and unshared rollouts, then 2 rounds of
+  # shared 1.25 ms / unshared 8.75 ms. Rounded to 0.1 ms those medians would be
+  # 0.0012 / 0.0088 = 0.136, 5% off their true ratio 1.25 / 8.75 = 0.142857.
+  durations = iter([(0.5, [0.01, 0.01]), (1.0, []), (1.0, []),
+                    (0.0, [0.00125]), (0.0, [0.00875]), (0.0, [0.00125]), (0.0, [0.00875])])
+  real_timed = bench._timed
+
+  def timed(fn, reps):
+    real_timed(fn, reps)
+    return next(durations)
+
+  monkeypatch.setattr(bench, "_timed", timed)
   results = bench.main(["prefill", "--preset", "tiny", "--prompts", "2", "--prompt_len", "16",
                         "--samples", "2", "--new_tokens", "3", "--reps", "2"])
   assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == results
@@ -137,8 +150,10 @@ def test_prefill_bench_times_shared_and_unshared_rollouts(monkeypatch, capsys):
   assert pre["flops"] >= 2 * 16 * 983_040 + 2 * 131_072
   assert pre["roofline_fraction"] == pytest.approx(pre["flops_per_s"] / 1e11, abs=1e-3)
   assert len(share["shared_all_s"]) == len(share["unshared_all_s"]) == 2
+  assert (share["shared_median_s"], share["unshared_median_s"]) == (0.00125, 0.00875)
+  assert share["cost_ratio"] == 0.1429
   assert share["cost_ratio"] == pytest.approx(
-      share["shared_median_s"] / share["unshared_median_s"], rel=0.01)
+      share["shared_median_s"] / share["unshared_median_s"], rel=0.001)
 
 
 def test_all_runs_each_bench_for_the_preset(monkeypatch):
