@@ -9,8 +9,11 @@ number of ops per token decides the speed (DESIGN.md; BENCHMARKS.md has the figu
   * the weights are rearranged once per sampler call (`prepare`), outside the loop: q, k
     and v are one matmul ([d_model, H_kv, r + 2, head_dim]: each KV head's r query heads,
     its key and its value side by side, which keeps a KV-head sharding intact), and the
-    tied output head is transposed once (gate and up stay two matmuls: one [d_model, 2, mlp]
-    matmul measured several times slower than the two on CPU);
+    tied output head is transposed once. Gate and up are two matmuls, not one stacked
+    [2 * mlp, d_model] one: at 32 rows YNNPACK splits the stacked one over both threads,
+    and waking and joining the second thread cost more than it saves (tiny preset: 158 us
+    against 2 x 47 us on one thread; the sampler 1.08-1.13x slower per call; small: the
+    same either way; BENCHMARKS.md);
   * QK-norm and RoPE run on q and k together; the rotation angles are computed once per
     token for all layers;
   * the caches are laid out so each attention contraction is a plain batched matmul with no
@@ -45,7 +48,8 @@ class Layer(NamedTuple):
   qk_norm: jax.Array | None   # [r + 1, D, 1, 1]: q_norm for the r query rows, k_norm for the key
   out: jax.Array         # [d_model, H_kv, r, D]
   mlp_norm: jax.Array    # [d_model, 1]
-  gate_up: jax.Array     # [2, mlp, d_model]
+  gate: jax.Array        # [mlp, d_model]
+  up: jax.Array          # [mlp, d_model]
   down: jax.Array        # [d_model, mlp]
 
 
@@ -90,7 +94,8 @@ def prepare(params, cfg: model_lib.ModelConfig) -> Weights:
         attn_norm=col(p["attn_norm"]["scale"]), qkv=qkv.transpose(1, 2, 3, 0).astype(dt),
         qkv_bias=bias, qk_norm=norm,
         out=a["o"].reshape(hk, r, d, cfg.d_model).transpose(3, 0, 1, 2).astype(dt),
-        mlp_norm=col(p["mlp_norm"]["scale"]), gate_up=jnp.stack([m["gate"].T, m["up"].T]).astype(dt), down=m["down"].T.astype(dt)))
+        mlp_norm=col(p["mlp_norm"]["scale"]), gate=m["gate"].T.astype(dt),
+        up=m["up"].T.astype(dt), down=m["down"].T.astype(dt)))
   head = params["embedding"] if cfg.tie_embeddings else params["lm_head"].T
   return Weights(embedding=params["embedding"].T.astype(dt), layers=tuple(layers),
                  final_norm=col(params["final_norm"]["scale"]), head=head.astype(dt),
@@ -202,8 +207,7 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     o = _attend(q, layer_k, layer_v, cache, l, i)  # [B, H_kv, G, r, D]
     x = x + jnp.einsum("mkre,bkgre->mbg", layer.out, o).reshape(-1, b * g)
     xn = _norm(x, layer.mlp_norm, cfg)
-    gu = jnp.einsum("smd,dn->smn", layer.gate_up, xn)
-    x = x + layer.down @ (jax.nn.silu(gu[0]) * gu[1])
+    x = x + layer.down @ (jax.nn.silu(layer.gate @ xn) * (layer.up @ xn))
     gen_k.append(layer_k)
     gen_v.append(layer_v)
   # [V, N], then a transpose behind a barrier: when XLA folds the transpose into the matmul

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,32 @@ def test_prepare_keeps_each_kv_heads_queries_key_and_value_together():
     np.testing.assert_array_equal(qkv[0, h], a["q"][:, h].T)
   np.testing.assert_array_equal(qkv[0, 4], a["k"][:, 0].T)
   np.testing.assert_array_equal(qkv[0, 5], a["v"][:, 0].T)
+
+
+def test_gate_and_up_are_two_independent_matmuls():
+  # One stacked [2 * mlp, d_model] matmul is split over two threads by XLA's CPU runtime,
+  # and at 32 rows the split costs more than it saves: the tiny-preset sampler measured
+  # 1.08-1.13x slower per call with it (BENCHMARKS.md). So each layer's compiled step has
+  # two [mlp, N] dots and no [2 * mlp, N] one. mlp 48 (no other projection has 48 or 96 outputs), N = B * G = 2 * 3
+  # rows, 2 layers: four [48, 6] dots.
+  cfg = dataclasses.replace(BASE, mlp_dim=48)
+  params = random_params(cfg, seed=0)
+  b, g, p, t = 2, 3, 5, 4
+  rng = np.random.default_rng(0)
+  prompt, mask = _left_padded_prompts(rng, [5, 3], p, cfg.vocab_size)
+  _, (ks, vs) = sampling.prefill(params, cfg, prompt, mask)
+  cache = decode.init_cache(ks, vs, mask, cfg, g, t)
+  weights = decode.prepare(params, cfg)
+  w = weights.layers[0]
+  assert w.gate.shape == w.up.shape == (cfg.mlp_dim, cfg.d_model)
+  np.testing.assert_array_equal(w.gate, params["layer_0"]["mlp"]["gate"].T)
+  np.testing.assert_array_equal(w.up, params["layer_0"]["mlp"]["up"].T)
+  fn = jax.jit(lambda w, tok, pos, c: decode.step(w, cfg, tok, pos, 0, c))
+  hlo = fn.lower(weights, jnp.zeros((b, g), jnp.int32), jnp.full((b,), p, jnp.int32),
+                 cache).compile().as_text()
+  dots = re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", hlo)
+  assert dots.count((str(cfg.mlp_dim), str(b * g))) == 2 * cfg.num_layers, dots
+  assert (str(2 * cfg.mlp_dim), str(b * g)) not in dots, dots
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
