@@ -15,7 +15,11 @@ number of ops per token decides the speed (DESIGN.md; BENCHMARKS.md has the figu
     against 2 x 47 us on one thread; the sampler 1.08-1.13x slower per call; small: the
     same either way; BENCHMARKS.md);
   * QK-norm and RoPE run on q and k together; the rotation angles are computed once per
-    token for all layers;
+    token for all layers, and the rotation pairs the two halves of each head by reversing a
+    size-2 axis, not by slicing and concatenating (a concatenation per layer);
+  * the embedding is used as stored, [V, d_model] (a row gather per token, no transposed
+    copy per call), and the output projection is one 2-D matmul over [H_kv * r * D] inputs
+    (as an einsum over [H_kv, r, D], XLA copied its weight into a new layout every token);
   * the caches are laid out so each attention contraction is a plain batched matmul with no
     transpose: prompt keys [B, H_kv, D, P] (stored transposed), prompt values
     [B, H_kv, P, D], and the samples' own keys [B, H_kv, G, D, T] and values
@@ -46,7 +50,7 @@ class Layer(NamedTuple):
   qkv: jax.Array         # [H_kv, r + 2, D, d_model]: r query heads, then key, then value
   qkv_bias: jax.Array | None  # [H_kv, r + 2, D, 1, 1] (Qwen2) or None
   qk_norm: jax.Array | None   # [r + 1, D, 1, 1]: q_norm for the r query rows, k_norm for the key
-  out: jax.Array         # [d_model, H_kv, r, D]
+  out: jax.Array         # [d_model, H_kv * r * D]
   mlp_norm: jax.Array    # [d_model, 1]
   gate: jax.Array        # [mlp, d_model]
   up: jax.Array          # [mlp, d_model]
@@ -54,7 +58,7 @@ class Layer(NamedTuple):
 
 
 class Weights(NamedTuple):
-  embedding: jax.Array   # [d_model, V]
+  embedding: jax.Array   # [V, d_model]
   layers: tuple          # of Layer
   final_norm: jax.Array  # [d_model, 1]
   head: jax.Array        # [V, d_model]
@@ -93,11 +97,11 @@ def prepare(params, cfg: model_lib.ModelConfig) -> Weights:
     layers.append(Layer(
         attn_norm=col(p["attn_norm"]["scale"]), qkv=qkv.transpose(1, 2, 3, 0).astype(dt),
         qkv_bias=bias, qk_norm=norm,
-        out=a["o"].reshape(hk, r, d, cfg.d_model).transpose(3, 0, 1, 2).astype(dt),
+        out=a["o"].reshape(hk * r * d, cfg.d_model).T.astype(dt),
         mlp_norm=col(p["mlp_norm"]["scale"]), gate=m["gate"].T.astype(dt),
         up=m["up"].T.astype(dt), down=m["down"].T.astype(dt)))
   head = params["embedding"] if cfg.tie_embeddings else params["lm_head"].T
-  return Weights(embedding=params["embedding"].T.astype(dt), layers=tuple(layers),
+  return Weights(embedding=params["embedding"].astype(dt), layers=tuple(layers),
                  final_norm=col(params["final_norm"]["scale"]), head=head.astype(dt),
                  inv_freq=model_lib.rope_frequencies(cfg, d)[:, None, None])
 
@@ -123,12 +127,11 @@ def _norm(x, scale, cfg: model_lib.ModelConfig, axis: int = 0):
   return (x32 * scale.astype(jnp.float32)).astype(model_lib.DTYPES[cfg.dtype])
 
 
-def _rope(x, cos, sin):
+def _rope(x, cos2, sin2):
   """Hugging Face's rotate-half RoPE (model.rope) along axis 2 of [H_kv, r+1, D, B, G]."""
-  half = x.shape[2] // 2
-  x32 = x.astype(jnp.float32)
-  x1, x2 = x32[:, :, :half], x32[:, :, half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=2).astype(x.dtype)
+  hk, r1, d, b, g = x.shape
+  x6 = x.astype(jnp.float32).reshape(hk, r1, 2, d // 2, b, g)
+  return (x6 * cos2 + jnp.flip(x6, axis=2) * sin2).reshape(x.shape).astype(x.dtype)
 
 
 def _at_slot(i, shape, axis: int):
@@ -187,9 +190,13 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   b, g = tokens_BxG.shape
   hk, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
   f32 = jnp.float32
-  x = jnp.take(w.embedding, tokens_BxG.reshape(-1), axis=1)  # [d_model, N]
+  x = jnp.take(w.embedding, tokens_BxG.reshape(-1), axis=0).T  # [d_model, N]
   angles = w.inv_freq * positions_B.astype(f32)[None, :, None]  # [D/2, B, 1]
   cos, sin = jnp.cos(angles), jnp.sin(angles)  # shared by all layers
+  # [2, D/2, B, 1]: both halves' factors, so `_rope` needs no concatenation. Built by
+  # stacking, which materialises them once per token: as broadcasts XLA fused cos and sin
+  # into every layer's RoPE and recomputed them per element (tiny sampler 1.13x slower).
+  cos2, sin2 = jnp.stack([cos, cos]), jnp.stack([-sin, sin])
   gen_k, gen_v = [], []
   for l, layer in enumerate(w.layers):
     h = jnp.einsum("ksem,mn->ksen", layer.qkv, _norm(x, layer.attn_norm, cfg))
@@ -199,13 +206,13 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     qk, v = h[:, : r + 1], h[:, r + 1]
     if layer.qk_norm is not None:  # Qwen3 normalises each head before the rotation
       qk = _norm(qk, layer.qk_norm, cfg, axis=2)
-    qk = _rope(qk, cos, sin)
+    qk = _rope(qk, cos2, sin2)
     q = (qk[:, :r] * d ** -0.5).transpose(3, 0, 4, 1, 2)   # [B, H_kv, G, r, D]
     k = qk[:, r].transpose(2, 0, 3, 1)                     # [B, H_kv, G, D]
     layer_k = _write(cache.gen_k[l], k[..., None], i, axis=4)
     layer_v = _write(cache.gen_v[l], v.transpose(2, 0, 3, 1)[:, :, :, None], i, axis=3)
     o = _attend(q, layer_k, layer_v, cache, l, i)  # [B, H_kv, G, r, D]
-    x = x + jnp.einsum("mkre,bkgre->mbg", layer.out, o).reshape(-1, b * g)
+    x = x + layer.out @ o.transpose(1, 3, 4, 0, 2).reshape(hk * r * d, b * g)
     xn = _norm(x, layer.mlp_norm, cfg)
     x = x + layer.down @ (jax.nn.silu(layer.gate @ xn) * (layer.up @ xn))
     gen_k.append(layer_k)

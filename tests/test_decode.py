@@ -113,30 +113,50 @@ def test_prepare_keeps_each_kv_heads_queries_key_and_value_together():
   np.testing.assert_array_equal(qkv[0, 5], a["v"][:, 0].T)
 
 
+def _compiled_step_hlo(cfg, b=2, g=3, p=5, t=4):
+  """The optimized HLO of one decode.step for `cfg` (B prompts x G samples)."""
+  params = random_params(cfg, seed=0)
+  prompt, mask = _left_padded_prompts(np.random.default_rng(0), [p] * b, p, cfg.vocab_size)
+  _, (ks, vs) = sampling.prefill(params, cfg, prompt, mask)
+  cache = decode.init_cache(ks, vs, mask, cfg, g, t)
+  fn = jax.jit(lambda w, tok, pos, c: decode.step(w, cfg, tok, pos, 0, c))
+  return fn.lower(decode.prepare(params, cfg), jnp.zeros((b, g), jnp.int32),
+                  jnp.full((b,), p, jnp.int32), cache).compile().as_text()
+
+
 def test_gate_and_up_are_two_independent_matmuls():
   # One stacked [2 * mlp, d_model] matmul is split over two threads by XLA's CPU runtime,
   # and at 32 rows the split costs more than it saves: the tiny-preset sampler measured
   # 1.08-1.13x slower per call with it (BENCHMARKS.md). So each layer's compiled step has
-  # two [mlp, N] dots and no [2 * mlp, N] one. mlp 48 (no other projection has 48 or 96 outputs), N = B * G = 2 * 3
-  # rows, 2 layers: four [48, 6] dots.
+  # two [mlp, N] dots and no [2 * mlp, N] one. mlp 48 (no other projection has 48 or 96
+  # outputs), N = B * G = 2 * 3 rows, 2 layers: four [48, 6] dots.
   cfg = dataclasses.replace(BASE, mlp_dim=48)
   params = random_params(cfg, seed=0)
-  b, g, p, t = 2, 3, 5, 4
-  rng = np.random.default_rng(0)
-  prompt, mask = _left_padded_prompts(rng, [5, 3], p, cfg.vocab_size)
-  _, (ks, vs) = sampling.prefill(params, cfg, prompt, mask)
-  cache = decode.init_cache(ks, vs, mask, cfg, g, t)
-  weights = decode.prepare(params, cfg)
-  w = weights.layers[0]
-  assert w.gate.shape == w.up.shape == (cfg.mlp_dim, cfg.d_model)
+  w = decode.prepare(params, cfg).layers[0]
   np.testing.assert_array_equal(w.gate, params["layer_0"]["mlp"]["gate"].T)
   np.testing.assert_array_equal(w.up, params["layer_0"]["mlp"]["up"].T)
-  fn = jax.jit(lambda w, tok, pos, c: decode.step(w, cfg, tok, pos, 0, c))
-  hlo = fn.lower(weights, jnp.zeros((b, g), jnp.int32), jnp.full((b,), p, jnp.int32),
-                 cache).compile().as_text()
-  dots = re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", hlo)
-  assert dots.count((str(cfg.mlp_dim), str(b * g))) == 2 * cfg.num_layers, dots
-  assert (str(2 * cfg.mlp_dim), str(b * g)) not in dots, dots
+  dots = re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", _compiled_step_hlo(cfg))
+  assert dots.count(("48", "6")) == 2 * cfg.num_layers, dots
+  assert ("96", "6") not in dots, dots
+
+
+def test_decode_step_does_no_per_layer_copies():
+  # Every op in the token loop costs dispatch time on CPU, so nothing may scale with depth
+  # except the layers' own work. Two things did: RoPE sliced each head in halves and
+  # concatenated the rotated halves (one concatenation per layer), and the output projection,
+  # an einsum over [H_kv, r, D], made XLA copy its [d_model, H * D] weight (32 x 32 here)
+  # into a new layout every token. Compiled for 1 and for 3 layers, the step has the same
+  # number of concatenations (the per-token cos/sin tables), and no copy or transpose of a
+  # 32 x 32 array.
+  hlos = [_compiled_step_hlo(dataclasses.replace(BASE, num_layers=n)) for n in (1, 3)]
+  concats = [len(re.findall(r"= \S+ concatenate\(|%\S*concatenate\S*fusion\S* = ", h))
+             for h in hlos]
+  assert concats[0] == concats[1], concats
+  for hlo in hlos:
+    assert not re.search(r"%\S*(copy|transpose)\S* = f32\[32,32\]", hlo)
+  # The embedding is the parameter as stored, [V, d_model]: no transposed copy per call.
+  params = random_params(BASE, seed=0)
+  np.testing.assert_array_equal(decode.prepare(params, BASE).embedding, params["embedding"])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
