@@ -100,9 +100,11 @@ def prepare(params, cfg: model_lib.ModelConfig) -> Weights:
         out=a["o"].reshape(hk * r * d, cfg.d_model).T.astype(dt),
         mlp_norm=col(p["mlp_norm"]["scale"]), gate=m["gate"].T.astype(dt),
         up=m["up"].T.astype(dt), down=m["down"].T.astype(dt)))
-  head = params["embedding"] if cfg.tie_embeddings else params["lm_head"].T
-  return Weights(embedding=params["embedding"].astype(dt), layers=tuple(layers),
-                 final_norm=col(params["final_norm"]["scale"]), head=head.astype(dt),
+  # Tied: one cast array serves as both the embedding and the head (both [V, d_model]).
+  embedding = params["embedding"].astype(dt)
+  head = embedding if cfg.tie_embeddings else params["lm_head"].T.astype(dt)
+  return Weights(embedding=embedding, layers=tuple(layers),
+                 final_norm=col(params["final_norm"]["scale"]), head=head,
                  inv_freq=model_lib.rope_frequencies(cfg, d)[:, None, None])
 
 
