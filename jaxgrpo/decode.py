@@ -8,12 +8,12 @@ number of ops per token decides the speed (DESIGN.md; BENCHMARKS.md has the figu
 
   * the weights are rearranged once per sampler call (`prepare`), outside the loop: q, k
     and v are one matmul ([d_model, H_kv, r + 2, head_dim]: each KV head's r query heads,
-    its key and its value side by side, which keeps a KV-head sharding intact), and the
-    tied output head is transposed once. Gate and up are two matmuls, not one stacked
-    [2 * mlp, d_model] one: at 32 rows YNNPACK splits the stacked one over both threads,
-    and waking and joining the second thread cost more than it saves (tiny preset: 158 us
-    against 2 x 47 us on one thread; the sampler 1.08-1.13x slower per call; small: the
-    same either way; BENCHMARKS.md);
+    its key and its value side by side, which keeps a KV-head sharding intact), and a tied
+    output head is the embedding array itself, cast once. Gate and up are two matmuls,
+    not one stacked [2 * mlp, d_model] one: at 32 rows YNNPACK splits the stacked one over
+    both threads, and waking and joining the second thread cost more than it saves (tiny
+    preset: 158 us against 2 x 47 us on one thread; the sampler 1.08-1.13x slower per call;
+    small: the same either way; BENCHMARKS.md);
   * QK-norm and RoPE run on q and k together; the rotation angles are computed once per
     token for all layers, and the rotation pairs the two halves of each head by reversing a
     size-2 axis, not by slicing and concatenating (a concatenation per layer);
