@@ -74,7 +74,9 @@ def load_jsonl(path: str, question_key: str = "question",
       try:
         obj = json.loads(line)
       except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e})") from None
+        # e.msg without json's own "line 1 column 9" (a line, not the file): the file's
+        # line is in `where`, and a second line number would only mislead.
+        raise DataError(f"{where}: not valid JSON ({e.msg})") from None
       if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
       row = {k: v for k, v in obj.items() if k not in (question_key, answer_key)}

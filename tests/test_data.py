@@ -48,8 +48,19 @@ def test_load_jsonl_bad_json_names_file_and_line(tmp_path):
       json.dumps({"question": "a", "answer": "b"}), "", '{"question": "c" "answer": 1}'])
   with pytest.raises(DataError) as err:
     data.load_jsonl(path)
-  assert str(err.value).startswith(f"{path}:3: not valid JSON (Expecting ',' delimiter")
-  assert "\n" not in str(err.value)
+  assert str(err.value) == f"{path}:3: not valid JSON (Expecting ',' delimiter)"
+
+
+def test_load_jsonl_bad_json_gives_no_second_position(tmp_path):
+  # An object cut short at the end of line 7: json reads the line with its newline and
+  # reports "line 2 column 1", a position in the line, not the file. Only the file's line 7
+  # may be named.
+  path = _write(tmp_path, "bad.jsonl",
+                [json.dumps({"question": str(i), "answer": "b"}) for i in range(6)]
+                + ['{"question": "c", "answer": 1'])
+  with pytest.raises(DataError) as err:
+    data.load_jsonl(path)
+  assert str(err.value) == f"{path}:7: not valid JSON (Expecting ',' delimiter)"
 
 
 def test_load_jsonl_missing_field_lists_fields(tmp_path):
