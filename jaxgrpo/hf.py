@@ -67,7 +67,7 @@ def save_pretrained(path: str, cfg: model_lib.ModelConfig, params, tokenizer: To
   with open(os.path.join(path, MODEL_FILE), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
   safetensors.numpy.save_file(_flatten(params), os.path.join(path, WEIGHTS_FILE))
-  tokenizer.save(path)
+  _follow_umask(path, [MODEL_FILE, WEIGHTS_FILE, *tokenizer.save(path)])
 
 
 def inspect_pretrained(path: str, need_weights: bool = True):
@@ -422,10 +422,21 @@ def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
       shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
       written.append(name)
   if "tokenizer.json" not in written:  # jaxgrpo's own format: write what transformers reads
-    tokenizer.save(out)
+    written += tokenizer.save(out)
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
       json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
                  "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
                  "bos_token": tokenizer.bos_token}, f, indent=2)
-    written += ["tokenizer.json", "tokenizer_config.json"]
+    written.append("tokenizer_config.json")
+  _follow_umask(out, written)
   return written
+
+
+def _follow_umask(folder: str, names) -> None:
+  """Gives every written file the mode the umask makes of a new file (0644 under 022).
+  safetensors writes its file 0600, so a serving user other than the exporter could read
+  the config but not the weights."""
+  umask = os.umask(0)  # the only way to read it; set back at once
+  os.umask(umask)
+  for name in names:
+    os.chmod(os.path.join(folder, name), 0o666 & ~umask)

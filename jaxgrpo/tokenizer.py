@@ -91,13 +91,15 @@ class Tokenizer:
     """`decode` for every row of a [N, T] array (a sampler's completions)."""
     return [self.decode(row) for row in np.asarray(ids_NxT)]
 
-  def save(self, path: str) -> None:
-    """Writes `path/tokenizer.json` and `path/jaxgrpo_special_tokens.json`."""
+  def save(self, path: str) -> list[str]:
+    """Writes `path/tokenizer.json` and `path/jaxgrpo_special_tokens.json`; returns their
+    names."""
     os.makedirs(path, exist_ok=True)
     self.hf.save(os.path.join(path, TOKENIZER_FILE))
     with open(os.path.join(path, SPECIAL_TOKENS_FILE), "w") as f:
       json.dump({"pad_token": self.pad_token, "bos_token": self.bos_token,
                  "eos_token": self.eos_token}, f, indent=2)
+    return [TOKENIZER_FILE, SPECIAL_TOKENS_FILE]
 
   @classmethod
   def from_file(cls, path: str, pad_token: str | None = None,

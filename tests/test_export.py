@@ -13,9 +13,11 @@ from jaxgrpo import checkpoint, hf
 
 
 def export(*args):
+  # umask 022, a common default: every exported file must then be 0644 (safetensors alone
+  # would write the weights 0600, unreadable to a serving user).
   return subprocess.run([sys.executable, "-m", "jaxgrpo.export", *map(str, args)],
                         capture_output=True, text=True, cwd=ROOT, timeout=300,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), umask=0o022)
 
 
 @pytest.mark.slow
@@ -25,6 +27,9 @@ def test_export_writes_the_checkpoint_bitwise(straight_run, tmp_path):
   proc = export(workdir, "--out", tmp_path / "hf")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.startswith(f"exported step 8 of {workdir}")
+  files = sorted(os.listdir(tmp_path / "hf"))  # the message lists every file it wrote
+  assert sorted(proc.stdout.strip().rpartition(": ")[2].split(", ")) == files
+  assert {oct(os.stat(tmp_path / "hf" / f).st_mode & 0o777) for f in files} == {"0o644"}
   cfg, params, tok = hf.load_hf(str(tmp_path / "hf"))
   assert cfg.d_model == 128 and tok.eos_token == "<eos>"
   ckpts = checkpoint.Checkpoints(str(workdir / "checkpoints"), read_only=True)

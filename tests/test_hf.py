@@ -232,6 +232,31 @@ def test_load_export_load_is_bitwise(pretrained, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def test_export_files_all_follow_the_umask_and_are_all_listed(tmp_path):
+  # safetensors writes its file 0600 whatever the umask; under 022 every file of an export
+  # (jaxgrpo's own tokenizer files, or those copied from a Hugging Face source) is 0644,
+  # and the returned list, which export's message prints, names every file in the folder.
+  cfg, params = hf_folder(tmp_path / "unused")
+  qwen_cfg, qwen_params, qwen_tok = hf.load_hf(os.path.join(FIXTURES, "qwen2"))
+  char_tok = Tokenizer.char_level("0123456789+=")
+  umask = os.umask(0o022)
+  try:
+    written = {
+        "own": hf.save_hf(str(tmp_path / "own"), cfg, params, char_tok),
+        "from_hf": hf.save_hf(str(tmp_path / "from_hf"), qwen_cfg, qwen_params, qwen_tok,
+                              source=os.path.join(FIXTURES, "qwen2"))}
+    hf.save_pretrained(str(tmp_path / "pretrained"), cfg, params, char_tok)
+  finally:
+    os.umask(umask)
+  for name in ("own", "from_hf", "pretrained"):
+    folder = tmp_path / name
+    modes = {f: oct(os.stat(folder / f).st_mode & 0o777) for f in os.listdir(folder)}
+    assert set(modes.values()) == {"0o644"}, (name, modes)
+  for name, files in written.items():
+    assert sorted(files) == sorted(os.listdir(tmp_path / name)), name
+  assert "jaxgrpo_special_tokens.json" in written["own"]
+
+
 def test_bfloat16_weights_load_in_the_run_dtype(tmp_path):
   # Hub checkpoints are stored in bfloat16; the run's param_dtype decides what is loaded.
   import ml_dtypes
