@@ -9,9 +9,18 @@ completions o_1..o_G:
 Where jaxgrpo deviates from the paper, on purpose:
   * std convention: `scale_rewards="group"` divides by the group's sample std with ddof=1
     (Bessel's correction, as torch.std, TRL and tunix do), so G=2 rewards {0, 1} give
-    advantages ±0.707. A group whose rewards are all equal gets advantage 0 exactly (it
-    carries no signal), not 0/eps. "batch" uses the std of the whole batch (ddof=1), "none"
-    skips the division (Dr. GRPO, Liu et al. 2025).
+    advantages ±0.707. "batch" uses the std of the whole batch (ddof=1), "none" skips the
+    division (Dr. GRPO, Liu et al. 2025).
+  * Flat groups: a group whose G rewards are all equal (tested on the rewards themselves,
+    exactly) gets advantage 0 exactly in every mode: it carries no signal. Testing `std > 0`
+    after the subtraction is not enough: float32 cannot store 0.1, so eight rewards of 0.1
+    leave centred values and a std of ~1e-8 whose quotient is ±0.94 for every row.
+  * Near-flat groups: the divisor is max(std, 1e-4 * max|r|), max|r| over the rows the std
+    is taken over (the group, or the batch). Rewards that differ by float rounding
+    (~1e-7 relative) then get advantages of a few 1e-3 at most, never O(1), while any
+    difference above 1e-4 of the rewards' magnitude gets the textbook advantage exactly.
+    (TRL adds 1e-4 to the std instead: an absolute floor that also shrinks every real
+    advantage slightly and does not scale with the rewards.)
   * Asymmetric clipping: ratios are clipped to [1 - epsilon, 1 + epsilon_high] (DAPO, Yu et
     al. 2025); epsilon_high = epsilon gives the paper's symmetric clip.
   * Aggregation is chosen by `loss_agg`: "seq_mean_token_mean" is the paper's 1/G Σ 1/|o_i| Σ_t;
@@ -19,12 +28,21 @@ Where jaxgrpo deviates from the paper, on purpose:
     "seq_mean_token_sum_norm" (Dr. GRPO) sums each completion's tokens and divides by
     N * max_new_tokens, a constant, so length does not rescale the gradient.
   * KL: `kl_type` "k3" is the paper's unbiased estimator π_ref/π_θ - log(π_ref/π_θ) - 1; "k1"
-    is log(π_θ/π_ref). With beta = 0 no reference policy exists at all.
+    is log(π_θ/π_ref). With beta = 0 no reference policy exists at all. Both policies' log-probs
+    for the penalty come from the untruncated distributions at the training temperature
+    (`kl_sampling_params`: top-k and top-p off), as TRL and verl compute them: under a
+    truncated profile a token outside the reference's kept set would get the -69 floor and a
+    k3 of ~67 where the models differ by a few hundredths. The importance ratio stays on the
+    sampling profile (the distribution the tokens were drawn from).
   * π_old is the sampling-time distribution returned by the rollout engine (same temperature
     and truncation as the training profile), so with num_iterations (μ) = 1 every ratio is 1
     up to float rounding and the loss reduces to the policy-gradient form.
   * Optional `mask_truncated_completions` (DAPO's overlong filtering): rows that hit
-    max_new_tokens without EOS are dropped from the loss.
+    max_new_tokens without EOS are dropped from the loss, as if they had not been sampled:
+    they leave every numerator and denominator of every `loss_agg` (the token count of
+    "token_mean", the 1/N of "seq_mean_token_mean", the N of "seq_mean_token_sum_norm"), so
+    the gradient does not shrink with the share of truncated rows. Their rewards still take
+    part in their group's mean and std (the advantages of the other rows do not change).
 """
 
 from __future__ import annotations
@@ -67,21 +85,41 @@ class TrainState(NamedTuple):
   opt_state: Any
 
 
+# A group's std counts as this fraction of its largest |reward| at least (see the docstring).
+STD_FLOOR = 1e-4
+
+
+def flat_groups(rewards_BxG):
+  """True for each group whose rewards are all equal (bitwise): no signal to learn from.
+
+  Array methods only, so numpy rewards give a numpy answer: the trainer's
+  `zero_std_group_fraction` uses the same rule on the host.
+  """
+  return (rewards_BxG == rewards_BxG[:, :1]).all(axis=1)
+
+
 def group_advantages(rewards_N, group_size: int, scale_rewards: str):
-  """Â_i = (r_i - mean_group(r)) / std, rewards reshaped to (B, G) on device (rows b*G+g)."""
+  """Â_i = (r_i - mean_group(r)) / std, rewards reshaped to (B, G) on device (rows b*G+g).
+
+  Flat groups get exactly 0; the divisor is max(std, STD_FLOOR * max|r|) (module docstring).
+  """
   rewards_BxG = rewards_N.reshape(-1, group_size).astype(jnp.float32)
-  centered_BxG = rewards_BxG - rewards_BxG.mean(axis=1, keepdims=True)
+  flat_Bx1 = flat_groups(rewards_BxG)[:, None]
+  centered_BxG = jnp.where(
+      flat_Bx1, 0.0, rewards_BxG - rewards_BxG.mean(axis=1, keepdims=True))
   if scale_rewards == "group":
     std = jnp.std(rewards_BxG, axis=1, keepdims=True, ddof=1)
+    magnitude = jnp.max(jnp.abs(rewards_BxG), axis=1, keepdims=True)
   elif scale_rewards == "batch":
     std = jnp.std(rewards_BxG, ddof=1)
+    magnitude = jnp.max(jnp.abs(rewards_BxG))
   elif scale_rewards == "none":
-    std = jnp.ones(())
+    return centered_BxG.reshape(-1)
   else:
     raise ValueError(f"scale_rewards={scale_rewards!r}: allowed {list(SCALE_REWARDS)}")
-  # A zero std means every centred reward is 0: return 0, never 0/0.
-  safe = jnp.where(std > 0, std, 1.0)
-  return (centered_BxG / safe).reshape(-1)
+  divisor = jnp.maximum(std, STD_FLOOR * magnitude)
+  # A zero divisor means every reward it covers is 0, so every centred value is 0 already.
+  return (centered_BxG / jnp.where(divisor > 0, divisor, 1.0)).reshape(-1)
 
 
 def clipped_surrogate(logp_NxT, old_logp_NxT, advantages_N, epsilon, epsilon_high):
@@ -104,30 +142,45 @@ def kl_penalty(logp_NxT, ref_logp_NxT, kl_type: str):
 
 
 def aggregate(per_token_NxT, mask_NxT, loss_agg: str, max_new_tokens: int):
-  """Reduces per-token losses to a scalar; masked tokens never count."""
+  """Reduces per-token losses to a scalar; masked tokens never count.
+
+  A row with no token in the mask (a truncated row under mask_truncated_completions) is not
+  in the batch: it leaves the 1/N of "seq_mean_token_mean" and the N of
+  "seq_mean_token_sum_norm" too ("token_mean" counts tokens, so it never counted).
+  """
   mask = mask_NxT.astype(jnp.float32)
   masked = jnp.where(mask_NxT, per_token_NxT, 0.0)  # where, not *: inf * 0 would be NaN
+  rows = jnp.maximum(jnp.any(mask_NxT, axis=1).astype(jnp.float32).sum(), 1.0)
   if loss_agg == "token_mean":
     return masked.sum() / jnp.maximum(mask.sum(), 1.0)
   if loss_agg == "seq_mean_token_mean":
     per_seq = masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
-    return per_seq.mean()
+    return per_seq.sum() / rows
   if loss_agg == "seq_mean_token_sum_norm":
-    return masked.sum() / (per_token_NxT.shape[0] * max_new_tokens)
+    return masked.sum() / (rows * max_new_tokens)
   raise ValueError(f"loss_agg={loss_agg!r}: allowed {list(LOSS_AGGS)}")
 
 
-def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int,
-                        sp: sampling.SamplingParams):
+def kl_sampling_params(sp: sampling.SamplingParams) -> sampling.SamplingParams:
+  """The distribution the KL penalty compares: the training temperature, nothing truncated."""
+  return dataclasses.replace(sp, top_p=1.0, top_k=0)
+
+
+def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int, sp):
   """log π_θ of each completion token, teacher-forced; each prompt is computed once and
-  shared by its G completions (model.score_groups), as in sampling."""
+  shared by its G completions (model.score_groups), as in sampling.
+
+  sp: one SamplingParams, or a tuple of them: one forward then serves every profile, and the
+  result is a tuple of [N, T] arrays in the same order.
+  """
   n, t = batch["completion_tokens_NxT"].shape
   b = n // group_size
   completion_BxGxT = batch["completion_tokens_NxT"].reshape(b, group_size, t)
   logits_BxGxTxV = model_lib.score_groups(
       params, cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], completion_BxGxT,
       batch["completion_mask_NxT"].reshape(b, group_size, t))
-  return sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, sp).reshape(n, t)
+  one = lambda p: sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
+  return tuple(one(p) for p in sp) if isinstance(sp, tuple) else one(sp)
 
 
 def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,
@@ -137,7 +190,11 @@ def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: Loss
   if loss.mask_truncated_completions:
     mask = mask & ~batch["truncated_N"][:, None]
   advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
-  logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp)
+  kl_sp = kl_sampling_params(sp)
+  if loss.beta > 0 and kl_sp != sp:  # the penalty needs the untruncated log-probs too
+    logp, kl_logp = completion_logprobs(params, cfg, batch, loss.num_generations, (sp, kl_sp))
+  else:
+    logp = kl_logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp)
   per_token, clipped, ratio = clipped_surrogate(logp, batch["old_logp_NxT"], advantages,
                                                 loss.epsilon, loss.epsilon_high)
   policy_loss = aggregate(per_token, mask, loss.loss_agg, loss.max_new_tokens)
@@ -150,8 +207,8 @@ def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: Loss
   total = policy_loss
   if loss.beta > 0:
     ref_logp = jax.lax.stop_gradient(
-        completion_logprobs(ref_params, cfg, batch, loss.num_generations, sp))
-    kl = kl_penalty(logp, ref_logp, loss.kl_type)
+        completion_logprobs(ref_params, cfg, batch, loss.num_generations, kl_sp))
+    kl = kl_penalty(kl_logp, ref_logp, loss.kl_type)
     kl_loss = aggregate(kl, mask, loss.loss_agg, loss.max_new_tokens)
     total = total + loss.beta * kl_loss
     aux["kl"] = (kl * fmask).sum() / denom

@@ -9,8 +9,9 @@ One call: prefill the B distinct prompts once ([B, P], never [B*G, P]), then dec
 per prompt in a `lax.while_loop` that stops when every row has emitted EOS or after
 `max_new_tokens`. Rows come out prompt-major (row b*G + g), so `rewards.reshape(B, G)` groups
 them. Per token it returns the log-probability under the profile's distribution (after
-temperature and truncation; 0 for greedy) and under the raw model (temperature 1, no
-truncation), which is what the trainer's importance ratios need.
+temperature and truncation; 0 for greedy), which is π_old of the trainer's importance ratios
+(the distribution the token was drawn from), and under the raw model (temperature 1, no
+truncation), a diagnostic the trainer does not use.
 
 Token choice uses one uniform draw per row and step and an inverse-CDF pick, and greedy uses
 max + min-index: both measured far cheaper on CPU than `jax.random.categorical` / `argmax`.

@@ -151,6 +151,57 @@ def test_group_advantages_two_samples_document_ddof_1():
   np.testing.assert_allclose(adv, [-INV_SQRT2, INV_SQRT2], atol=1e-6)
 
 
+# Values float32 cannot store (0.1, 0.3, 0.7, 1.1), tiny and large ones, and exact ones.
+FLAT_VALUES = (0.1, 0.3, 0.7, 0.9, 1.1, 1e-3, 1e3, 0.0, 1.0, -0.3)
+
+
+@pytest.mark.parametrize("scale_rewards", grpo.SCALE_REWARDS)
+def test_equal_rewards_give_exactly_zero_advantage_for_every_group_size(scale_rewards):
+  # Before the flat-group rule, eight rewards of 0.1 left a centred value and a std of ~1e-8
+  # whose quotient was -0.9354 for every row (0.3 and 0.7: +0.9354; G=16 at 0.7: +0.968).
+  # Each batch holds three flat groups of different values, so "batch" scaling has a
+  # non-zero batch std to divide by: the flat groups must still get exactly 0.
+  jitted = jax.jit(grpo.group_advantages, static_argnums=(1, 2))
+  for g in range(2, 17):
+    for i, value in enumerate(FLAT_VALUES):
+      other = FLAT_VALUES[(i + 1) % len(FLAT_VALUES)]
+      rewards = np.repeat(np.float32([value, other, value]), g)
+      for fn in (grpo.group_advantages, jitted):
+        adv = np.asarray(fn(jnp.asarray(rewards), g, scale_rewards))
+        assert np.all(adv == 0.0), (g, value, scale_rewards, adv)
+
+
+def test_flat_groups_on_host_rewards_tests_equality_not_std():
+  # The trainer's zero_std_group_fraction calls flat_groups on numpy rewards: numpy's float32
+  # std of seven 0.1s is 7.45e-9, not 0, yet the group is flat.
+  groups = np.array([[0.1] * 7, [0.1] * 6 + [1.1]], np.float32)
+  assert groups[0].std() > 0
+  flat = grpo.flat_groups(groups)
+  assert isinstance(flat, np.ndarray) and flat.tolist() == [True, False]
+
+
+def test_rewards_differing_by_rounding_are_not_scaled_up_to_order_one():
+  # Seven rewards of 0.1 and one a single float32 step (7.45e-9) above: the sample std is
+  # ~2.6e-9, and dividing by it would give advantages of order 1. The divisor's floor
+  # 1e-4 * max|r| = 1e-5 bounds them by a few float32 steps of 0.1 (the mean's own rounding
+  # adds one or two) / 1e-5: measured 1.49e-8 / 1e-5 = 1.5e-3 at most; their sign is noise.
+  rewards = np.full(8, 0.1, np.float32)
+  rewards[3] = np.nextafter(np.float32(0.1), np.float32(1))
+  for mode in ("group", "batch"):
+    adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), 8, mode))
+    assert np.max(np.abs(adv)) < 5e-3, (mode, adv)
+
+
+def test_one_different_reward_gets_the_textbook_advantage():
+  # [.1, .1, .1, 1.1]: mean .35, deviations -.25 x3 and +.75; ddof=1 std =
+  # sqrt((3 * .0625 + .5625) / 3) = sqrt(.25) = .5: advantages -.5, -.5, -.5, +1.5. The
+  # same differences on a 1e3 scale ([1000, 1000, 1000, 1001]) give the same advantages:
+  # the floor 1e-4 * 1001 = .1001 lies below the std .5 and changes nothing.
+  for rewards in ([0.1, 0.1, 0.1, 1.1], [1000.0, 1000.0, 1000.0, 1001.0]):
+    adv = grpo.group_advantages(jnp.array(rewards, jnp.float32), 4, "group")
+    np.testing.assert_allclose(adv, [-0.5, -0.5, -0.5, 1.5], rtol=1e-5)
+
+
 def test_group_advantages_unknown_mode_names_it():
   with pytest.raises(ValueError, match="scale_rewards='groups'"):
     grpo.group_advantages(REWARDS_8, 4, "groups")
@@ -267,6 +318,31 @@ def test_aggregate_modes_differ_and_masked_entries_never_count():
     assert float(grpo.aggregate(other, MASK, agg, 3)) == value
 
 
+def test_aggregate_ignores_inf_and_nan_in_masked_positions():
+  # A masked position may hold anything (a -69 floor's overflow, a padded NaN): multiplying by
+  # the mask would turn inf * 0 into NaN. Same values as with 1e6 there (above).
+  for bad in (np.inf, -np.inf, np.nan):
+    poisoned = jnp.where(MASK, PER_TOKEN, bad)
+    for agg, want in zip(grpo.LOSS_AGGS, (7 / 3, 2.75, 7 / 6)):
+      np.testing.assert_allclose(grpo.aggregate(poisoned, MASK, agg, 3), want, rtol=1e-6)
+
+
+def test_aggregate_rows_without_tokens_leave_every_denominator():
+  # Three kept rows of per-token loss 1 (2, 1 and 3 tokens) and a fourth row masked whole
+  # (a truncated row under mask_truncated_completions), max_new_tokens 3:
+  #   token_mean: 6 tokens / 6 = 1;  seq_mean_token_mean: row means 1, 1, 1 over 3 rows = 1
+  #   (counting the masked row in the 1/N would give 3 / 4 = .75);
+  #   seq_mean_token_sum_norm: 6 / (3 rows * 3) = .66667 (with 4 rows: .5).
+  per_token = jnp.ones((4, 3))
+  kept = jnp.array([[1, 1, 0], [1, 0, 0], [1, 1, 1]], bool)
+  with_masked_row = jnp.concatenate([kept, jnp.zeros((1, 3), bool)])
+  for agg, want in zip(grpo.LOSS_AGGS, (1.0, 1.0, 2 / 3)):
+    alone = grpo.aggregate(per_token[:3], kept, agg, 3)
+    np.testing.assert_allclose(alone, want, rtol=1e-6, err_msg=agg)
+    np.testing.assert_allclose(grpo.aggregate(per_token, with_masked_row, agg, 3), want,
+                               rtol=1e-6, err_msg=agg)
+
+
 def test_aggregate_unknown_mode_names_it():
   with pytest.raises(ValueError, match="loss_agg='seq_mean'"):
     grpo.aggregate(PER_TOKEN, MASK, "seq_mean", 3)
@@ -311,6 +387,20 @@ def test_mask_truncated_completions_drops_truncated_rows(params):
     (a, _), (b, aux_b) = before[(agg, False, 0.0)], after[(agg, False, 0.0)]
     assert float(b) < float(a) - 1e-3, agg
     np.testing.assert_allclose(aux_b["clip_fraction"], 4 / 26, rtol=1e-6)
+
+
+def test_masked_truncated_row_leaves_the_loss_for_every_loss_agg(params):
+  # Row 0 (A = +.70711, 4 tokens) truncated and masked; at ratio 1 the per-token loss is -A_i.
+  # Rows 1..7: A = .70711 * [-1, -1, 1, 0, 0, -1, 1], lengths [2, 3, 4, 4, 4, 1, 4] (22 tokens).
+  #   token_mean: -.70711 * (-2 - 3 + 4 - 1 + 4) / 22 = -1.41421 / 22 = -0.064282
+  #   seq_mean_token_mean: row means -A_i, sum -.70711 * (-1) = .70711, over 7 rows = 0.101015
+  #     (over all 8 rows, as before the fix: 0.088388)
+  #   seq_mean_token_sum_norm: -1.41421 / (7 rows * T=4) = -0.050508 (over 8 rows: -0.044194)
+  batch = _on_policy_batch(params, truncated=[True] + [False] * 7)
+  table = _evaluate(params, params, batch)["table"]
+  for agg, want in (("token_mean", -0.064282), ("seq_mean_token_mean", 0.101015),
+                    ("seq_mean_token_sum_norm", -0.050508)):
+    np.testing.assert_allclose(table[(agg, True, 0.0)][0], want, atol=1e-5, err_msg=agg)
 
 
 def test_mu_1_ratio_is_one_and_loss_is_policy_gradient_form(params):
@@ -385,6 +475,73 @@ def test_zero_reward_batch_gives_exactly_zero_gradient(params):
   grads = out["grad"]  # jax.grad of loss_fn (token_mean, beta 0)
   for g in jax.tree.leaves(grads):
     np.testing.assert_array_equal(g, np.zeros_like(g))
+
+
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _one_group_of_8_loss_and_grad(params, batch):
+  """loss_fn (token_mean, beta 0) and its gradient for one prompt with G = 8 samples."""
+  return jax.value_and_grad(lambda p: grpo.loss_fn(
+      p, None, batch, cfg=CFG, loss=_loss_config(num_generations=8), sp=SP)[0])(params)
+
+
+@pytest.mark.parametrize("value", [0.1, 0.7, 1e3])
+def test_flat_rewards_group_gives_exactly_zero_gradient(params, value):
+  # One prompt, G = 8, every reward the same value float32 cannot store: every advantage must
+  # be exactly 0, so the loss and its gradient are 0 whatever the ratios. (The std > 0 test
+  # gave every row -0.9354 at 0.1, hence a full-strength update, the issue's loss .9354.)
+  batch = _batch([value] * 8, LENGTHS, num_prompts=1)
+  batch["old_logp_NxT"] = np.full((8, T), -3.0, np.float32)
+  loss, grads = _one_group_of_8_loss_and_grad(params, batch)
+  assert float(loss) == 0.0
+  for g in jax.tree.leaves(grads):
+    np.testing.assert_array_equal(g, np.zeros_like(g))
+
+
+def test_kl_diagnostic_at_beta_zero_is_old_minus_new_logp(params):
+  # With beta 0 and num_iterations > 1, the k1 estimate of KL(pi_old || pi_theta) over the
+  # sampled tokens is mean(old_logp - logp): after an update that made the sampled tokens
+  # 0.25 nats less likely than the sampler found them (old = logp + .25), kl = +0.25.
+  batch = _batch(REWARDS, LENGTHS, num_prompts=4)
+  logp = _logprobs(params, batch)
+  batch["old_logp_NxT"] = logp + 0.25
+  _, aux = _evaluate(params, params, batch)["table"][("token_mean", False, 0.0)]
+  np.testing.assert_allclose(aux["kl"], 0.25, rtol=1e-5)
+
+
+def test_kl_penalty_uses_untruncated_distributions_under_top_k(monkeypatch):
+  # Hand-built logits (the model replaced by one logit row per policy), V = 4, top-k 2, T=1:
+  #   policy    [2, 1, 0, -1]: top-2 {0, 1}
+  #   reference [-1, 0, 1, 2]: top-2 {3, 2}
+  # Both rows sampled token 1: outside the reference's kept set, so under the truncated
+  # profiles its reference log-prob is the -69 floor and k3 = e^(-69-lp) + 69 + lp - 1 ~ 67.
+  # Untruncated (temperature 1), both logsumexps are the same (same logits, permuted), so
+  # log(p_ref / p_pol) = 0 - 1 = -1 and k3 = e^-1 + 1 - 1 = 0.36788.
+  # The ratio stays on the sampling profile: old_logp is token 1's truncated log-prob
+  # log(e / (e^2 + e)) = -log(1 + e) = -1.31326, so the ratio is 1 (untruncated it would be
+  # e^(log .23688 + 1.31326) = .8808).
+  v = 4
+  monkeypatch.setattr(
+      grpo.model_lib, "score_groups",
+      lambda p, cfg, pt, pm, comp_BxGxT, cm: jnp.broadcast_to(p["logits"], comp_BxGxT.shape + (v,)))
+  policy = {"logits": jnp.array([2.0, 1.0, 0.0, -1.0])}
+  reference = {"logits": jnp.array([-1.0, 0.0, 1.0, 2.0])}
+  batch = {"prompt_tokens_BxP": np.ones((1, 1), np.int32),
+           "prompt_mask_BxP": np.ones((1, 1), bool),
+           "completion_tokens_NxT": np.ones((2, 1), np.int32),
+           "completion_mask_NxT": np.ones((2, 1), bool),
+           "old_logp_NxT": np.full((2, 1), -math.log(1 + math.e), np.float32),
+           "rewards_N": np.array([1.0, 0.0], np.float32),
+           "truncated_N": np.zeros(2, bool)}
+  sp = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=2)
+  total, aux = grpo.loss_fn(policy, reference, batch, cfg=CFG, loss=_loss_config(beta=BETA),
+                            sp=sp)
+  np.testing.assert_allclose(aux["kl"], math.exp(-1), rtol=1e-5)
+  np.testing.assert_allclose(aux["ratio_mean"], 1.0, rtol=1e-6)
+  # Advantages +-.70711 at ratio 1 cancel in the token mean: the total is .1 * .36788.
+  np.testing.assert_allclose(total, BETA * math.exp(-1), rtol=1e-5)
+  grad = jax.grad(lambda p: grpo.loss_fn(p, reference, batch, cfg=CFG,
+                                         loss=_loss_config(beta=BETA), sp=sp)[0])(policy)
+  assert np.all(np.isfinite(grad["logits"]))
 
 
 def test_beta_zero_has_no_reference_forward(params, ref_params, monkeypatch):

@@ -346,6 +346,43 @@ def test_logprobs_match_teacher_forcing(engine, params, prompts, name, sp):
     np.testing.assert_allclose(out.logp_NxT, out.raw_logp_NxT, atol=1e-5)
 
 
+WARM = SP(0.7, 1.0, 0)  # a temperature other than 1, nothing truncated
+
+
+@pytest.fixture(scope="module")
+def warm_engine():
+  """Both profiles WARM; only `train` is ever called, so one sampler compiles."""
+  return _engine(_single_device_mesh(), train=WARM, val=WARM)
+
+
+def test_trainer_logprobs_equal_the_samplers_at_temperature_07(warm_engine, params, prompts):
+  # The trainer's ratio needs log pi_old (the sampler's logp_NxT) and log pi_theta
+  # (token_logprobs on teacher-forced logits) of one distribution: at temperature .7 both
+  # divide the logits by .7 (without it, they would differ by ~0.1-1 nats here).
+  out = warm_engine.sample("train", params, *prompts, key=jax.random.key(5))
+  tokens = np.asarray(out.tokens_NxT)
+  logits = _teacher_forced_logits(params, *prompts, tokens)
+  trainer_logp = sampling.token_logprobs(logits, jnp.asarray(tokens), WARM)
+  np.testing.assert_allclose(out.logp_NxT, trainer_logp, atol=1e-4)
+  assert not np.allclose(out.logp_NxT, out.raw_logp_NxT, atol=1e-2)  # .7 is not 1
+
+
+def test_each_step_draws_its_own_uniform(warm_engine, params, prompts):
+  # A final norm scale of 0 makes every logit exactly 0: a uniform distribution over the
+  # vocabulary at every step, so token i of prompt b's sample g is exactly
+  # draw(zeros, u, WARM) with u = row_uniform(key, b, i, G)[g]. Reusing step 0's draws would
+  # repeat one token along each row.
+  flat = jax.tree.map(lambda x: x, params)
+  flat["final_norm"] = {"scale": np.zeros_like(params["final_norm"]["scale"])}
+  key = jax.random.key(9)
+  out = warm_engine.sample("train", flat, *prompts, key=key)
+  u_TxBxG = jnp.stack([sampling.row_uniforms(key, jnp.arange(8), i, G) for i in range(T)])
+  want, _, _ = sampling.draw(jnp.zeros((T, 8, G, CFG.vocab_size)), u_TxBxG, WARM)
+  want_NxT = np.asarray(want).transpose(1, 2, 0).reshape(8 * G, T)
+  np.testing.assert_array_equal(out.tokens_NxT, want_NxT)
+  assert all(len(set(row)) > 1 for row in want_NxT)  # each row's tokens change with the step
+
+
 @pytest.mark.parametrize("mesh_config", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 8}],
                          ids=["2x2x2", "data8"])
 def test_mesh_results_equal_single_device(engine, params, prompts, mesh_config):
