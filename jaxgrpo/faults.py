@@ -9,8 +9,10 @@ Numerical faults: a non-finite loss or gradient norm ends the run before anythin
 since the parameters after that update are already poisoned. The last good checkpoint stays
 the newest one, and a resume starts from it.
 
-Test hook: the environment variable JAXGRPO_TEST_NAN_AT_STEP=N makes step N's rewards NaN (so
-its loss and gradients are NaN); it exists for the fault tests and does nothing when unset.
+Test hooks, for the fault tests; each does nothing when unset:
+  * JAXGRPO_TEST_NAN_AT_STEP=N makes step N's rewards NaN (so its loss and gradients are NaN);
+  * JAXGRPO_TEST_SIGTERM_AT_STEP=N makes the process send itself SIGTERM during step N, so a
+    preemption test stops at a known step instead of racing the run to its end.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 from typing import Mapping
 
 NAN_STEP_ENV = "JAXGRPO_TEST_NAN_AT_STEP"
+SIGTERM_STEP_ENV = "JAXGRPO_TEST_SIGTERM_AT_STEP"
 WATCHED = ("loss", "grad_norm")
 
 
@@ -39,6 +42,13 @@ def check_finite(metrics: Mapping[str, float], step: int) -> None:
 def nan_injection_step() -> int | None:
   value = os.environ.get(NAN_STEP_ENV)
   return int(value) if value else None
+
+
+def maybe_inject_sigterm(step: int) -> None:
+  """Sends this process SIGTERM when `step` is JAXGRPO_TEST_SIGTERM_AT_STEP (a test hook)."""
+  value = os.environ.get(SIGTERM_STEP_ENV)
+  if value and int(value) == step:
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Preemption:

@@ -74,6 +74,21 @@ def test_restore_latest_falls_back_past_a_broken_one(tmp_path):
   assert f"{tmp_path}/3 is unreadable" in message and f"resuming from {tmp_path}/2" in message
 
 
+def test_restore_latest_at_most_restores_the_named_step_or_the_newest_before_it(tmp_path):
+  # `resume=.../checkpoints/<step>` restores with at_most=<step>: that step itself when it
+  # exists (an off-by-one would restore its neighbour), else the newest before it.
+  ckpts = checkpoint.Checkpoints(str(tmp_path))
+  for step in (2, 4, 6):
+    ckpts.save(step, small_state(step), {"step": step})
+  ckpts.close()
+  ckpts = checkpoint.Checkpoints(str(tmp_path), read_only=True)
+  for at_most, want in ((2, 2), (4, 4), (5, 4), (6, 6), (None, 6), (100, 6)):
+    step, state, meta = ckpts.restore_latest(small_state(), at_most=at_most)
+    assert (step, int(state.step), meta["step"]) == (want, want, want), at_most
+  assert ckpts.restore_latest(small_state(), at_most=1) is None
+  ckpts.close()
+
+
 def test_set_aside_moves_newer_checkpoints_and_locate_reads_paths(tmp_path):
   ckpts = checkpoint.Checkpoints(str(tmp_path / "checkpoints"))
   for step in (2, 4, 6):

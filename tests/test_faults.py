@@ -95,21 +95,20 @@ def test_sigkill_then_resume_is_exact(reference, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resumes_exactly(reference, tmp_path):
-  proc = start_train(*ARGS, workdir=tmp_path)
-  wait_for_checkpoint(proc, tmp_path, 2)
-  proc.send_signal(signal.SIGTERM)
-  stdout, stderr = proc.communicate(timeout=300)
-  assert proc.returncode == 0, stderr[-3000:]
-  assert "received SIGTERM" in stderr
-  line = stdout.strip().splitlines()[-1]
-  assert line.startswith("preempted (SIGTERM) after"), line
-  stopped = int(line.split("after ")[1].split()[0])
-  assert os.path.join("checkpoints", str(stopped)) in line  # names the checkpoint it wrote
+  # The run sends itself SIGTERM during step 3 (faults.py's hook): a known step between two
+  # periodic checkpoints, so the test always exercises the preemption save and a resume (a
+  # signal sent from here raced the 8-step run, which sometimes finished first).
+  proc = run_train(*ARGS, workdir=tmp_path, **{faults.SIGTERM_STEP_ENV: "3"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "received SIGTERM" in proc.stderr
+  line = proc.stdout.strip().splitlines()[-1]
+  assert line.startswith("preempted (SIGTERM) after 3 steps"), line
+  assert os.path.join("checkpoints", "3") in line  # names the checkpoint it wrote
+  assert checkpoint.step_dirs(str(tmp_path / "checkpoints")) == [2, 3]
   assert json.load(open(tmp_path / "summary.json"))["preempted"] == "SIGTERM"
   resumed = run_train(*ARGS, workdir=tmp_path)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
-  if stopped < 8:
-    assert f"at step {stopped}" in resumed.stdout
+  assert f"resuming from {tmp_path}/checkpoints/3 at step 3" in resumed.stdout
   assert_same_run(tmp_path, reference)
 
 
@@ -129,6 +128,9 @@ def test_truncated_latest_checkpoint_is_skipped(reference, tmp_path):
   train = [s for split, s in rows(workdir) if split == "train"]
   assert train == list(range(1, 11))
   assert [r["step"] for r in prompt_ids(workdir)] == list(range(1, 11))
+  # Steps 7 and 8, redone after the resume from 6, sampled the straight run's prompts: the
+  # data iterator's position came back with the checkpoint.
+  assert prompt_ids(workdir)[:8] == prompt_ids(reference)
 
 
 @pytest.mark.slow
