@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Callable
 
 import ml_collections
@@ -322,6 +323,27 @@ def _check_cross_fields(c, num_devices: int):
           "Face folder (its tokenizer_config.json holds the chat template)")
   if "{question}" not in d.prompt_template:
     _fail("data.prompt_template", d.prompt_template, "a template containing {question}")
+  _check_no_backslash_n(d.prompt_template)
+
+
+def _check_no_backslash_n(template: str):
+  """A shell passes "\\n" inside double quotes as a backslash and an n, and a prompt with
+  those two characters trains on the wrong text without a word. Escapes are not interpreted
+  instead, because math prompts carry LaTeX (\\text, \\times, \\neq) that would then turn
+  into tabs and newlines just as silently: the template is refused, with the quoting that
+  gives a newline."""
+  if "\\n" not in template:
+    return
+  # The same text for bash's $'...', where every other backslash and ' must be escaped
+  # (and real newlines and tabs may be, which keeps the message on one line).
+  quoted = (re.sub(r"\\(?!n)", r"\\\\", template).replace("'", "\\'")
+            .replace("\n", "\\n").replace("\t", "\\t"))
+  shown = template.replace("\n", "\\n")  # one line, as the shell user typed it
+  raise ConfigError(
+      f'config.data.prompt_template="{shown}": holds a backslash followed by n, not a '
+      "newline (a shell passes \\n inside quotes as two characters); allowed: real "
+      f"newlines, e.g. --config.data.prompt_template=$'{quoted}' in bash or zsh, or "
+      '"\\n" in a Python config file')
 
 
 def _check_backend(gen, rows: int):

@@ -120,6 +120,24 @@ def test_jsonl_source_needs_a_train_path():
     config_lib.validate(c, num_devices=1)
 
 
+def test_a_template_with_backslash_n_is_refused_with_the_quoting_that_works():
+  # What `--config.data.prompt_template="Question: {question}\nAnswer:"` hands over: a
+  # backslash and an n. The hint's $'...' form doubles \boxed's backslash (so that $''
+  # keeps one) and leaves \n, which $'' turns into a newline.
+  c = math_config()
+  c.data.prompt_template = "Question: {question}\\nAnswer in \\boxed{{}}:"
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.validate(c, num_devices=1)
+  assert str(err.value) == (
+      'config.data.prompt_template="Question: {question}\\nAnswer in \\boxed{{}}:": holds '
+      "a backslash followed by n, not a newline (a shell passes \\n inside quotes as two "
+      "characters); allowed: real newlines, e.g. --config.data.prompt_template="
+      "$'Question: {question}\\nAnswer in \\\\boxed{{}}:' in bash or zsh, or \"\\n\" in a "
+      "Python config file")
+  c.data.prompt_template = "Question: {question}\nAnswer in \\boxed{{}}:"  # a real newline
+  assert config_lib.validate(c, num_devices=1).data.prompt_template.count("\n") == 1
+
+
 def parse_overrides(*overrides):
   """The config as `--config=configs/math.py --config.X=...` gives it, then validated.
 
