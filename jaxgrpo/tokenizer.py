@@ -41,6 +41,9 @@ class Tokenizer:
     eos_id: id that ends a completion; `decode` stops at its first occurrence.
     vocab_size: number of ids the tokenizer can produce, added tokens included. A model's
       embedding table may be larger (checkpoints pad it); it must never be smaller.
+    unk_id: the id that text outside the vocabulary becomes (`<unk>` of a character or
+      word-level vocabulary), or None when the tokenizer has none: a byte-level BPE (Qwen,
+      Llama 3) encodes any text.
   """
 
   def __init__(self, hf: tokenizers.Tokenizer, *, pad_token: str, eos_token: str,
@@ -54,6 +57,7 @@ class Tokenizer:
     self.stop_ids: tuple[int, ...] = (self.eos_id,)
     self.bos_id = None if bos_token is None else _token_id(hf, bos_token, "bos_token", source)
     self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+    self.unk_id = _unk_id(hf)
 
   def __repr__(self) -> str:
     return (f"Tokenizer(vocab_size={self.vocab_size}, pad_id={self.pad_id}, "
@@ -70,6 +74,15 @@ class Tokenizer:
     """Like `encode` for many texts; the Rust tokenizer runs them in parallel."""
     encodings = self.hf.encode_batch(list(texts), add_special_tokens=False)
     return [self._with_bos(e.ids, add_bos) for e in encodings]
+
+  def unknown_pieces(self, texts: Sequence[str]) -> list[list[str]]:
+    """For each text, the pieces of it that encode to `unk_id`, in order ([] for a text the
+    tokenizer encodes faithfully, and for every text when it has no unknown token)."""
+    if self.unk_id is None:
+      return [[] for _ in texts]
+    encodings = self.hf.encode_batch(list(texts), add_special_tokens=False)
+    return [[text[a:b] for t, (a, b) in zip(e.ids, e.offsets) if t == self.unk_id]
+            for text, e in zip(texts, encodings)]
 
   def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
     """Returns the text of `ids` up to the first end token (eos or another of `stop_ids`).
@@ -162,6 +175,17 @@ class Tokenizer:
     if add_bos and self.bos_id is not None:
       return [self.bos_id] + list(ids)
     return list(ids)
+
+
+def _unk_id(hf: tokenizers.Tokenizer) -> int | None:
+  """The unknown token's id, from the model (WordLevel, BPE and WordPiece name a token,
+  Unigram an id); None when the model has none or names a token outside its vocabulary."""
+  unk_token = getattr(hf.model, "unk_token", None)
+  if unk_token is not None:
+    return hf.token_to_id(unk_token)
+  if isinstance(hf.model, models.Unigram):  # its Python object does not expose unk_id
+    return json.loads(hf.to_str())["model"].get("unk_id")
+  return None
 
 
 def _token_id(hf: tokenizers.Tokenizer, token: str, role: str, source: str) -> int:

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import os
 import re
+import string
 import sys
 import time
 
@@ -90,6 +91,11 @@ def prepare(argv) -> Setup:
           hf.resolve(config.model.hf_checkpoint)))
     except chat.ChatTemplateError as e:
       raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
+  # Before the batches: their length check would otherwise report prompts of <unk> tokens
+  # as too long, hiding that the model cannot read them.
+  warning = check_encodable(tokenizer, template, train_rows, val_rows, _model_name(config))
+  if warning and jax.process_index() == 0:
+    print(warning, file=sys.stderr, flush=True)
   procs = jax.process_count()
   for key in ("num_prompts_per_step", "val_batch_size"):
     if g[key] % procs:
@@ -113,6 +119,66 @@ def prepare(argv) -> Setup:
     _write_config(workdir, config_lib.to_json(config))
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
                resume, val_sources)
+
+
+# Training prompts checked for unknown tokens, spread evenly over the file (every validation
+# prompt is checked): enough to find a character class the vocabulary lacks, cheap at startup.
+UNKNOWN_SAMPLE = 1000
+_SHOWN_PIECES = 8  # unknown characters named in the warning or error
+
+
+def check_encodable(tokenizer, template, train_rows, val_rows, model: str) -> str | None:
+  """Prompts the tokenizer cannot encode faithfully: text of theirs that becomes its unknown
+  token (a character or word-level vocabulary; a byte-level BPE has none).
+
+  Returns None when every checked prompt encodes, else one warning line naming how many do
+  not and their first unknown characters. Raises a DataError when none encodes: the model
+  would train on <unk> tokens and learn nothing from the text.
+  """
+  if tokenizer.unk_id is None:
+    return None
+  stride = max(1, -(-len(train_rows) // UNKNOWN_SAMPLE))  # ceil: at most UNKNOWN_SAMPLE rows
+  train_ids = range(0, len(train_rows), stride)
+  rows = list(val_rows) + [train_rows[i] for i in train_ids]
+  pieces = tokenizer.unknown_pieces([data_lib.render_prompt(template, r) for r in rows])
+  bad = [i for i, p in enumerate(pieces) if p]
+  if not bad:
+    return None
+  distinct = list(dict.fromkeys(piece for i in bad for piece in pieces[i]))
+  shown = ", ".join(repr(p) for p in distinct[:_SHOWN_PIECES])
+  shown += ", ..." if len(distinct) > _SHOWN_PIECES else ""
+  checked = (f"{len(rows)} prompts checked ({len(val_rows)} validation, {len(train_ids)} "
+             f"of {len(train_rows)} training)")
+  unk = tokenizer.hf.id_to_token(tokenizer.unk_id)
+  what = (f"the tokenizer of {model} ({tokenizer.vocab_size} tokens) cannot encode and turns "
+          f"into {unk}: {shown} ({len(distinct)} distinct")
+  if len(bad) < len(rows):
+    first = (f"validation prompt {bad[0]}" if bad[0] < len(val_rows) else
+             f"training row {train_ids[bad[0] - len(val_rows)]}")
+    return (f"warning: {len(bad)} of the {checked} have text that {what}; first in {first}); "
+            f"the model sees {unk} in place of that text")
+  text = _literal_text(template)
+  in_template = sum(p in text for p in distinct)
+  raise data_lib.DataError(
+      f"every one of the {checked} has text that {what}"
+      + (f", {in_template} of them in data.prompt_template's own text" if in_template else "")
+      + "); use a model whose tokenizer covers the data and the template (e.g. "
+      "model.hf_checkpoint=<a Hugging Face folder>), or change data.prompt_template")
+
+
+def _literal_text(template) -> str:
+  """The fixed text of a prompt template (a ChatPrompt's user template), fields left out."""
+  template = getattr(template, "template", template)
+  return "".join(literal for literal, *_ in string.Formatter().parse(template))
+
+
+def _model_name(config) -> str:
+  m = config.model
+  if m.hf_checkpoint:
+    return f"model.hf_checkpoint={m.hf_checkpoint!r}"
+  if m.checkpoint:
+    return f"model.checkpoint={m.checkpoint!r}"
+  return f"the random init (a character vocabulary for data.source={config.data.source!r})"
 
 
 def _check_source_metrics(config, sources) -> None:

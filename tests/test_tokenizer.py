@@ -1,6 +1,7 @@
 """Tests for jaxgrpo.tokenizer: char-level ids and round trip, save/load, file errors."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -122,3 +123,24 @@ def test_decode_batch_stops_each_row_at_eos():
   # Rows as a sampler returns them: digits, eos (2), then pad (0) or garbage after it.
   rows = np.array([[4, 9, 2, 0, 0], [5, 5, 5, 5, 5], [2, 6, 6, 6, 6]])
   assert tok.decode_batch(rows) == ["05", "11111", ""]
+
+
+def test_unk_id_of_each_kind_of_tokenizer(tmp_path):
+  # A character vocabulary and a word-level file name their unknown token; a Unigram model
+  # keeps an unk id; the test fixtures' byte-level BPE (as Qwen's, Llama 3's) has none.
+  assert Tokenizer.char_level(ALPHABET).unk_id == 3
+  assert Tokenizer.from_file(_hf_style_file(tmp_path), eos_token="<|im_end|>").unk_id == 2
+  unigram = tokenizers.Tokenizer(models.Unigram([("<unk>", 0.0), ("<eos>", 0.0),
+                                                 ("a", -1.0)], 0))
+  assert Tokenizer(unigram, pad_token="<eos>", eos_token="<eos>").unk_id == 0
+  fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf",
+                         "qwen2", "tokenizer.json")
+  qwen = Tokenizer.from_file(fixture, eos_token="<|im_end|>")
+  assert qwen.unk_id is None
+  assert qwen.unknown_pieces(["Question: é €\n"]) == [[]]  # bytes encode anything
+
+
+def test_unknown_pieces_are_the_text_that_becomes_unk(tok):
+  # "12 + 3=" has two spaces outside the arithmetic alphabet; "Q:\n1" has Q, : and \n.
+  assert tok.unknown_pieces(["12+3=", "12 + 3=", "Q:\n1"]) == [[], [" ", " "],
+                                                                 ["Q", ":", "\n"]]

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from cli import (MATH, ROOT, assert_clean_error, assert_smoke_run_imports_nothing_heavy, env,  # tests/cli.py
-                 run_train)
+from cli import (MATH, ROOT, assert_clean_error,  # tests/cli.py
+                 assert_smoke_run_imports_nothing_heavy, env, run_train)
+from jaxgrpo import hf, train
 
 
 def write(path, text):
@@ -210,3 +211,72 @@ def test_train_never_imports_jetstream_or_tensorflow(tmp_path):
   # jaxgrpo.train and running the default config must not even try to import it. The
   # subprocess records (and refuses) every attempt, so this holds with or without the extra.
   assert_smoke_run_imports_nothing_heavy(tmp_path / "w")
+
+
+# What the data must be for the model to read it.
+
+
+def arithmetic_rows(path, spaced_every=0):
+  """40 addition problems; with `spaced_every`, every so many is written `100 + 200=`, whose
+  spaces the embedded model's 16-token vocabulary lacks."""
+  rows = []
+  for i in range(40):
+    spaced = spaced_every and i % spaced_every == 0
+    rows.append(json.dumps({"question": f"{100 + i}{' + ' if spaced else '+'}{200 + i}=",
+                            "answer": f"{300 + 2 * i:04d}"}) + "\n")
+  return write(path, "".join(rows))
+
+
+def test_prompts_with_unknown_characters_warn_in_one_line_and_train(tmp_path):
+  # Rows 0, 10, 20 and 30 have spaces, all four among the 32 training rows (rows 32-39 are
+  # held out for validation; 40 checked in all). The run goes on; it stops at its step-0
+  # validation (threshold 0), so only the validation sampler compiles.
+  path = arithmetic_rows(tmp_path / "mixed.jsonl", spaced_every=10)
+  proc = run_train(f"--config={MATH}:smoke", "--config.data.source=jsonl",
+                   f"--config.data.train_path={path}", "--config.data.num_val_examples=8",
+                   "--config.data.max_prompt_length=12",
+                   "--config.grpo.stop_at_validation_metric=accuracy",
+                   "--config.grpo.stop_at_validation_threshold=0", workdir=tmp_path / "w")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  warnings = [l for l in proc.stderr.splitlines() if "cannot encode" in l]
+  assert warnings == [
+      "warning: 4 of the 40 prompts checked (8 validation, 32 of 32 training) have text that "
+      "the tokenizer of model.checkpoint='@embedded/arith3' (16 tokens) cannot encode and "
+      "turns into <unk>: ' ' (1 distinct; first in training row 0); the model sees <unk> in "
+      "place of that text"], proc.stderr[-3000:]
+  assert "stopped early after 0 steps" in proc.stdout
+
+
+def test_prompts_the_model_cannot_read_at_all_are_refused(tmp_path):
+  # The issue's run: the README's template with the embedded model, whose vocabulary has
+  # none of "Question:", so every prompt is mostly <unk>. Refused before the prompt-length
+  # check (which would have blamed max_prompt_length) and before any compilation.
+  path = arithmetic_rows(tmp_path / "train.jsonl")
+  proc = run_train(f"--config={MATH}:smoke", "--config.data.source=jsonl",
+                   f"--config.data.train_path={path}", "--config.data.num_val_examples=8",
+                   "--config.data.prompt_template=Question: {question}\nAnswer:",
+                   workdir=tmp_path / "w")
+  assert_clean_error(proc, "every one of the 40 prompts checked (8 validation, 32 of 32 "
+                     "training) has text that the tokenizer of model.checkpoint="
+                     "'@embedded/arith3' (16 tokens) cannot encode and turns into <unk>: "
+                     "'Q', 'u', 'e', 's', 't', 'i', 'o', 'n', ... (14 distinct, 14 of them in "
+                     "data.prompt_template's own text)", "use a model whose tokenizer covers")
+
+
+def test_unknown_token_check_samples_training_rows_evenly():
+  # 3000 training rows: at most 1000 are checked, every third (0, 3, ..., 2997). Row 1 has
+  # a space but is not checked; row 300 is, and is the first named. A tokenizer without an
+  # unknown token (byte-level BPE) checks nothing.
+  from jaxgrpo.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+  tok = Tokenizer.char_level("0123456789+=")
+  train_rows = [{"question": f"{i}+1="} for i in range(3000)]
+  train_rows[1] = train_rows[300] = {"question": "1 +1="}
+  val_rows = [{"question": "2+2="}] * 10
+  warning = train.check_encodable(tok, "{question}", train_rows, val_rows, "M")
+  assert warning.startswith("warning: 1 of the 1010 prompts checked (10 validation, 1000 of "
+                            "3000 training) have text that the tokenizer of M (16 tokens)")
+  assert "first in training row 300" in warning
+  assert train.check_encodable(tok, "{question}", train_rows[:1] + val_rows, val_rows,
+                               "M") is None
+  qwen = hf.hf_tokenizer(QWEN2)
+  assert train.check_encodable(qwen, "{question}", train_rows, val_rows, "M") is None
