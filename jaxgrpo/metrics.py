@@ -305,7 +305,11 @@ class MetricsWriter:
     self._stream.flush()
 
   def _summary_line(self, result: Mapping[str, Any]) -> str:
-    parts = [f"done: {result['steps']} steps in {_fmt_duration(result['wall_time_s'])}"]
+    # A resumed process trained only the steps after its checkpoint (trainer.run's summary).
+    trained = result.get("steps_this_run", result["steps"])
+    parts = [f"done: {trained} steps in {_fmt_duration(result['wall_time_s'])}"]
+    if result.get("resumed_step") is not None:
+      parts[0] += f" (resumed from step {result['resumed_step']})"
     train_last = result["last"].get("train", {})
     shown = " ".join(f"{k}={_fmt(train_last[k])}" for k in KEY_METRICS if k in train_last)
     if shown:

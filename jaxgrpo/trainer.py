@@ -254,6 +254,7 @@ def run(setup) -> int:
                   **{f"{name}_sampler": n for name, n in engine.compilations.items()}}
   summary.update(wall_time_s=round(time.time() - t_start, 2), compilations=compilations,
                  peak_rss_mib=peak_rss_mib(), resumed_from=resumed_from,
+                 resumed_step=start if resumed_from else None, steps_this_run=step - start,
                  preempted=preemption.name or None)
   summary.update(_best(logged, ck.best_metric, kept))
   if fault:
@@ -359,7 +360,12 @@ def _summary(val, g, stop, step, saved) -> dict:
 def _summary_line(summary, workdir, preempted="") -> str:
   verb = ("stopped early after" if summary["stopped_early"] else
           f"preempted ({preempted}) after" if preempted else "finished")
-  line = f"{verb} {summary['steps']} steps in {summary['wall_time_s']:.0f}s"
+  # `steps` is the step the run reached; a resumed process trained only the steps after its
+  # checkpoint, and the time is this process's.
+  trained = summary.get("steps_this_run", summary["steps"])
+  line = f"{verb} {trained} steps in {summary['wall_time_s']:.0f}s"
+  if summary.get("resumed_step") is not None:
+    line += f" (resumed from step {summary['resumed_step']}, now at step {summary['steps']})"
   if "final_val_accuracy" in summary:
     line += (f"; val accuracy {summary['initial_val_accuracy']:.3f} -> "
              f"{summary['final_val_accuracy']:.3f} ({summary['val_accuracy_gain']:+.3f})")

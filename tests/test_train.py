@@ -5,13 +5,14 @@ The CLI runs in subprocesses (as a user runs it), through tests/cli.py.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from cli import (MATH, ROOT, assert_clean_error,  # tests/cli.py
+from cli import (ARGS, MATH, ROOT, assert_clean_error,  # tests/cli.py
                  assert_smoke_run_imports_nothing_heavy, env, run_train)
 from jaxgrpo import hf, train
 
@@ -280,3 +281,23 @@ def test_unknown_token_check_samples_training_rows_evenly():
                                "M") is None
   qwen = hf.hf_tokenizer(QWEN2)
   assert train.check_encodable(qwen, "{question}", train_rows, val_rows, "M") is None
+
+
+@pytest.mark.slow
+def test_a_resumed_run_says_how_many_steps_it_trained_and_from_where(straight_run, tmp_path):
+  # The straight run (8 steps, a checkpoint every 2) copied without its step-8 checkpoint,
+  # as if killed during step 8: the same command resumes from step 6 and trains 2 steps.
+  # The summary used to say "finished 8 steps", the step reached, in this process's time.
+  workdir, run = straight_run
+  assert run.returncode == 0, run.stderr[-2000:]
+  shutil.copytree(workdir, tmp_path / "w")
+  shutil.rmtree(tmp_path / "w" / "checkpoints" / "8")
+  proc = run_train(*ARGS, workdir=tmp_path / "w")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  last = proc.stdout.strip().splitlines()[-1]
+  assert re.match(r"finished 2 steps in \d+s \(resumed from step 6, now at step 8\); val "
+                  r"accuracy ", last), last
+  # The progress console's own last line (on stderr) counts the same way.
+  assert re.search(r"^done: 2 steps in \S+ \(resumed from step 6\) \|", proc.stderr, re.M)
+  summary = json.load(open(tmp_path / "w" / "summary.json"))
+  assert (summary["steps"], summary["steps_this_run"], summary["resumed_step"]) == (8, 2, 6)
