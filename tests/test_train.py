@@ -214,7 +214,55 @@ def test_train_never_imports_jetstream_or_tensorflow(tmp_path):
   assert_smoke_run_imports_nothing_heavy(tmp_path / "w")
 
 
-# What the data must be for the model to read it.
+# The README's own-data example and what the data must be for the model to read it.
+
+
+def readme_own_data_command(tmp_path, **replace):
+  """The README's "Your own data" command for bash, with its data paths in `tmp_path` (the
+  rows below) and this interpreter; `replace` maps more README text to what runs."""
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  section = readme.split("## Your own data", 1)[1]
+  command = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+  for split, n in (("train", 16), ("val", 8)):
+    write(tmp_path / f"{split}.jsonl", "".join(
+        json.dumps({"question": f"Sam has {i} apples and buys 2 more. How many now?",
+                    "answer": str(i + 2)}) + "\n" for i in range(n)))
+    command = command.replace(f"data/{split}.jsonl", str(tmp_path / f"{split}.jsonl"))
+  for old, new in replace.items():
+    assert old in command, (old, command)
+    command = command.replace(old, new)
+  return command.replace("python -m", f"{sys.executable} -m", 1)
+
+
+def run_bash(command, workdir):
+  return subprocess.run(["bash", "-c", f"{command.strip()} --workdir={workdir}"],
+                        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
+
+
+def test_readme_template_typed_in_double_quotes_is_refused_with_the_hint(tmp_path):
+  # The README's command as first written: "...\n..." gives a backslash and an n.
+  command = readme_own_data_command(
+      tmp_path, **{"$'Question: {question}\\nAnswer:'": '"Question: {question}\\nAnswer:"'})
+  proc = run_bash(command, tmp_path / "w")
+  assert_clean_error(proc, 'config.data.prompt_template="Question: {question}\\nAnswer:": '
+                     "holds a backslash followed by n, not a newline",
+                     "--config.data.prompt_template=$'Question: {question}\\nAnswer:'")
+  assert not os.path.exists(tmp_path / "w")
+
+
+@pytest.mark.slow
+def test_readme_own_data_example_trains_on_a_real_newline(tmp_path):
+  # The command exactly as the README shows it (2 steps of the :cpu preset with the qwen2
+  # fixture), through bash: the prompt the model sees has a newline after the question.
+  proc = run_bash(readme_own_data_command(tmp_path), tmp_path / "w")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "finished 2 steps" in proc.stdout
+  config = json.load(open(tmp_path / "w" / "config.json"))
+  assert config["data"]["prompt_template"] == "Question: {question}\nAnswer:"
+  first = json.loads(open(tmp_path / "w" / "val_samples" / "step_0.jsonl").readline())
+  assert ("Question: Sam has 0 apples and buys 2 more. How many now?\nAnswer:"
+          in first["prompt"]), first["prompt"]
+  assert "cannot encode" not in proc.stderr  # a byte-level BPE encodes any text
 
 
 def arithmetic_rows(path, spaced_every=0):
