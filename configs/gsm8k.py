@@ -32,7 +32,10 @@ def get_config(arg=None):
       rope_theta=unset(float), norm_eps=unset(float), tie_embeddings=unset(bool),
       qk_norm=unset(bool), qkv_bias=unset(bool), rope_scaling_factor=unset(float),
       rope_low_freq_factor=unset(float), rope_high_freq_factor=unset(float),
-      rope_original_max_positions=unset(int), param_dtype="float32", dtype="bfloat16"))
+      rope_original_max_positions=unset(int), param_dtype="float32", dtype="bfloat16",
+      # Each layer keeps only its input for the backward pass and recomputes the rest: at
+      # 512 rollouts of ~900 tokens the activations, not the weights, fill the chips.
+      remat="full"))
 
   # dcn_data: TPU slices (multi-slice); data/fsdp/tensor are sizes inside one slice.
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))
@@ -59,7 +62,11 @@ def get_config(arg=None):
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts_per_step=64, num_generations_per_prompt=8, num_iterations=1,
       beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28, loss_agg="token_mean",
-      scale_rewards="group", mask_truncated_completions=True, max_num_steps=500,
+      scale_rewards="group", mask_truncated_completions=True,
+      # Rollouts per forward/backward pass (0 = all 512; a multiple of 8 x the chips), and
+      # completion positions per output projection: 512 rollouts x 128 positions x 151,936
+      # float32 logits is a chunk of 37 GiB over the slice, not 264 GiB for all 912.
+      micro_batch_size=0, logprob_chunk_size=128, max_num_steps=500,
       val_period=50, val_at_start=True, val_at_end=True, val_batch_size=256,
       max_val_samples=0,  # all 1319 test problems
       val_num_generations_per_prompt=4, val_pass_threshold=0.0, val_seed=0,

@@ -29,7 +29,8 @@ def get_config(arg=None):
       mlp_dim=512, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=False,
       qkv_bias=False, rope_scaling_factor=0.0, rope_low_freq_factor=1.0,
       rope_high_freq_factor=4.0, rope_original_max_positions=8192,
-      param_dtype="float32", dtype="float32"))
+      param_dtype="float32", dtype="float32",
+      remat="none"))  # what each layer keeps for the backward: none, full, save_dots
 
   # dcn_data: TPU slices joined by the data-centre network, each a data-parallel replica;
   # data/fsdp/tensor are sizes inside one slice.
@@ -58,7 +59,11 @@ def get_config(arg=None):
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts_per_step=32, num_generations_per_prompt=8, num_iterations=1,
       beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28, loss_agg="token_mean",
-      scale_rewards="group", mask_truncated_completions=False, max_num_steps=500,
+      scale_rewards="group", mask_truncated_completions=False,
+      # Memory, not maths: rollouts per forward/backward pass (0 = all), and completion
+      # positions per output projection (None = all; a chunk never holds [N, T, vocab]).
+      micro_batch_size=0, logprob_chunk_size=config_dict.placeholder(int),
+      max_num_steps=500,
       val_period=100, val_at_start=True, val_at_end=True, val_batch_size=128,
       max_val_samples=500,  # prompts; each is sampled val_num_generations_per_prompt times
       val_num_generations_per_prompt=1, val_pass_threshold=0.0, val_seed=0,

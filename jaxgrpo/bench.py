@@ -1,5 +1,5 @@
 """Benchmarks, one JSON line per measurement:
-`python -m jaxgrpo.bench {sampler,step,validation,prefill,all} [--preset tiny|small|...]`.
+`python -m jaxgrpo.bench {sampler,step,validation,prefill,memory,all} [--preset ...]`.
 
 Every line carries the machine (jax version, device, cores, load average before and after).
 Roofline fractions divide a figure's FLOP rate by the dense matmul rate measured in the same
@@ -378,8 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--out", default=None, help="also append the JSON lines to this file")
   v.set_defaults(run=run_validation)
   from jaxgrpo import bench_step  # pylint: disable=C0415  (it imports this module)
-  from jaxgrpo import bench_backends, bench_early_stop  # pylint: disable=C0415
+  from jaxgrpo import bench_backends, bench_early_stop, bench_memory  # pylint: disable=C0415
   bench_step.add_parsers(sub)
+  bench_memory.add_parsers(sub)
   bench_early_stop.add_parsers(sub)
   bench_backends.add_parsers(sub)
   pf = sub.add_parser("prefill", help="prefill FLOP rate, and what prefix sharing buys")

@@ -108,7 +108,9 @@ SCHEMA: dict[str, Any] = {
         "rope_scaling_factor": _optional(_num(0)), "rope_low_freq_factor": _optional(_num(0)),
         "rope_high_freq_factor": _optional(_num(0)),
         "rope_original_max_positions": _optional(_int(1)),
-        "param_dtype": _dtype, "dtype": _dtype},
+        "param_dtype": _dtype, "dtype": _dtype,
+        # Not architecture: what each layer keeps for the update's backward pass.
+        "remat": _choice("none", "full", "save_dots")},
     "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1), "dcn_data": _int(1)},
     "data": {
         "source": _choice("arithmetic", "jsonl"), "train_path": _str, "val_path": _str,
@@ -131,7 +133,11 @@ SCHEMA: dict[str, Any] = {
         "epsilon_high": _num(0, lo_open=True),
         "loss_agg": _choice(*grpo_names.LOSS_AGGS),
         "scale_rewards": _choice(*grpo_names.SCALE_REWARDS),
-        "mask_truncated_completions": _bool, "max_num_steps": _int(1), "val_period": _int(0),
+        "mask_truncated_completions": _bool,
+        # How the update is computed (the same result): rollouts per forward and backward
+        # pass (0: the whole batch), completion positions per output projection (None: all).
+        "micro_batch_size": _int(0), "logprob_chunk_size": _optional(_int(1)),
+        "max_num_steps": _int(1), "val_period": _int(0),
         "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _int(1),
         "max_val_samples": _int(0), "val_num_generations_per_prompt": _int(1),
         "val_pass_threshold": _num(), "val_seed": _int(0),
@@ -282,6 +288,25 @@ def _check_checkpoint(ck, g, weights):
           "None while grpo.val_period=0 (best checkpoints are saved at validations)")
 
 
+def _check_micro_batch(g, rows: int):
+  """A micro-batch holds whole groups (a group's advantages and its prompt's single forward
+  need all G rows), its prompts split evenly over the data axes, and divides the batch."""
+  m, gen = g.micro_batch_size, g.num_generations_per_prompt
+  if not m:
+    return
+  batch = g.num_prompts_per_step * gen
+  if m % gen:
+    _fail("grpo.micro_batch_size", m, f"a multiple of num_generations_per_prompt={gen} (a "
+          "group is never split), or 0 for the whole batch")
+  if (m // gen) % rows:
+    _fail("grpo.micro_batch_size", m, f"a multiple of {gen * rows} (num_generations_per_prompt="
+          f"{gen} x mesh data x fsdp={rows}: each micro-batch's prompts split evenly over "
+          "the devices), or 0")
+  if batch % m:
+    _fail("grpo.micro_batch_size", m, f"a divisor of the batch's {batch} rollouts "
+          f"(num_prompts_per_step x num_generations_per_prompt), or 0")
+
+
 def _check_cross_fields(c, num_devices: int):
   from jaxgrpo import sharding
   try:
@@ -296,6 +321,7 @@ def _check_cross_fields(c, num_devices: int):
   if g.num_prompts_per_step % rows:
     _fail("grpo.num_prompts_per_step", g.num_prompts_per_step,
           f"a multiple of {rows} (mesh data x fsdp), so prompts split evenly over devices")
+  _check_micro_batch(g, rows)
   if g.val_batch_size % rows:
     _fail("grpo.val_batch_size", g.val_batch_size,
           f"a multiple of {rows} (mesh data x fsdp)")

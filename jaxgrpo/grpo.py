@@ -55,8 +55,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxgrpo import compile_options
+from jaxgrpo import microbatch
 from jaxgrpo import model as model_lib
 from jaxgrpo import sampling
+from jaxgrpo import scoring
 from jaxgrpo import sharding as sharding_lib
 
 SCALE_REWARDS = ("group", "batch", "none")
@@ -77,6 +79,10 @@ class LossConfig:
   scale_rewards: str
   mask_truncated_completions: bool
   max_new_tokens: int
+  # How the update is computed, not what: the same loss and gradient either way.
+  micro_batch_size: int = 0    # rollouts per forward and backward pass; 0 = the whole batch
+  logprob_chunk_size: int = 0  # completion positions per output projection; 0 = all at once
+  remat: str = "none"          # what each layer keeps for the backward (model.REMAT_POLICIES)
 
 
 class TrainState(NamedTuple):
@@ -161,26 +167,52 @@ def aggregate(per_token_NxT, mask_NxT, loss_agg: str, max_new_tokens: int):
   raise ValueError(f"loss_agg={loss_agg!r}: allowed {list(LOSS_AGGS)}")
 
 
+def token_weights(mask_NxT, loss_agg: str, max_new_tokens: int):
+  """w [N, T] with aggregate(x, mask) == Σ w * x over the masked tokens: the same rule (rows
+  without tokens leave the counts), as weights computed once on the whole batch, so a
+  micro-batch's Σ w * x is its exact share of the whole batch's loss."""
+  mask = mask_NxT.astype(jnp.float32)
+  rows = jnp.maximum(jnp.any(mask_NxT, axis=1).astype(jnp.float32).sum(), 1.0)
+  if loss_agg == "token_mean":
+    return mask / jnp.maximum(mask.sum(), 1.0)
+  if loss_agg == "seq_mean_token_mean":
+    return mask / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0) / rows
+  if loss_agg == "seq_mean_token_sum_norm":
+    return mask / (rows * max_new_tokens)
+  raise ValueError(f"loss_agg={loss_agg!r}: allowed {list(LOSS_AGGS)}")
+
+
 def kl_sampling_params(sp: sampling.SamplingParams) -> sampling.SamplingParams:
   """The distribution the KL penalty compares: the training temperature, nothing truncated."""
   return dataclasses.replace(sp, top_p=1.0, top_k=0)
 
 
-def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int, sp):
+def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int, sp, *,
+                        chunk: int = 0, remat: str = "none"):
   """log π_θ of each completion token, teacher-forced; each prompt is computed once and
   shared by its G completions (model.score_groups), as in sampling.
 
   sp: one SamplingParams, or a tuple of them: one forward then serves every profile, and the
   result is a tuple of [N, T] arrays in the same order.
+  chunk > 0: project `chunk` positions at a time, never holding the [N, T, V] logits
+  (scoring.chunked_logprobs). remat: what each layer keeps for the backward pass.
   """
   n, t = batch["completion_tokens_NxT"].shape
   b = n // group_size
   completion_BxGxT = batch["completion_tokens_NxT"].reshape(b, group_size, t)
-  logits_BxGxTxV = model_lib.score_groups(
-      params, cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], completion_BxGxT,
-      batch["completion_mask_NxT"].reshape(b, group_size, t))
-  one = lambda p: sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
-  return tuple(one(p) for p in sp) if isinstance(sp, tuple) else one(sp)
+  sps = sp if isinstance(sp, tuple) else (sp,)
+  args = (params, cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], completion_BxGxT,
+          batch["completion_mask_NxT"].reshape(b, group_size, t))
+  if chunk:
+    hidden_BxGxTxD, head_DxV = model_lib.score_hidden(*args, remat=remat)
+    out = scoring.chunked_logprobs(hidden_BxGxTxD.reshape(n, t, -1), head_DxV,
+                                   batch["completion_tokens_NxT"], sps, chunk)
+  else:
+    logits_BxGxTxV = (model_lib.score_groups(*args, remat=remat) if remat != "none" else
+                      model_lib.score_groups(*args))
+    out = tuple(sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
+                for p in sps)
+  return out if isinstance(sp, tuple) else out[0]
 
 
 def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,
@@ -192,9 +224,11 @@ def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: Loss
   advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
   kl_sp = kl_sampling_params(sp)
   if loss.beta > 0 and kl_sp != sp:  # the penalty needs the untruncated log-probs too
-    logp, kl_logp = completion_logprobs(params, cfg, batch, loss.num_generations, (sp, kl_sp))
+    logp, kl_logp = completion_logprobs(params, cfg, batch, loss.num_generations, (sp, kl_sp),
+                                        chunk=loss.logprob_chunk_size, remat=loss.remat)
   else:
-    logp = kl_logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp)
+    logp = kl_logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp,
+                                         chunk=loss.logprob_chunk_size, remat=loss.remat)
   per_token, clipped, ratio = clipped_surrogate(logp, batch["old_logp_NxT"], advantages,
                                                 loss.epsilon, loss.epsilon_high)
   policy_loss = aggregate(per_token, mask, loss.loss_agg, loss.max_new_tokens)
@@ -206,8 +240,9 @@ def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: Loss
          "advantage_abs_mean": jnp.abs(advantages).mean()}
   total = policy_loss
   if loss.beta > 0:
-    ref_logp = jax.lax.stop_gradient(
-        completion_logprobs(ref_params, cfg, batch, loss.num_generations, kl_sp))
+    ref_logp = jax.lax.stop_gradient(completion_logprobs(
+        ref_params, cfg, batch, loss.num_generations, kl_sp, chunk=loss.logprob_chunk_size,
+        remat=loss.remat))
     kl = kl_penalty(kl_logp, ref_logp, loss.kl_type)
     kl_loss = aggregate(kl, mask, loss.loss_agg, loss.max_new_tokens)
     total = total + loss.beta * kl_loss
@@ -237,15 +272,76 @@ def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int,
   return optax.chain(*parts), lr
 
 
+def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: LossConfig,
+               sp: sampling.SamplingParams):
+  """One micro-batch's share of the whole batch's loss, and its shares of the diagnostics'
+  sums. `micro` carries what only the whole batch can give (`micro_batch_loss`): advantages_N,
+  mask_NxT (truncated rows already removed) and weights_NxT (token_weights)."""
+  mask, weights = micro["mask_NxT"], micro["weights_NxT"]
+  kl_sp = kl_sampling_params(sp)
+  opts = dict(chunk=loss.logprob_chunk_size, remat=loss.remat)
+  if loss.beta > 0 and kl_sp != sp:
+    logp, kl_logp = completion_logprobs(params, cfg, micro, loss.num_generations, (sp, kl_sp),
+                                        **opts)
+  else:
+    logp = kl_logp = completion_logprobs(params, cfg, micro, loss.num_generations, sp, **opts)
+  per_token, clipped, ratio = clipped_surrogate(logp, micro["old_logp_NxT"],
+                                                micro["advantages_N"], loss.epsilon,
+                                                loss.epsilon_high)
+  total = lambda x: jnp.where(mask, x, 0.0).sum()  # where, not *: see aggregate
+  policy = total(per_token * weights)
+  sums = {"policy_loss": policy, "clipped": total(clipped.astype(jnp.float32)),
+          "ratio": total(ratio)}
+  if loss.beta > 0:
+    ref_logp = jax.lax.stop_gradient(completion_logprobs(
+        ref_params, cfg, micro, loss.num_generations, kl_sp, **opts))
+    kl = kl_penalty(kl_logp, ref_logp, loss.kl_type)
+    sums["kl_loss"], sums["kl"] = total(kl * weights), total(kl)
+    return policy + loss.beta * sums["kl_loss"], sums
+  sums["kl"] = total(micro["old_logp_NxT"] - logp)
+  return policy, sums
+
+
+def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, mesh=None):
+  """((loss, aux), grads) of the whole batch, computed micro_batch_size rollouts at a time:
+  advantages, the loss mask and every normaliser come from the whole batch first, then
+  microbatch.accumulate sums the micro-batches' shares. Equal to value_and_grad(loss_fn)
+  up to float rounding, with one micro-batch's activations alive at a time."""
+  n = batch["rewards_N"].shape[0]
+  mask = batch["completion_mask_NxT"]
+  if loss.mask_truncated_completions:
+    mask = mask & ~batch["truncated_N"][:, None]
+  advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
+  rows = dict(batch, advantages_N=advantages, mask_NxT=mask,
+              weights_NxT=token_weights(mask, loss.loss_agg, loss.max_new_tokens))
+  del rows["rewards_N"], rows["truncated_N"]
+  shards = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
+  micro = microbatch.split(rows, n // loss.micro_batch_size, shards, mesh)
+  fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
+  (total, sums), grads = microbatch.accumulate(fn, params, micro)
+  denom = jnp.maximum(mask.astype(jnp.float32).sum(), 1.0)
+  aux = {"policy_loss": sums["policy_loss"], "clip_fraction": sums["clipped"] / denom,
+         "ratio_mean": sums["ratio"] / denom, "advantage_abs_mean": jnp.abs(advantages).mean(),
+         "kl": sums["kl"] / denom, "loss": total}
+  return (total, aux), grads
+
+
 def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, sp,
-                optimizer, lr_schedule):
+                optimizer, lr_schedule, mesh=None):
   """One optimizer update on one rollout batch (pure; jit it with `compile_update`).
 
   batch: prompt_tokens_BxP, prompt_mask_BxP, completion_tokens_NxT, completion_mask_NxT,
   old_logp_NxT, rewards_N, truncated_N (N = B * G, prompt-major rows).
+  With loss.micro_batch_size < N the gradient is accumulated over micro-batches
+  (`micro_batch_loss`); mesh: where their rows go (None: one device).
   """
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (_, aux), grads = grad_fn(state.params, ref_params, batch, cfg=cfg, loss=loss, sp=sp)
+  n = batch["rewards_N"].shape[0]
+  if loss.micro_batch_size and loss.micro_batch_size < n:
+    (_, aux), grads = micro_batch_loss(state.params, ref_params, batch, cfg=cfg, loss=loss,
+                                       sp=sp, mesh=mesh)
+  else:
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (_, aux), grads = grad_fn(state.params, ref_params, batch, cfg=cfg, loss=loss, sp=sp)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   aux["grad_norm"] = optax.global_norm(grads)
@@ -284,8 +380,9 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
   def step_fn(state, batch, ref):
     if on_trace is not None:
       on_trace()  # Python side effect: runs while tracing, never in the compiled step
-    return update_step(state, batch, ref, cfg=cfg, loss=loss, sp=sp, optimizer=optimizer,
-                       lr_schedule=lr_schedule)
+    with sharding_lib.activation_sharding(mesh):  # activations split by rows (model.constrain)
+      return update_step(state, batch, ref, cfg=cfg, loss=loss, sp=sp, optimizer=optimizer,
+                         lr_schedule=lr_schedule, mesh=mesh)
 
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   ref_sh = None if ref_params is None else jax.tree.map(lambda x: x.sharding, ref_params)

@@ -18,6 +18,7 @@ mesh axes).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from typing import Any
@@ -105,6 +106,41 @@ def dense(x, w, in_dims: int = 1):
   k = math.prod(w.shape[:in_dims])
   y = x.reshape(math.prod(lead), k) @ w.reshape(k, math.prod(out))
   return y.reshape(*lead, *out)
+
+
+def constrain(x, *logical_axes):
+  """Pins an activation's layout by logical axis names (sharding.RULES: `batch` over the data
+  axes, `act_heads` / `act_mlp` over `tensor`, the model dimension whole).
+
+  Without it, under FSDP (weights split on `embed` over the `fsdp` axis, rows split over
+  `fsdp` too) the partitioner may resolve the conflict by computing whole-batch activations
+  on every chip, so per-chip memory grew as chips were added; pinned, every chip gathers
+  the weights and computes its own rows. A no-op unless the caller traces inside
+  `sharding.activation_sharding(mesh)` (a mesh and the rules): a forward without a mesh
+  (tests, `Policy.logits`) runs as written.
+  """
+  mesh = ACTIVATION_MESH.get()
+  if mesh is None:
+    return x
+  return nn.with_logical_constraint(x, logical_axes, mesh=mesh)
+
+
+def constrain_rows(x):
+  """`constrain` for a [rows..., D] activation: split by its first (batch) axis only."""
+  return constrain(x, "batch", *([None] * (x.ndim - 1)))
+
+
+# The mesh `constrain` pins activations to, set while a step is traced (jax's own mesh
+# context cannot be entered inside jit, where the trace happens).
+ACTIVATION_MESH: contextvars.ContextVar = contextvars.ContextVar("activation_mesh",
+                                                                default=None)
+
+
+# `model.remat`: what a layer keeps for the backward pass. "full" keeps only its inputs and
+# recomputes the rest; "save_dots" keeps the projections' outputs (matmuls without batch
+# dimensions) and recomputes norms, rotations, attention and activations.
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 class RMSNorm(nn.Module):
@@ -274,6 +310,7 @@ class MLP(nn.Module):
     down = _param(self, "down", _fan_in_init(c.mlp_dim), (c.mlp_dim, c.d_model),
                   ("mlp", "embed"), c)
     h = jax.nn.silu(dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
+    h = constrain(h, "batch", *([None] * (h.ndim - 2)), "act_mlp")
     return dense(h, down.astype(dt))
 
 
@@ -289,20 +326,25 @@ class Block(nn.Module):
     self.mlp = MLP(self.cfg)
 
   def __call__(self, x, positions, mask):
-    h, kv = self.attn(self.attn_norm(x), positions, mask)
+    h, kv = self.attn(constrain_rows(self.attn_norm(x)), positions, mask)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), kv
+    return x + self.mlp(constrain_rows(self.mlp_norm(x))), kv
 
   def extend(self, x, positions, prompt_k, prompt_v, prompt_mask, mask):
-    x = x + self.attn.extend(self.attn_norm(x), positions, prompt_k, prompt_v, prompt_mask,
-                             mask)
-    return x + self.mlp(self.mlp_norm(x))
+    x = x + self.attn.extend(constrain_rows(self.attn_norm(x)), positions, prompt_k, prompt_v,
+                             prompt_mask, mask)
+    return x + self.mlp(constrain_rows(self.mlp_norm(x)))
 
 
 class Decoder(nn.Module):
-  """The policy network: tokens -> next-token logits (float32)."""
+  """The policy network: tokens -> next-token logits (float32).
+
+  remat: a key of REMAT_POLICIES, for the training forward (`score_groups`): what each
+  layer keeps for the backward pass.
+  """
 
   cfg: ModelConfig
+  remat: str = "none"
 
   def setup(self):
     c = self.cfg
@@ -315,7 +357,10 @@ class Decoder(nn.Module):
     self.final_norm = RMSNorm(c, c.d_model)
 
   def _embed(self, tokens):
-    return jnp.take(self.embedding, tokens, axis=0).astype(DTYPES[self.cfg.dtype])
+    # Under FSDP the table's model dimension is split over `fsdp`, like the rows: the lookup
+    # gathers the table (as a layer's weights are) rather than the rows' activations.
+    table = constrain(self.embedding, "vocab", None)
+    return jnp.take(table, tokens, axis=0).astype(DTYPES[self.cfg.dtype])
 
   def _logits(self, x):
     x = self.final_norm(x)
@@ -324,6 +369,7 @@ class Decoder(nn.Module):
       logits = dense(x, self.embedding.astype(dt).T)
     else:
       logits = dense(x, self.lm_head.astype(dt))
+    logits = constrain(logits, "batch", *([None] * (logits.ndim - 2)), "act_vocab")
     return logits.astype(jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, return_kv: bool = False):
@@ -350,22 +396,53 @@ class Decoder(nn.Module):
     training loss costs B*P + B*G*T token positions instead of B*G*(P+T). Completion token
     t sits at position prompt_length + t, exactly as in sampling.
     """
-    positions_BxP = positions_from_mask(prompt_mask_BxP)
-    prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
-    t = completion_BxGxT.shape[-1]
-    positions_BxGxT = prompt_len_B[:, None, None] + jnp.arange(t, dtype=jnp.int32)
-    x_p = self._embed(prompt_tokens_BxP)
-    x_c = self._embed(completion_BxGxT)
-    for block in self.blocks:
-      x_next, (k, v) = block(x_p, positions_BxP, prompt_mask_BxP)
-      x_c = block.extend(x_c, positions_BxGxT, k, v, prompt_mask_BxP, completion_mask_BxGxT)
-      x_p = x_next
-    first_BxV = self._logits(x_p[:, -1])  # the prompt's last position predicts token 0
-    rest = self._logits(x_c[:, :, :-1])   # completion token t predicts token t + 1
+    first_BxD, rest_BxGxTxD = self._score_hidden(prompt_tokens_BxP, prompt_mask_BxP,
+                                                 completion_BxGxT, completion_mask_BxGxT)
+    first_BxV = self._logits(first_BxD)  # the prompt's last position predicts token 0
+    rest = self._logits(rest_BxGxTxD[:, :, :-1])   # completion token t predicts token t + 1
     g = completion_BxGxT.shape[1]
     first = jnp.broadcast_to(first_BxV[:, None, None], (first_BxV.shape[0], g, 1,
                                                         first_BxV.shape[-1]))
     return jnp.concatenate([first, rest], axis=2)
+
+  def score_hidden(self, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
+                   completion_mask_BxGxT):
+    """The final-normed hidden states [B, G, T, D] that predict each completion token, and
+    the head [D, V]: `score_groups` without the [B, G, T, V] logits, for a loss that
+    projects a chunk of positions at a time (grpo.completion_logprobs)."""
+    first_BxD, rest_BxGxTxD = self._score_hidden(prompt_tokens_BxP, prompt_mask_BxP,
+                                                 completion_BxGxT, completion_mask_BxGxT)
+    b, g = completion_BxGxT.shape[:2]
+    first = jnp.broadcast_to(first_BxD[:, None, None], (b, g, 1, first_BxD.shape[-1]))
+    hidden = jnp.concatenate([first, rest_BxGxTxD[:, :, :-1]], axis=2)
+    return self.final_norm(hidden), self._head()
+
+  def _score_hidden(self, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
+                    completion_mask_BxGxT):
+    """The last layer's output at the prompt's last position [B, D] and at every completion
+    position [B, G, T, D] (not normed)."""
+    positions_BxP = positions_from_mask(prompt_mask_BxP)
+    prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
+    t = completion_BxGxT.shape[-1]
+    positions_BxGxT = prompt_len_B[:, None, None] + jnp.arange(t, dtype=jnp.int32)
+    x_p = constrain_rows(self._embed(prompt_tokens_BxP))
+    x_c = constrain_rows(self._embed(completion_BxGxT))
+
+    def layer(block, x_p, x_c):
+      x_next, (k, v) = block(x_p, positions_BxP, prompt_mask_BxP)
+      x_c = block.extend(x_c, positions_BxGxT, k, v, prompt_mask_BxP, completion_mask_BxGxT)
+      return constrain_rows(x_next), constrain_rows(x_c)
+
+    if self.remat != "none":
+      layer = nn.remat(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=True)
+    for block in self.blocks:
+      x_p, x_c = layer(block, x_p, x_c)
+    return x_p[:, -1], x_c
+
+  def _head(self):
+    """The output projection [D, V] in the compute dtype (the tied embedding, transposed)."""
+    dt = DTYPES[self.cfg.dtype]
+    return self.embedding.astype(dt).T if self.cfg.tie_embeddings else self.lm_head.astype(dt)
 
 
 def positions_from_mask(mask_BxT):
@@ -380,11 +457,19 @@ def forward(params, cfg: ModelConfig, tokens_BxT, mask_BxT):
 
 
 def score_groups(params, cfg: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
-                 completion_BxGxT, completion_mask_BxGxT):
+                 completion_BxGxT, completion_mask_BxGxT, remat: str = "none"):
   """Teacher-forced logits of G completions per prompt, the prompt computed once."""
-  return Decoder(cfg).apply({"params": params}, prompt_tokens_BxP, prompt_mask_BxP,
-                            completion_BxGxT, completion_mask_BxGxT,
-                            method=Decoder.score_groups)
+  return Decoder(cfg, remat).apply({"params": params}, prompt_tokens_BxP, prompt_mask_BxP,
+                                   completion_BxGxT, completion_mask_BxGxT,
+                                   method=Decoder.score_groups)
+
+
+def score_hidden(params, cfg: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
+                 completion_BxGxT, completion_mask_BxGxT, remat: str = "none"):
+  """(hidden [B, G, T, D], head [D, V]): `score_groups` before the output projection."""
+  return Decoder(cfg, remat).apply({"params": params}, prompt_tokens_BxP, prompt_mask_BxP,
+                                   completion_BxGxT, completion_mask_BxGxT,
+                                   method=Decoder.score_hidden)
 
 
 def init_params(cfg: ModelConfig, rng):

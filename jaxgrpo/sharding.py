@@ -22,6 +22,7 @@ with `jax.eval_shape` and jits it with `out_shardings`, so no host ever holds th
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Mapping, Sequence
 
@@ -47,8 +48,12 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
-    # Activations and caches.
+    # Activations and caches. The model dimension of an activation has no name (whole on
+    # every chip): under FSDP each chip gathers a layer's weights and computes its own rows.
     ("batch", BATCH_AXES),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
     ("samples", None),
     ("cache_heads", "tensor"),
     ("length", None),
@@ -127,6 +132,17 @@ def logical_sharding(mesh: Mesh, *logical_axes: str | None) -> NamedSharding:
   """NamedSharding for an array whose axes carry the given logical names."""
   spec = nn.logical_to_mesh_axes(logical_axes, RULES)
   return NamedSharding(mesh, spec)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh):
+  """Within it, `model.constrain` pins activations to RULES on `mesh` (trace under it)."""
+  token = model_lib.ACTIVATION_MESH.set(mesh)
+  try:
+    with nn.logical_axis_rules(RULES):
+      yield
+  finally:
+    model_lib.ACTIVATION_MESH.reset(token)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

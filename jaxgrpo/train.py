@@ -286,7 +286,7 @@ def _load_policy(config):
   from jaxgrpo import model as model_lib
   from jaxgrpo.tokenizer import Tokenizer
   m = config.model
-  arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint")}
+  arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat")}
   source = m.checkpoint or m.hf_checkpoint
   if source:
     if m.hf_checkpoint:

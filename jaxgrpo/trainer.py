@@ -62,7 +62,8 @@ def loss_config(c) -> grpo.LossConfig:
       num_generations=g.num_generations_per_prompt, beta=g.beta, kl_type=g.kl_type,
       epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
       scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
-      max_new_tokens=c.generation.max_new_tokens)
+      max_new_tokens=c.generation.max_new_tokens, micro_batch_size=g.micro_batch_size,
+      logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat)
 
 
 class CountedUpdate:

@@ -424,7 +424,7 @@ def test_mu_1_gradient_in_log_probs_is_policy_gradient(params, monkeypatch):
   # dL/d logp[i, t] = -A_i * mask[i, t] / 26 (e.g. row 0: -.70711 / 26 = -0.027196), the
   # gradient of the policy-gradient form -sum(A * logp * mask) / 26.
   batch = _on_policy_batch(params)
-  monkeypatch.setattr(grpo, "completion_logprobs", lambda logp, *unused: logp)
+  monkeypatch.setattr(grpo, "completion_logprobs", lambda logp, *unused, **options: logp)
   grad = jax.jit(jax.grad(lambda logp: grpo.loss_fn(logp, None, batch, cfg=CFG,
                                                     loss=_loss_config(), sp=SP)[0]))(
                                                         batch["old_logp_NxT"])

@@ -227,3 +227,19 @@ def test_mlp_weight_gradients_need_no_transposed_activation_copy():
   grad = jax.jit(jax.grad(lambda p, x: jnp.sum(mlp.apply(p, x) ** 2)))
   hlo = grad.lower(params, x).compile().as_text()
   assert " transpose(" not in hlo
+
+
+def test_remat_keeps_less_for_the_backward():
+  # The compiled update's temporary bytes (memory_analysis): remat "full" keeps only each
+  # layer's input for the backward pass, "save_dots" its projections' outputs too. XLA's
+  # CPU scheduler runs much of the recomputation early, so on CPU the saving is small
+  # (measured 93 -> 85 MiB here; a plain 8-layer MLP under jax.checkpoint saved nothing);
+  # what matters is that the update compiles with it and holds less, not how much.
+  from jaxgrpo import bench_memory, sharding  # pylint: disable=g-import-not-at-top
+  cfg = model.ModelConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4,
+                          num_kv_heads=2, head_dim=16, mlp_dim=256)
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  temp = {remat: bench_memory.update_memory(cfg, mesh, prompts=8, generations=4, prompt_len=16,
+                                            new_tokens=64, remat=remat)["temp_bytes"]
+          for remat in ("none", "save_dots", "full")}
+  assert temp["full"] < temp["none"] and temp["save_dots"] < temp["none"], temp

@@ -1,0 +1,68 @@
+"""Gradient accumulation inside one compiled update: micro-batches of whole groups, one
+optimizer step, and exactly the whole batch's gradient.
+
+A rollout batch of N rows is cut into K = N / M micro-batches of M rows (`micro_batch_size`).
+Only one micro-batch's activations are alive at a time: a `lax.scan` runs the forward and
+backward pass of each and sums the gradients. Exactness is the caller's part: the loss of a
+micro-batch must be its share of the whole batch's loss, i.e. every normaliser (token
+counts, row counts, advantages) is computed on the whole batch before the split
+(grpo.token_weights), so that the micro-batches' losses and gradients add up to the whole
+batch's. A micro-batch is a multiple of G rows, so a group (and its prompt, computed once)
+is never split.
+
+Layout: the rows of a batch are split over the data axes in contiguous blocks. Micro-batch
+k takes the k-th slice of every device's block, so every device computes its share of
+every micro-batch (contiguous micro-batches would leave most devices idle).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxgrpo import sharding as sharding_lib
+
+
+def split(tree, num_micro: int, shards: int, mesh=None):
+  """Every [R, ...] leaf -> [K, R / K, ...]: micro-batch k = the k-th slice of each of the
+  `shards` row blocks (R must divide by shards * K). With a mesh, each micro-batch's rows
+  stay split over the data axes."""
+
+  def one(x):
+    rows = x.shape[0]
+    local = rows // (shards * num_micro)
+    y = x.reshape(shards, num_micro, local, *x.shape[1:]).swapaxes(0, 1)
+    y = y.reshape(num_micro, shards * local, *x.shape[1:])
+    if mesh is not None:
+      spec = P(None, sharding_lib.BATCH_AXES, *([None] * (x.ndim - 1)))
+      y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
+    return y
+
+  return jax.tree.map(one, tree)
+
+
+def accumulate(loss_fn: Callable, params, micro_batches):
+  """Σ_k of loss_fn(params, micro_batch_k) -> (loss, sums) and of its gradient, one
+  micro-batch at a time (`lax.scan`). loss_fn returns (loss, a dict of scalar sums).
+
+  Gradients are summed in float32 and returned in the parameters' dtype.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  first = jax.tree.map(lambda x: x[0], micro_batches)
+  sums_shape = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], params, first)
+  zeros = (jnp.zeros((), jnp.float32),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape),
+           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+  def body(carry, micro):
+    (loss, sums), grads = grad_fn(params, micro)
+    add = lambda a, b: a + b.astype(jnp.float32)
+    return (add(carry[0], loss), jax.tree.map(add, carry[1], sums),
+            jax.tree.map(add, carry[2], grads)), None
+
+  (loss, sums, grads), _ = jax.lax.scan(body, zeros, micro_batches)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  return (loss, sums), grads

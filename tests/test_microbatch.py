@@ -1,0 +1,154 @@
+"""Micro-batched updates: the same update as the whole batch, with one micro-batch's memory.
+
+Each case compiles the update twice (whole batch and micro-batched) with FAST_COMPILE and
+runs both from the same state on the same batch; the parameters, the optimizer moments and
+every logged diagnostic must agree to float32 rounding.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxgrpo import grpo
+from jaxgrpo import microbatch
+from jaxgrpo import model as model_lib
+from jaxgrpo import sampling
+from jaxgrpo import sharding
+from numpy_params import random_params  # tests/numpy_params.py
+
+CFG = model_lib.ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=8, mlp_dim=64)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+B, G, T = 8, 2, 6  # 8 prompts x 2 samples = 16 rollouts of up to 6 tokens
+# Ragged lengths: rows 0-3 (the first micro-batch of 4 on one device) hold 6+6+6+6 = 24
+# tokens, rows 4-7 hold 1+2+1+2 = 6. A mean of per-micro-batch token means would weigh a
+# token of rows 4-7 four times as much as one of rows 0-3.
+LENGTHS = [6, 6, 6, 6, 1, 2, 1, 2, 3, 6, 5, 4, 2, 6, 1, 3]
+REWARDS = [1, 0, 0, 1, 1, 1, 0.5, 0, 0, 1, 0.3, 0.3, 1, 0, 0.7, 0.2]
+TRUNCATED = [True, False, False, False, False, False, False, False,
+             False, True, False, False, False, True, False, False]
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  prompt_mask = np.arange(4)[None, :] >= rng.integers(0, 3, (B, 1))  # left-padded, width 4
+  prompt = np.where(prompt_mask, rng.integers(1, CFG.vocab_size, (B, 4)), 0)
+  mask = np.arange(T)[None, :] < np.asarray(LENGTHS)[:, None]
+  tokens = np.where(mask, rng.integers(1, CFG.vocab_size, (B * G, T)), 0)
+  return {"prompt_tokens_BxP": prompt.astype(np.int32), "prompt_mask_BxP": prompt_mask,
+          "completion_tokens_NxT": tokens.astype(np.int32), "completion_mask_NxT": mask,
+          # Sampler log-probs a little off the policy's, so ratios differ from 1 and clip.
+          "old_logp_NxT": np.where(mask, -3.5 + 0.3 * rng.standard_normal((B * G, T)),
+                                   0).astype(np.float32),
+          "rewards_N": np.asarray(REWARDS, np.float32),
+          "truncated_N": np.asarray(TRUNCATED)}
+
+
+def test_token_mean_of_micro_batch_means_would_be_wrong_here():
+  # The case below proves the normalisation: with 4-row micro-batches the token_mean of
+  # per-micro-batch means differs from the batch's (rows 0-3: 24 tokens, rows 4-7: 6).
+  mask = _batch()["completion_mask_NxT"]
+  x = np.arange(B * G * T, dtype=np.float64).reshape(B * G, T) % 7
+  whole = x[mask].mean()
+  per_micro = np.mean([x[i:i + 4][mask[i:i + 4]].mean() for i in range(0, 16, 4)])
+  assert abs(whole - per_micro) > 0.1
+
+
+def _mesh(shape):
+  if shape == {"data": 1}:
+    return sharding.make_mesh(shape, devices=jax.devices()[:1])
+  return sharding.make_mesh(shape)
+
+
+def _update(mesh, loss, sp, params, ref):
+  # SGD with momentum, not the trainer's AdamW: its state is the gradient itself, and its
+  # step is proportional to it, so comparing parameters and state compares the gradients.
+  # (Adam's first step is lr * g / (|g| + 1e-8): on an element whose gradient is ~1e-8 it
+  # turns float rounding into a 1e-4 change of the step, whatever the accumulation.)
+  lr = optax.constant_schedule(0.5)
+  optimizer = optax.sgd(lr, momentum=0.9)
+  state = grpo.init_state(sharding.shard_params(params, CFG, mesh), optimizer, mesh)
+  ref = None if ref is None else sharding.shard_params(ref, CFG, mesh)
+  step = grpo.compile_update(state, ref, cfg=CFG, loss=loss, sp=sp, optimizer=optimizer,
+                             lr_schedule=lr, mesh=mesh)
+  batch = sharding.to_global(mesh, _batch())
+  compiled = step.lower(state, batch, ref).compile(compiler_options=FAST_COMPILE)
+  return compiled, state, batch, ref
+
+
+CASES = {
+    # name: (mesh, loss overrides, sampling params, updates on one batch (num_iterations))
+    "token_mean": ({"data": 1}, dict(micro_batch_size=4), sampling.SamplingParams(1.0, 1.0, 0),
+                   1),
+    "seq_mean_beta_masked": (
+        {"data": 1}, dict(micro_batch_size=4, loss_agg="seq_mean_token_mean", beta=0.1,
+                          mask_truncated_completions=True),
+        sampling.SamplingParams(0.8, 1.0, 0), 2),
+    "sum_norm_topk_beta_chunked_remat": (
+        {"data": 1}, dict(micro_batch_size=8, loss_agg="seq_mean_token_sum_norm", beta=0.1,
+                          kl_type="k1", mask_truncated_completions=True,
+                          logprob_chunk_size=4, remat="full", scale_rewards="batch"),
+        sampling.SamplingParams(1.0, 0.9, 5), 1),
+    "mesh222_token_mean_beta": (
+        {"data": 2, "fsdp": 2, "tensor": 2}, dict(micro_batch_size=8, beta=0.05),
+        sampling.SamplingParams(1.0, 1.0, 0), 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_micro_batched_update_equals_whole_batch_update(name):
+  mesh_shape, overrides, sp, iterations = CASES[name]
+  mesh = _mesh(mesh_shape)
+  values = dict(num_generations=G, beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28,
+                loss_agg="token_mean", scale_rewards="group", mask_truncated_completions=False,
+                max_new_tokens=T)
+  values.update(overrides)
+  micro_loss = grpo.LossConfig(**values)
+  whole_loss = grpo.LossConfig(**dict(values, micro_batch_size=0))
+  params, ref = random_params(CFG, 0), (random_params(CFG, 1) if values["beta"] else None)
+  results = []
+  for loss in (whole_loss, micro_loss):
+    compiled, state, batch, ref_on_mesh = _update(mesh, loss, sp, params, ref)
+    auxes = []
+    for _ in range(iterations):  # num_iterations > 1: old_logp stays the sampler's
+      state, aux = compiled(state, batch, ref_on_mesh)
+      auxes.append(jax.device_get(aux))
+    results.append((jax.device_get(state), auxes))
+  (whole, whole_aux), (micro, micro_aux) = results
+  for a, b in zip(whole_aux, micro_aux):
+    assert set(a) == set(b)
+    for key in a:
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  assert abs(float(whole_aux[0]["grad_norm"])) > 1e-3  # a real update, not a vacuous match
+  for got, want in zip(jax.tree.leaves(micro), jax.tree.leaves(whole)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+def test_split_gives_every_shard_a_slice_of_every_micro_batch():
+  # 2 shards of 8 rows, 4 micro-batches: micro-batch k = rows 2k, 2k+1 of shard 0 and of
+  # shard 1, i.e. rows {2k, 2k+1, 8+2k, 8+2k+1}.
+  rows = jnp.arange(16)
+  got = np.asarray(microbatch.split(rows, 4, 2))
+  np.testing.assert_array_equal(got, [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13],
+                                      [6, 7, 14, 15]])
+
+
+def test_memory_is_per_micro_batch():
+  # A fixed micro-batch of 16 rollouts: 4x the batch (8 -> 32 prompts x 4) must leave the
+  # compiled update's temporary bytes within 25% (they hold one micro-batch's activations).
+  from jaxgrpo import bench_memory  # pylint: disable=g-import-not-at-top
+  cfg = model_lib.ModelConfig(vocab_size=4096, d_model=64, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, mlp_dim=256)
+  mesh = _mesh({"data": 1})
+  temp = {prompts: bench_memory.update_memory(cfg, mesh, prompts=prompts, generations=4,
+                                              prompt_len=16, new_tokens=48,
+                                              micro_batch_size=16)["temp_bytes"]
+          for prompts in (8, 32)}
+  whole = bench_memory.update_memory(cfg, mesh, prompts=32, generations=4, prompt_len=16,
+                                     new_tokens=48)["temp_bytes"]
+  assert temp[32] <= 1.25 * temp[8], temp
+  assert temp[32] < whole / 2, (temp, whole)  # the control: the whole batch holds far more
