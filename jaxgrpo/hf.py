@@ -249,10 +249,13 @@ def _weight_files(folder: str) -> dict[str, str]:
     return {name: single for name in f.keys()}
 
 
-def inspect_hf(path: str, *, dtype: str = "float32"):
+def inspect_hf(path: str, *, dtype: str = "float32", need_weights: bool = True):
   """(ModelConfig, Tokenizer) of a Hugging Face folder, with every tensor's name and shape
   checked from the safetensors headers (no weights read): all on the host, so a bad folder
-  is one clear error before any device work."""
+  is one clear error before any device work.
+
+  need_weights=False: config.json and the tokenizer files are enough (launch/compile_check.py
+  checks the fit of a model before its weights are downloaded); no tensor is checked."""
   folder = resolve(path)
   if not os.path.isdir(folder):
     raise PretrainedError(f"{path}: no such model folder")
@@ -261,10 +264,15 @@ def inspect_hf(path: str, *, dtype: str = "float32"):
   if tokenizer.vocab_size > cfg.vocab_size:
     raise PretrainedError(f"{folder}/tokenizer.json: {tokenizer.vocab_size} tokens but the "
                           f"embedding has vocab_size={cfg.vocab_size} rows ({HF_CONFIG})")
+  if not need_weights:
+    return cfg, tokenizer
   files, expected = _weight_files(folder), _expected_shapes(cfg)
   for ours, (theirs, how) in _hf_names(cfg).items():
     if theirs not in files:
       raise PretrainedError(f"{folder}: tensor {theirs} is missing from the safetensors files")
+    if not os.path.isfile(files[theirs]):
+      raise PretrainedError(f"{files[theirs]}: no such file; {HF_INDEX} names it for "
+                            f"{theirs} (an incomplete download?)")
     with safetensors.safe_open(files[theirs], framework="numpy") as f:
       tensor = f.get_slice(theirs)
       shape, kind = tuple(tensor.get_shape()), tensor.get_dtype()

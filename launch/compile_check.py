@@ -8,7 +8,8 @@ in a minute on a laptop, not after the slice was reserved and the checkpoint str
 Why this works without chips: libtpu (`pip install 'jax[tpu]'`) describes any topology
 (`jax.experimental.topologies.get_topology_desc`), and `jit(...).lower(...).compile()` for
 those device descriptions runs the real TPU compiler. Nothing is downloaded or read besides
-the config (and, for a checkpoint, its architecture and tokenizer files): parameters,
+the config (and, for a checkpoint, its architecture and tokenizer files: a Hugging Face
+folder needs only config.json and the tokenizer's files, no weights): parameters,
 optimizer state and batches are abstract (`jax.ShapeDtypeStruct`s with their shardings),
 built by the same functions a run uses, so the programs are the ones the run compiles.
 
@@ -29,6 +30,9 @@ Flags:
                       config's mesh.dcn_data follows it when left at 1
   --programs=LIST     which to compile, of update,train,val (default: all three)
   --hbm_gib=X         the per-chip HBM to check against (default: the chip's, from a table)
+  --suggest_micro_batch  first find the largest grpo.micro_batch_size whose update step
+                      fits (a bisection over the valid sizes, one compile each), then check
+                      every program with it
   --config=FILE[:ARG] and --config.KEY=VALUE as for `python -m jaxgrpo.train`
 """
 
@@ -79,6 +83,9 @@ _PROGRAMS = flags.DEFINE_list("programs", ["update", "train", "val"],
                               "Which to compile: update, train, val.", flag_values=_FV)
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Per-chip HBM to check against, in GiB.",
                               flag_values=_FV)
+_SUGGEST = flags.DEFINE_bool("suggest_micro_batch", False,
+                             "Find the largest grpo.micro_batch_size whose update fits.",
+                             flag_values=_FV)
 
 
 class CheckError(ValueError):
@@ -139,6 +146,22 @@ def main(argv=None) -> int:
                           f"{mesh.shape['data'] // slices})", 1)
   print(f"{label}: {chips} x {devices[0].device_kind}, {_gib(hbm)} HBM each; mesh {sizes}; "
         f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}", flush=True)
+  if _SUGGEST.value:
+    best = suggest_micro_batch(config, model_cfg, tokenizer, mesh, hbm)
+    if best is None:
+      print(f"error: no grpo.micro_batch_size fits the update step in {_gib(hbm)} per chip "
+            f"(the smallest, {micro_batch_sizes(config, mesh)[0]}, does not); try model.remat"
+            "=full, a smaller grpo.logprob_chunk_size, or more chips", file=sys.stderr)
+      return 1
+    config.grpo.micro_batch_size = best
+    print(f"suggested: --config.grpo.micro_batch_size={best} (the largest whose update fits "
+          f"{_gib(hbm)} per chip)", flush=True)
+  g = config.grpo
+  rollouts = g.num_prompts_per_step * g.num_generations_per_prompt
+  micro = g.micro_batch_size or rollouts
+  print(f"update: {rollouts} rollouts in micro-batches of {micro} ({rollouts // micro} per "
+        f"step; grpo.micro_batch_size={g.micro_batch_size}), logprob_chunk_size="
+        f"{g.logprob_chunk_size}, remat={config.model.remat}", flush=True)
   chip = _TOPOLOGY.value.split(":")[0]  # "v5e's 16 GiB", as the chip is called
   memory, failures = {}, []
   for name, lowered, resident in _programs(config, model_cfg, tokenizer, mesh,
@@ -163,6 +186,43 @@ def main(argv=None) -> int:
   if not failures:
     print(f"ok: {', '.join(memory)} compile for {label} and fit its {_gib(hbm)} HBM per chip")
   return 1 if failures else 0
+
+
+def micro_batch_sizes(config, mesh) -> list[int]:
+  """Every valid grpo.micro_batch_size, smallest first: whole groups whose prompts split over
+  the data axes, dividing the batch (config._check_micro_batch's rule)."""
+  g = config.grpo
+  step = g.num_generations_per_prompt * mesh.shape["data"] * mesh.shape["fsdp"]
+  batch = g.num_prompts_per_step * g.num_generations_per_prompt
+  return [m for m in range(step, batch + 1, step) if batch % m == 0]
+
+
+def suggest_micro_batch(config, model_cfg, tokenizer, mesh, hbm: int) -> int | None:
+  """The largest valid micro_batch_size whose update step fits `hbm` per chip, found by
+  compiling candidates: memory grows with the micro-batch, so a bisection over the valid
+  sizes needs log2(count) compiles. None when the smallest does not fit."""
+  sizes = micro_batch_sizes(config, mesh)
+  lo, hi, best = 0, len(sizes) - 1, None
+  while lo <= hi:
+    mid = (lo + hi) // 2
+    config.grpo.micro_batch_size = sizes[mid]
+    start = time.perf_counter()
+    (_, lowered, resident), = _programs(config, model_cfg, tokenizer, mesh, ["update"])
+    try:
+      needs = _compile(lowered, resident).peak
+    except Exception as e:  # pylint: disable=broad-except  # XLA's errors are untyped
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      needs = _overflow(lowered, resident, e).peak
+    fits = needs <= hbm
+    print(f"micro_batch_size={sizes[mid]}: update step needs {_gib(needs)} per chip "
+          f"({'fits' if fits else 'does not fit'}; compiled in "
+          f"{time.perf_counter() - start:.0f}s)", flush=True)
+    if fits:
+      best, lo = sizes[mid], mid + 1
+    else:
+      hi = mid - 1
+  return best
 
 
 def _parse(argv):
@@ -245,7 +305,12 @@ def _validate(config, num_devices: int, num_slices: int):
 def _architecture(config):
   """(ModelConfig, Tokenizer) as the run would have them, without reading any weights."""
   m = config.model
-  if not m.checkpoint:  # random init or a Hugging Face folder: train reads no weights here
+  if m.hf_checkpoint:  # config.json and the tokenizer: a fit is checked before a download
+    cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype, need_weights=False)
+    cfg = dataclasses.replace(cfg, dtype=m.dtype)
+    train.check_architecture(config, cfg)
+    return cfg, tokenizer
+  if not m.checkpoint:  # random init
     model_cfg, _, tokenizer = train._load_policy(config)  # pylint: disable=protected-access
     return model_cfg, tokenizer
   # A jaxgrpo checkpoint: its model.json and tokenizer only.

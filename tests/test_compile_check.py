@@ -16,6 +16,7 @@ Only the update step is compiled there (--programs=update): the samplers would a
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -67,6 +68,9 @@ def test_smoke_config_compiles_for_v5e(check):
   proc = check("--topology=v5e:2x2", SMOKE)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "v5e:2x2: 4 x TPU v5 lite, 16.0 GiB HBM each; mesh data=4" in proc.stdout
+  # The smoke preset's 8 prompts x 4 rollouts, as one micro-batch (micro_batch_size 0).
+  assert ("update: 32 rollouts in micro-batches of 32 (1 per step; grpo.micro_batch_size=0), "
+          "logprob_chunk_size=None, remat=none") in proc.stdout
   rows = table_rows(proc.stdout)
   assert sorted(rows) == sorted(PROGRAMS), proc.stdout
   for name, cells in rows.items():
@@ -102,6 +106,56 @@ def test_bad_input_is_one_line_and_exit_2(check, args, fragment):
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and fragment in lines[0], lines
   assert proc.stdout == ""
+
+
+# 32 prompts x 4 rollouts of 128 tokens, one random-init layer: on v5e:2x2 (4 chips) the
+# valid micro-batches are 16, 32, 64 and 128 rollouts, and the update step needs (measured
+# with libtpu from jax 0.10.2) 11.40 MiB per chip at 32, 14.05 at 64 and 14.67 at 128.
+SUGGEST = (SMOKE, "--programs=update", "--suggest_micro_batch", "--config.model.checkpoint=",
+           "--config.model.num_layers=1", "--config.grpo.num_prompts_per_step=32",
+           "--config.generation.max_new_tokens=128")
+
+
+def test_suggest_micro_batch_finds_the_largest_that_fits(check):
+  # 12.7 MiB per chip: 32 fits, 64 does not, so the bisection over [16, 32, 64, 128] tries
+  # 32 (fits), then 64 (does not) and suggests 32; the check then compiles with it.
+  proc = check("--topology=v5e:2x2", *SUGGEST, f"--hbm_gib={12.7 / 1024}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  tried = re.findall(r"micro_batch_size=(\d+): update step needs .* \((fits|does not fit);",
+                     proc.stdout)
+  assert tried == [("32", "fits"), ("64", "does not fit")], proc.stdout
+  assert "suggested: --config.grpo.micro_batch_size=32" in proc.stdout
+  assert "update: 128 rollouts in micro-batches of 32 (4 per step" in proc.stdout
+
+
+def test_suggest_micro_batch_says_when_nothing_fits(check):
+  proc = check("--topology=v5e:2x2", *SUGGEST, "--hbm_gib=0.001")
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  # (The test session's shared persistent compilation cache may add a jax warning when the
+  # same program was compiled with other options by the test before: not the check's own.)
+  lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("error")]
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: no grpo.micro_batch_size fits the update step in 1.02 MiB per chip (the "
+      "smallest, 16, does not)"), lines
+
+
+def test_a_hugging_face_folder_without_weights_is_enough(check, tmp_path):
+  # config.json and the tokenizer's files of the Qwen2 fixture, no model.safetensors: the
+  # fit of a model is checked before its weights are downloaded.
+  fixture = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2")
+  for name in os.listdir(fixture):
+    if not name.endswith((".safetensors", ".npz")):
+      shutil.copy(os.path.join(fixture, name), tmp_path)
+  proc = check("--topology=v5e:2x2", f"--config={ROOT}/configs/gsm8k.py:cpu",
+               f"--config.model.hf_checkpoint={tmp_path}", "--programs=update")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "ok: update step compile for v5e:2x2" in proc.stdout
+  os.remove(tmp_path / "config.json")
+  proc = check("--topology=v5e:2x2", f"--config={ROOT}/configs/gsm8k.py:cpu",
+               f"--config.model.hf_checkpoint={tmp_path}", "--programs=update")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and f"{tmp_path}/config.json: cannot read" in lines[0], lines
 
 
 def test_two_slices_split_the_data_axis(check):

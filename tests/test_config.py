@@ -70,6 +70,15 @@ def test_validate_leaves_callers_config_alone():
     ("grpo.stop_at_validation_confidence", 1.5, "a number > 0 and < 1"),
     ("grpo.stop_at_validation_confidence", 0.9, "None while grpo.stop_at_validation_metric"),
     ("mesh.dcn_data", 0, "config.mesh.dcn_data=0"),
+    # 32 prompts x 8 rollouts on 8 devices: a micro-batch is whole groups (a multiple of 8),
+    # its prompts split over the 8 devices (a multiple of 64) and it divides the 256 rollouts.
+    ("grpo.micro_batch_size", 12, "a multiple of num_generations_per_prompt=8"),
+    ("grpo.micro_batch_size", 8, "a multiple of 64"),
+    ("grpo.micro_batch_size", 192, "a divisor of the batch's 256 rollouts"),
+    ("grpo.micro_batch_size", -64, "config.grpo.micro_batch_size=-64"),
+    ("grpo.logprob_chunk_size", 0, "config.grpo.logprob_chunk_size=0"),
+    ("grpo.logprob_chunk_size", -16, "config.grpo.logprob_chunk_size=-16"),
+    ("model.remat", "dots", "'none', 'full', 'save_dots'"),
 ])
 def test_bad_values_name_the_key(path, value, expect):
   c = math_config()
@@ -79,6 +88,13 @@ def test_bad_values_name_the_key(path, value, expect):
     config_lib.validate(c, num_devices=8)
   msg = str(e.value)
   assert expect in msg and "\n" not in msg
+
+
+def test_micro_batch_and_chunk_sizes_that_fit_validate():
+  c = math_config()
+  c.grpo.micro_batch_size, c.grpo.logprob_chunk_size, c.model.remat = 64, 3, "full"
+  resolved = config_lib.validate(c, num_devices=8)
+  assert (resolved.grpo.micro_batch_size, resolved.grpo.logprob_chunk_size) == (64, 3)
 
 
 def test_wrong_type_is_named():

@@ -190,3 +190,25 @@ def test_preemption_flag_then_immediate_exit():
   with faults.Preemption():
     assert signal.getsignal(signal.SIGINT) != before
   assert signal.getsignal(signal.SIGINT) == before
+
+
+@pytest.mark.slow
+def test_a_micro_batched_run_resumes_exactly(tmp_path):
+  # micro_batch_size 16 (2 micro-batches of the smoke preset's 8 x 4 rollouts), chunked
+  # log-probs and remat: the preempted-and-resumed run ends bitwise where its uninterrupted
+  # twin does (4 steps, checkpoints every 2, SIGTERM during step 3).
+  args = (*ARGS, "--config.grpo.max_num_steps=4", "--config.grpo.micro_batch_size=16",
+          "--config.grpo.logprob_chunk_size=2", "--config.model.remat=full")
+  straight = run_train(*args, workdir=tmp_path / "straight")
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  stopped = run_train(*args, workdir=tmp_path / "run", **{faults.SIGTERM_STEP_ENV: "3"})
+  assert stopped.returncode == 0, stopped.stderr[-3000:]
+  assert stopped.stdout.strip().splitlines()[-1].startswith("preempted (SIGTERM) after 3")
+  resumed = run_train(*args, workdir=tmp_path / "run")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "at step 3" in resumed.stdout
+  assert rows(tmp_path / "run") == rows(tmp_path / "straight")
+  assert prompt_ids(tmp_path / "run") == prompt_ids(tmp_path / "straight")
+  for a, b in zip(jax.tree.leaves(final_params(tmp_path / "run", 4)),
+                  jax.tree.leaves(final_params(tmp_path / "straight", 4))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -292,3 +292,24 @@ def test_every_end_id_of_the_model_stops_a_completion(pretrained):
   out = policy.generate([ids[0][mask[0]].tolist()], sampling.SamplingParams(0.0, 1.0, 0),
                         num_samples=1, max_new_tokens=16, seed=0)
   assert int(out.lengths_N[0]) == p + 1 and not bool(out.truncated_N[0]), name
+
+
+def test_a_shard_named_in_the_index_but_missing_is_one_line(tmp_path):
+  # An interrupted download: the index names model-00002-of-00002.safetensors, which is not
+  # there. The check names the file instead of failing inside safetensors.
+  folder = tmp_path / "qwen2"
+  shutil.copytree(os.path.join(FIXTURES, "qwen2"), folder)
+  os.rename(folder / "model.safetensors", folder / "model-00001-of-00002.safetensors")
+  import safetensors  # pylint: disable=g-import-not-at-top
+  with safetensors.safe_open(folder / "model-00001-of-00002.safetensors", "numpy") as f:
+    names = sorted(f.keys())
+  weight_map = {n: "model-00001-of-00002.safetensors" for n in names}
+  weight_map[names[-1]] = "model-00002-of-00002.safetensors"
+  with open(folder / "model.safetensors.index.json", "w") as f:
+    json.dump({"metadata": {}, "weight_map": weight_map}, f)
+  with pytest.raises(hf.PretrainedError) as e:
+    hf.inspect_hf(str(folder))
+  assert str(e.value) == (f"{folder}/model-00002-of-00002.safetensors: no such file; "
+                          f"model.safetensors.index.json names it for {names[-1]} (an "
+                          "incomplete download?)")
+  assert hf.inspect_hf(str(folder), need_weights=False)[0].num_layers > 0  # no tensor read
