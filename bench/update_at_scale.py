@@ -1,19 +1,20 @@
 """One GRPO update at a real model's scale, on whatever accelerator jax finds.
 
     python bench/update_at_scale.py [--rollouts 512 --prompt_len 256 --new_tokens 512]
-        [--configs 32:128:none,16:128:none] [--small]
+        [--configs 32:128:none,16:128:none] [--shape qwen3-1.7b|medium|small]
 
 A random-init Qwen3-1.7B-shaped policy (28 layers, d_model 2048, 16 / 8 heads x 128, MLP
 6144, vocab 151,936, tied, bfloat16 parameters and compute), G = 8, every completion its
 full length. For each `micro_batch_size:logprob_chunk_size:remat` in --configs it compiles
 `grpo.compile_update` exactly as the trainer builds it and runs it --reps times on the same
 batch, then prints one JSON line: compile and step seconds, model TFLOP/s (forward and
-backward, 3x the forward's matmul FLOPs; remat's recomputation not counted), that rate as a
-fraction of a bf16 matmul measured in the same process, the compiled update's temporary and
-argument bytes (memory_analysis) and the device's peak bytes in use so far in the process.
-A config that does not fit prints its error and the next one runs. Only jax, flax and optax
-are imported (nothing the trainer's data or logging stack needs). `--small` shrinks the
-model for a dry run on CPU.
+backward, 3x the forward's matmul FLOPs; remat's recomputation not counted), that rate as
+a fraction of a square matmul in the compute dtype measured in the same process, the
+compiled update's temporary and argument bytes (memory_analysis) and the device's peak
+bytes in use so far in the process. A config that does not fit prints its error and the
+next one runs. Only jax, flax and optax are imported (nothing the trainer's data or
+logging stack needs). `--shape medium` is jaxgrpo.bench's medium preset with a 32k
+vocabulary in float32 (the CPU figures); `--small` shrinks the model for a dry run.
 """
 
 import argparse
@@ -35,6 +36,12 @@ QWEN3_1_7B = dict(vocab_size=151936, d_model=2048, num_layers=28, num_heads=16,
                   tie_embeddings=True, qk_norm=True, param_dtype="bfloat16", dtype="bfloat16")
 SMALL = dict(QWEN3_1_7B, vocab_size=4096, d_model=128, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=32, mlp_dim=256)
+# jaxgrpo.bench's medium preset (bench_step.MEDIUM) with a 32k vocabulary, float32: the CPU
+# figures of BENCHMARKS.md.
+MEDIUM = dict(QWEN3_1_7B, vocab_size=32768, d_model=512, num_layers=8, num_heads=8,
+              num_kv_heads=4, head_dim=64, mlp_dim=2048, rope_theta=1e4,
+              param_dtype="float32", dtype="float32")
+SHAPES = {"qwen3-1.7b": QWEN3_1_7B, "medium": MEDIUM, "small": SMALL}
 
 
 def emit(**kw):
@@ -53,8 +60,8 @@ def forward_flops(cfg, prompts, g, p, t):
   return prompt + completion
 
 
-def matmul_rate(n=8192, reps=10):
-  a = jnp.ones((n, n), jnp.bfloat16)
+def matmul_rate(n=8192, reps=10, dtype=jnp.bfloat16):
+  a = jnp.ones((n, n), dtype)
   f = jax.jit(lambda x: x @ x)
   f(a).block_until_ready()
   t0 = time.perf_counter()
@@ -77,11 +84,14 @@ def main():
   ap.add_argument("--new_tokens", type=int, default=512)
   ap.add_argument("--configs", default="32:128:none,16:128:none,32:128:save_dots")
   ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--small", action="store_true")
+  ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+  ap.add_argument("--small", action="store_true", help="--shape=small (a CPU dry run)")
   a = ap.parse_args()
-  cfg = model_lib.ModelConfig(**(SMALL if a.small else QWEN3_1_7B))
-  emit(part="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()])
-  rate = matmul_rate(1024 if a.small else 8192)
+  shape = "small" if a.small else a.shape
+  cfg = model_lib.ModelConfig(**SHAPES[shape])
+  emit(part="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], shape=shape)
+  rate = matmul_rate(8192 if shape == "qwen3-1.7b" else 1024,
+                     dtype=model_lib.DTYPES[cfg.dtype])  # the compute dtype's matmul rate
   emit(part="matmul_rate", tflops=round(rate / 1e12, 1))
   mesh = sharding_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
   t0 = time.perf_counter()

@@ -9,7 +9,7 @@ state, the batch) and output bytes, all per device.
 
 Default grid: the medium preset (8 layers, d_model 512, 8 / 4 heads x 64, MLP 2048) with a
 32,768-token vocabulary, G = 8, 64-token prompts and 192 new tokens, on one CPU device;
-batches of 8 and 32 prompts x micro-batches 0 (whole batch), 16 and 64 rollouts x remat none
+batches of 8 and 32 prompts (--batch_prompts) x micro-batches 0 (whole batch), 16 and 64 rollouts x remat none
 and full x chunks None and 32 positions.
 """
 
@@ -112,7 +112,8 @@ def add_parsers(sub) -> None:
                      "over batch x micro-batch x remat x chunk")
   m.add_argument("--preset", choices=bench_step.PRESET_NAMES, default="medium")
   m.add_argument("--vocab", type=int, default=32768)
-  m.add_argument("--batch_prompts", type=_ints, default=(8, 32), help="prompts per batch, e.g. 8,32")
+  m.add_argument("--batch_prompts", type=_ints, default=(8, 32),
+                 help="prompts per batch, e.g. 8,32")
   m.add_argument("--generations", type=int, default=8)
   m.add_argument("--prompt_len", type=int, default=64)
   m.add_argument("--new_tokens", type=int, default=192)

@@ -380,7 +380,7 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
   def step_fn(state, batch, ref):
     if on_trace is not None:
       on_trace()  # Python side effect: runs while tracing, never in the compiled step
-    with sharding_lib.activation_sharding(mesh):  # activations split by rows (model.constrain)
+    with sharding_lib.activation_sharding(mesh):  # rows over the data axes (activations.py)
       return update_step(state, batch, ref, cfg=cfg, loss=loss, sp=sp, optimizer=optimizer,
                          lr_schedule=lr_schedule, mesh=mesh)
 

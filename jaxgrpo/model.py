@@ -18,7 +18,6 @@ mesh axes).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 from typing import Any
@@ -26,6 +25,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from jaxgrpo.activations import constrain, constrain_rows
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # A large finite negative instead of -inf: a fully masked row (a pad query) then gets a
@@ -106,34 +107,6 @@ def dense(x, w, in_dims: int = 1):
   k = math.prod(w.shape[:in_dims])
   y = x.reshape(math.prod(lead), k) @ w.reshape(k, math.prod(out))
   return y.reshape(*lead, *out)
-
-
-def constrain(x, *logical_axes):
-  """Pins an activation's layout by logical axis names (sharding.RULES: `batch` over the data
-  axes, `act_heads` / `act_mlp` over `tensor`, the model dimension whole).
-
-  Without it, under FSDP (weights split on `embed` over the `fsdp` axis, rows split over
-  `fsdp` too) the partitioner may resolve the conflict by computing whole-batch activations
-  on every chip, so per-chip memory grew as chips were added; pinned, every chip gathers
-  the weights and computes its own rows. A no-op unless the caller traces inside
-  `sharding.activation_sharding(mesh)` (a mesh and the rules): a forward without a mesh
-  (tests, `Policy.logits`) runs as written.
-  """
-  mesh = ACTIVATION_MESH.get()
-  if mesh is None:
-    return x
-  return nn.with_logical_constraint(x, logical_axes, mesh=mesh)
-
-
-def constrain_rows(x):
-  """`constrain` for a [rows..., D] activation: split by its first (batch) axis only."""
-  return constrain(x, "batch", *([None] * (x.ndim - 1)))
-
-
-# The mesh `constrain` pins activations to, set while a step is traced (jax's own mesh
-# context cannot be entered inside jit, where the trace happens).
-ACTIVATION_MESH: contextvars.ContextVar = contextvars.ContextVar("activation_mesh",
-                                                                default=None)
 
 
 # `model.remat`: what a layer keeps for the backward pass. "full" keeps only its inputs and

@@ -161,7 +161,7 @@ def test_forward_on_mesh_matches_single_device(mesh_config, single_device_params
 
 
 # FSDP divides the activations: each chip gathers a layer's weights and computes its own
-# rows (model.constrain), so per-device memory falls as devices are added. The update's
+# rows (activations.constrain), so per-device memory falls as devices are added. The update's
 # temporary bytes come from the compiler (memory_analysis of the compiled update), at one
 # global batch: 16 prompts x 4 rollouts of 32 + 96 tokens, 2 layers, d_model 256, 32k vocab.
 # Before the activations were pinned: 1 device 2.65 GiB, data=8 0.39, fsdp=8 1.73 (4.4x).
