@@ -85,13 +85,24 @@ class ModelConfig:
     return cls(**values)
 
 
-def _param(module, name, init_fn, shape, axes, cfg):
-  init = nn.with_logical_partitioning(init_fn, axes)
-  return module.param(name, init, shape, DTYPES[cfg.param_dtype])
-
-
-def _fan_in_init(fan_in):
+def initializer(name: str, shape: tuple):
+  """The initializer of the parameter called `name` (the last part of its path): the one
+  rule the modules and `sharding.init_sharded` share. Kernels are N(0, 1/fan_in) with fan-in
+  the input axes (the output kernel `o` [heads, head_dim, d_model] has two), the embedding
+  N(0, 0.02^2), norm scales 1 and biases 0."""
+  if name == "embedding":
+    return nn.initializers.normal(stddev=0.02)
+  if name == "scale":
+    return nn.initializers.ones
+  if name.endswith("_bias"):
+    return nn.initializers.zeros
+  fan_in = math.prod(shape[:2]) if name == "o" else shape[0]
   return nn.initializers.normal(stddev=fan_in ** -0.5)
+
+
+def _param(module, name, shape, axes, cfg):
+  init = nn.with_logical_partitioning(initializer(name, shape), axes)
+  return module.param(name, init, shape, DTYPES[cfg.param_dtype])
 
 
 def dense(x, w, in_dims: int = 1):
@@ -124,7 +135,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = _param(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.cfg)
+    scale = _param(self, "scale", (self.dim,), ("norm",), self.cfg)
     return rms_norm(x, scale, self.cfg)
 
 
@@ -177,23 +188,20 @@ class Attention(nn.Module):
 
   def setup(self):
     c = self.cfg
-    self.wq = _param(self, "q", _fan_in_init(c.d_model), (c.d_model, c.num_heads, c.head_dim),
+    self.wq = _param(self, "q", (c.d_model, c.num_heads, c.head_dim),
                      ("embed", "q_heads", "head_dim"), c)
-    self.wk = _param(self, "k", _fan_in_init(c.d_model),
-                     (c.d_model, c.num_kv_heads, c.head_dim),
+    self.wk = _param(self, "k", (c.d_model, c.num_kv_heads, c.head_dim),
                      ("embed", "kv_heads", "head_dim"), c)
-    self.wv = _param(self, "v", _fan_in_init(c.d_model),
-                     (c.d_model, c.num_kv_heads, c.head_dim),
+    self.wv = _param(self, "v", (c.d_model, c.num_kv_heads, c.head_dim),
                      ("embed", "kv_heads", "head_dim"), c)
-    self.wo = _param(self, "o", _fan_in_init(c.num_heads * c.head_dim),
-                     (c.num_heads, c.head_dim, c.d_model), ("q_heads", "head_dim", "embed"), c)
+    self.wo = _param(self, "o", (c.num_heads, c.head_dim, c.d_model),
+                     ("q_heads", "head_dim", "embed"), c)
     if c.qkv_bias:
-      zeros = nn.initializers.zeros
-      self.bq = _param(self, "q_bias", zeros, (c.num_heads, c.head_dim),
+      self.bq = _param(self, "q_bias", (c.num_heads, c.head_dim),
                        ("q_heads", "head_dim"), c)
-      self.bk = _param(self, "k_bias", zeros, (c.num_kv_heads, c.head_dim),
+      self.bk = _param(self, "k_bias", (c.num_kv_heads, c.head_dim),
                        ("kv_heads", "head_dim"), c)
-      self.bv = _param(self, "v_bias", zeros, (c.num_kv_heads, c.head_dim),
+      self.bv = _param(self, "v_bias", (c.num_kv_heads, c.head_dim),
                        ("kv_heads", "head_dim"), c)
     if c.qk_norm:
       self.q_norm = RMSNorm(c, c.head_dim)
@@ -277,11 +285,9 @@ class MLP(nn.Module):
   def __call__(self, x):
     c = self.cfg
     dt = DTYPES[c.dtype]
-    gate = _param(self, "gate", _fan_in_init(c.d_model), (c.d_model, c.mlp_dim),
-                  ("embed", "mlp"), c)
-    up = _param(self, "up", _fan_in_init(c.d_model), (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
-    down = _param(self, "down", _fan_in_init(c.mlp_dim), (c.mlp_dim, c.d_model),
-                  ("mlp", "embed"), c)
+    gate = _param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
+    up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
+    down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), c)
     h = jax.nn.silu(dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
     h = constrain(h, "batch", *([None] * (h.ndim - 2)), "act_mlp")
     return dense(h, down.astype(dt))
@@ -321,10 +327,9 @@ class Decoder(nn.Module):
 
   def setup(self):
     c = self.cfg
-    self.embedding = _param(self, "embedding", nn.initializers.normal(stddev=0.02),
-                            (c.vocab_size, c.d_model), ("vocab", "embed"), c)
+    self.embedding = _param(self, "embedding", (c.vocab_size, c.d_model), ("vocab", "embed"), c)
     if not c.tie_embeddings:
-      self.lm_head = _param(self, "lm_head", _fan_in_init(c.d_model), (c.d_model, c.vocab_size),
+      self.lm_head = _param(self, "lm_head", (c.d_model, c.vocab_size),
                             ("embed", "vocab"), c)
     self.blocks = [Block(c, name=f"layer_{i}") for i in range(c.num_layers)]
     self.final_norm = RMSNorm(c, c.d_model)

@@ -102,7 +102,8 @@ def mesh222():
 
 @pytest.fixture(scope="module")
 def single_device_init():
-  return jax.jit(lambda key: nn.unbox(model.init_params(INIT_CFG, key)))(jax.random.key(7))
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  return sharding.init_sharded(INIT_CFG, mesh, jax.random.key(7))
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +132,27 @@ def test_init_sharded_places_params_by_logical_axes(mesh222, single_device_init)
     assert leaf.sharding.mesh == mesh222
   # A q kernel [32, 4, 8] split 2 ways on embed and 2 ways on heads: shards of [16, 2, 8].
   assert attn["q"].addressable_shards[0].data.shape == (16, 2, 8)
-  # Same values as an unsharded init with the same key (up to float32 rounding of the
-  # differently fused initialiser: 1 ulp seen).
+  # Same values as on one device with the same key: the mesh never changes the draws.
   assert jax.tree.structure(params) == jax.tree.structure(single_device_init)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                params, single_device_init)
+
+
+def test_init_sharded_draws_what_flax_init_draws(single_device_init):
+  # The same tree as flax's init, each leaf from the modules' own initialisers: kernels
+  # N(0, 1 / fan_in) (fan_in 32 for q, 4 x 8 = 32 for o, 64 for down), the embedding
+  # N(0, 0.02^2), norm scales 1. Sample std within 15% of the rule (>= 1024 draws each).
+  flax_init = nn.unbox(model.init_params(INIT_CFG, jax.random.key(7)))
+  assert jax.tree.structure(flax_init) == jax.tree.structure(single_device_init)
+  layer = single_device_init["layer_0"]
+  for array, std in ((layer["attn"]["q"], 32 ** -0.5), (layer["attn"]["o"], 32 ** -0.5),
+                     (layer["mlp"]["down"], 64 ** -0.5),
+                     (single_device_init["embedding"], 0.02)):
+    assert abs(float(np.std(array)) / std - 1) < 0.15, (array.shape, np.std(array), std)
+    assert abs(float(np.mean(array))) < 0.2 * std
+  np.testing.assert_array_equal(single_device_init["final_norm"]["scale"], 1.0)
+  # Distinct draws per leaf (each leaf folds its own index into the key).
+  assert not np.allclose(layer["attn"]["q"].ravel()[:64], layer["attn"]["k"].ravel()[:64])
 
 
 def test_shard_params_uses_the_same_layout(mesh222, single_device_params):
