@@ -13,6 +13,14 @@ Numerics: float32 parameters and optimizer state, bfloat16 compute. Mesh: fully 
 parallel over every chip (fsdp=-1). Batches (64 prompts x 8) divide over up to 64 chips; on a
 larger slice raise num_prompts_per_step with it.
 
+Memory: each layer is rematerialised and log-probs are computed 128 positions at a time. The
+update takes the whole batch in one pass (micro_batch_size 0), which needs chips with room;
+on small-HBM slices, micro-batch it. Measured by launch/compile_check.py on 2026-12-04 with
+the Qwen2.5-1.5B architecture on v5e:2x4 (8 x 16 GiB): the whole batch needs 16.8 GiB per
+chip, micro-batches of 256 rollouts 12.7 GiB (--config.grpo.micro_batch_size=256; the
+check's --suggest_micro_batch finds it); on v5p:2x2x1 (4 x 95 GiB) the whole batch needs
+29.9 GiB.
+
 `arg`: `cpu` shrinks lengths and batches to check the pipeline on a laptop with a tiny model.
 """
 
@@ -67,7 +75,11 @@ def get_config(arg=None):
       # completion positions per output projection: 512 rollouts x 128 positions x 151,936
       # float32 logits is a chunk of 37 GiB over the slice, not 264 GiB for all 912.
       micro_batch_size=0, logprob_chunk_size=128, max_num_steps=500,
-      val_period=50, val_at_start=True, val_at_end=True, val_batch_size=256,
+      val_period=50, val_at_start=True, val_at_end=True,
+      # 128 prompts x k=4 per validation batch: 256 held the val sampler 8.9 MiB over a
+      # v5e chip's 16 GiB beside the train state (Qwen2.5-1.5B on v5e:2x4); the numbers do
+      # not depend on the batch size.
+      val_batch_size=128,
       max_val_samples=0,  # all 1319 test problems
       val_num_generations_per_prompt=4, val_pass_threshold=0.0, val_seed=0,
       stop_at_validation_metric=config_dict.placeholder(str),

@@ -146,8 +146,9 @@ def main(argv=None) -> int:
                           f"{mesh.shape['data'] // slices})", 1)
   print(f"{label}: {chips} x {devices[0].device_kind}, {_gib(hbm)} HBM each; mesh {sizes}; "
         f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}", flush=True)
+  known = {}  # program name -> Memory already measured (the suggestion's winning update)
   if _SUGGEST.value:
-    best = suggest_micro_batch(config, model_cfg, tokenizer, mesh, hbm)
+    best, known = suggest_micro_batch(config, model_cfg, tokenizer, mesh, hbm)
     if best is None:
       print(f"error: no grpo.micro_batch_size fits the update step in {_gib(hbm)} per chip "
             f"(the smallest, {micro_batch_sizes(config, mesh)[0]}, does not); try model.remat"
@@ -166,6 +167,9 @@ def main(argv=None) -> int:
   memory, failures = {}, []
   for name, lowered, resident in _programs(config, model_cfg, tokenizer, mesh,
                                             _PROGRAMS.value):
+    if name in known:  # compiled during the suggestion, with the same micro-batch
+      memory[name] = known[name]
+      continue
     start = time.perf_counter()
     try:
       memory[name] = _compile(lowered, resident)
@@ -197,32 +201,34 @@ def micro_batch_sizes(config, mesh) -> list[int]:
   return [m for m in range(step, batch + 1, step) if batch % m == 0]
 
 
-def suggest_micro_batch(config, model_cfg, tokenizer, mesh, hbm: int) -> int | None:
-  """The largest valid micro_batch_size whose update step fits `hbm` per chip, found by
-  compiling candidates: memory grows with the micro-batch, so a bisection over the valid
-  sizes needs log2(count) compiles. None when the smallest does not fit."""
+def suggest_micro_batch(config, model_cfg, tokenizer, mesh, hbm: int):
+  """(The largest valid micro_batch_size whose update step fits `hbm` per chip, or None when
+  the smallest does not; {"update step": its Memory}), found by compiling candidates:
+  memory grows with the micro-batch, so a bisection over the valid sizes needs log2(count)
+  compiles."""
   sizes = micro_batch_sizes(config, mesh)
-  lo, hi, best = 0, len(sizes) - 1, None
+  lo, hi, best, known = 0, len(sizes) - 1, None, {}
   while lo <= hi:
     mid = (lo + hi) // 2
     config.grpo.micro_batch_size = sizes[mid]
     start = time.perf_counter()
     (_, lowered, resident), = _programs(config, model_cfg, tokenizer, mesh, ["update"])
     try:
-      needs = _compile(lowered, resident).peak
+      memory = _compile(lowered, resident)
     except Exception as e:  # pylint: disable=broad-except  # XLA's errors are untyped
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
-      needs = _overflow(lowered, resident, e).peak
-    fits = needs <= hbm
-    print(f"micro_batch_size={sizes[mid]}: update step needs {_gib(needs)} per chip "
-          f"({'fits' if fits else 'does not fit'}; compiled in "
-          f"{time.perf_counter() - start:.0f}s)", flush=True)
+      memory = _overflow(lowered, resident, e)
+    memory.seconds = time.perf_counter() - start
+    fits = memory.peak <= hbm
+    print(f"micro_batch_size={sizes[mid]}: update step needs {_gib(memory.peak)} per chip "
+          f"({'fits' if fits else 'does not fit'}; compiled in {memory.seconds:.0f}s)",
+          flush=True)
     if fits:
-      best, lo = sizes[mid], mid + 1
+      best, lo, known = sizes[mid], mid + 1, {"update step": memory}
     else:
       hi = mid - 1
-  return best
+  return best, known
 
 
 def _parse(argv):
