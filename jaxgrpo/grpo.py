@@ -318,7 +318,8 @@ def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, me
   shards = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
   micro = microbatch.split(rows, n // loss.micro_batch_size, shards, mesh)
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
-  (total, sums), grads = microbatch.accumulate(fn, params, micro)
+  shardings = None if mesh is None else sharding_lib.param_shardings(cfg, mesh)
+  (total, sums), grads = microbatch.accumulate(fn, params, micro, shardings)
   denom = jnp.maximum(mask.astype(jnp.float32).sum(), 1.0)
   aux = {"policy_loss": sums["policy_loss"], "clip_fraction": sums["clipped"] / denom,
          "ratio_mean": sums["ratio"] / denom, "advantage_abs_mean": jnp.abs(advantages).mean(),

@@ -44,24 +44,33 @@ def split(tree, num_micro: int, shards: int, mesh=None):
   return jax.tree.map(one, tree)
 
 
-def accumulate(loss_fn: Callable, params, micro_batches):
+def accumulate(loss_fn: Callable, params, micro_batches, grad_shardings=None):
   """Σ_k of loss_fn(params, micro_batch_k) -> (loss, sums) and of its gradient, one
   micro-batch at a time (`lax.scan`). loss_fn returns (loss, a dict of scalar sums).
 
-  Gradients are summed in float32 and returned in the parameters' dtype.
+  Gradients are summed in float32 and returned in the parameters' dtype. grad_shardings
+  (the parameters' shardings, a tree like params): the running sum is kept split like the
+  parameters, as FSDP means it to be.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   first = jax.tree.map(lambda x: x[0], micro_batches)
   sums_shape = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], params, first)
+  split = ((lambda tree: tree) if grad_shardings is None else
+           (lambda tree: jax.lax.with_sharding_constraint(tree, grad_shardings)))
   zeros = (jnp.zeros((), jnp.float32),
            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape),
-           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+           split(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
 
   def body(carry, micro):
-    (loss, sums), grads = grad_fn(params, micro)
+    # Tied to this micro-batch, the parameters are no longer loop-invariant, so XLA cannot
+    # hoist work on them (FSDP's all-gathers) out of the loop and hold its results for the
+    # whole scan. Measured on 8 CPU devices, fsdp=8, a 4-layer d_model 1024 model with few
+    # tokens: 1,456 -> 1,130 MiB of temporaries (the whole batch: 644; the rest is open).
+    p, micro = jax.lax.optimization_barrier((params, micro))
+    (loss, sums), grads = grad_fn(p, micro)
     add = lambda a, b: a + b.astype(jnp.float32)
     return (add(carry[0], loss), jax.tree.map(add, carry[1], sums),
-            jax.tree.map(add, carry[2], grads)), None
+            split(jax.tree.map(add, carry[2], split(grads)))), None
 
   (loss, sums, grads), _ = jax.lax.scan(body, zeros, micro_batches)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
