@@ -147,6 +147,11 @@ def kl_penalty(logp_NxT, ref_logp_NxT, kl_type: str):
   raise ValueError(f"kl_type={kl_type!r}: allowed {list(KL_TYPES)}")
 
 
+def _kept_rows(mask_NxT):
+  """Rows with at least one token in the mask (at least 1): the N of the row-based aggs."""
+  return jnp.maximum(jnp.any(mask_NxT, axis=1).astype(jnp.float32).sum(), 1.0)
+
+
 def aggregate(per_token_NxT, mask_NxT, loss_agg: str, max_new_tokens: int):
   """Reduces per-token losses to a scalar; masked tokens never count.
 
@@ -156,7 +161,7 @@ def aggregate(per_token_NxT, mask_NxT, loss_agg: str, max_new_tokens: int):
   """
   mask = mask_NxT.astype(jnp.float32)
   masked = jnp.where(mask_NxT, per_token_NxT, 0.0)  # where, not *: inf * 0 would be NaN
-  rows = jnp.maximum(jnp.any(mask_NxT, axis=1).astype(jnp.float32).sum(), 1.0)
+  rows = _kept_rows(mask_NxT)
   if loss_agg == "token_mean":
     return masked.sum() / jnp.maximum(mask.sum(), 1.0)
   if loss_agg == "seq_mean_token_mean":
@@ -172,7 +177,7 @@ def token_weights(mask_NxT, loss_agg: str, max_new_tokens: int):
   without tokens leave the counts), as weights computed once on the whole batch, so a
   micro-batch's Σ w * x is its exact share of the whole batch's loss."""
   mask = mask_NxT.astype(jnp.float32)
-  rows = jnp.maximum(jnp.any(mask_NxT, axis=1).astype(jnp.float32).sum(), 1.0)
+  rows = _kept_rows(mask_NxT)
   if loss_agg == "token_mean":
     return mask / jnp.maximum(mask.sum(), 1.0)
   if loss_agg == "seq_mean_token_mean":
@@ -208,27 +213,46 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
     out = scoring.chunked_logprobs(hidden_BxGxTxD.reshape(n, t, -1), head_DxV,
                                    batch["completion_tokens_NxT"], sps, chunk)
   else:
-    logits_BxGxTxV = (model_lib.score_groups(*args, remat=remat) if remat != "none" else
-                      model_lib.score_groups(*args))
+    logits_BxGxTxV = model_lib.score_groups(*args, remat=remat)
     out = tuple(sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
                 for p in sps)
   return out if isinstance(sp, tuple) else out[0]
 
 
-def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,
-            sp: sampling.SamplingParams):
-  """The GRPO loss and its diagnostics. batch: see `update_step`."""
+def loss_mask(batch, loss: LossConfig):
+  """The completion tokens the loss counts: truncated rows leave under
+  mask_truncated_completions."""
   mask = batch["completion_mask_NxT"]
   if loss.mask_truncated_completions:
     mask = mask & ~batch["truncated_N"][:, None]
-  advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
+  return mask
+
+
+def _policy_logprobs(params, cfg, batch, loss: LossConfig, sp):
+  """(log-probs under the sampling profile, for the ratio; under the KL's untruncated
+  profile, for the penalty), from one forward: the same array when they coincide or
+  beta is 0."""
   kl_sp = kl_sampling_params(sp)
-  if loss.beta > 0 and kl_sp != sp:  # the penalty needs the untruncated log-probs too
-    logp, kl_logp = completion_logprobs(params, cfg, batch, loss.num_generations, (sp, kl_sp),
-                                        chunk=loss.logprob_chunk_size, remat=loss.remat)
-  else:
-    logp = kl_logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp,
-                                         chunk=loss.logprob_chunk_size, remat=loss.remat)
+  opts = dict(chunk=loss.logprob_chunk_size, remat=loss.remat)
+  if loss.beta > 0 and kl_sp != sp:
+    return completion_logprobs(params, cfg, batch, loss.num_generations, (sp, kl_sp), **opts)
+  logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp, **opts)
+  return logp, logp
+
+
+def _reference_logprobs(ref_params, cfg, batch, loss: LossConfig, sp):
+  """log π_ref of each completion token under the KL's untruncated profile (no gradient)."""
+  return jax.lax.stop_gradient(completion_logprobs(
+      ref_params, cfg, batch, loss.num_generations, kl_sampling_params(sp),
+      chunk=loss.logprob_chunk_size, remat=loss.remat))
+
+
+def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,
+            sp: sampling.SamplingParams):
+  """The GRPO loss and its diagnostics. batch: see `update_step`."""
+  mask = loss_mask(batch, loss)
+  advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
+  logp, kl_logp = _policy_logprobs(params, cfg, batch, loss, sp)
   per_token, clipped, ratio = clipped_surrogate(logp, batch["old_logp_NxT"], advantages,
                                                 loss.epsilon, loss.epsilon_high)
   policy_loss = aggregate(per_token, mask, loss.loss_agg, loss.max_new_tokens)
@@ -240,9 +264,7 @@ def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: Loss
          "advantage_abs_mean": jnp.abs(advantages).mean()}
   total = policy_loss
   if loss.beta > 0:
-    ref_logp = jax.lax.stop_gradient(completion_logprobs(
-        ref_params, cfg, batch, loss.num_generations, kl_sp, chunk=loss.logprob_chunk_size,
-        remat=loss.remat))
+    ref_logp = _reference_logprobs(ref_params, cfg, batch, loss, sp)
     kl = kl_penalty(kl_logp, ref_logp, loss.kl_type)
     kl_loss = aggregate(kl, mask, loss.loss_agg, loss.max_new_tokens)
     total = total + loss.beta * kl_loss
@@ -278,13 +300,7 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
   sums. `micro` carries what only the whole batch can give (`micro_batch_loss`): advantages_N,
   mask_NxT (truncated rows already removed) and weights_NxT (token_weights)."""
   mask, weights = micro["mask_NxT"], micro["weights_NxT"]
-  kl_sp = kl_sampling_params(sp)
-  opts = dict(chunk=loss.logprob_chunk_size, remat=loss.remat)
-  if loss.beta > 0 and kl_sp != sp:
-    logp, kl_logp = completion_logprobs(params, cfg, micro, loss.num_generations, (sp, kl_sp),
-                                        **opts)
-  else:
-    logp = kl_logp = completion_logprobs(params, cfg, micro, loss.num_generations, sp, **opts)
+  logp, kl_logp = _policy_logprobs(params, cfg, micro, loss, sp)
   per_token, clipped, ratio = clipped_surrogate(logp, micro["old_logp_NxT"],
                                                 micro["advantages_N"], loss.epsilon,
                                                 loss.epsilon_high)
@@ -293,8 +309,7 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
   sums = {"policy_loss": policy, "clipped": total(clipped.astype(jnp.float32)),
           "ratio": total(ratio)}
   if loss.beta > 0:
-    ref_logp = jax.lax.stop_gradient(completion_logprobs(
-        ref_params, cfg, micro, loss.num_generations, kl_sp, **opts))
+    ref_logp = _reference_logprobs(ref_params, cfg, micro, loss, sp)
     kl = kl_penalty(kl_logp, ref_logp, loss.kl_type)
     sums["kl_loss"], sums["kl"] = total(kl * weights), total(kl)
     return policy + loss.beta * sums["kl_loss"], sums
@@ -308,9 +323,7 @@ def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, me
   microbatch.accumulate sums the micro-batches' shares. Equal to value_and_grad(loss_fn)
   up to float rounding, with one micro-batch's activations alive at a time."""
   n = batch["rewards_N"].shape[0]
-  mask = batch["completion_mask_NxT"]
-  if loss.mask_truncated_completions:
-    mask = mask & ~batch["truncated_N"][:, None]
+  mask = loss_mask(batch, loss)
   advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
   rows = dict(batch, advantages_N=advantages, mask_NxT=mask,
               weights_NxT=token_weights(mask, loss.loss_agg, loss.max_new_tokens))

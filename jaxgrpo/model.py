@@ -341,12 +341,7 @@ class Decoder(nn.Module):
     return jnp.take(table, tokens, axis=0).astype(DTYPES[self.cfg.dtype])
 
   def _logits(self, x):
-    x = self.final_norm(x)
-    dt = DTYPES[self.cfg.dtype]
-    if self.cfg.tie_embeddings:
-      logits = dense(x, self.embedding.astype(dt).T)
-    else:
-      logits = dense(x, self.lm_head.astype(dt))
+    logits = dense(self.final_norm(x), self._head())
     logits = constrain(logits, "batch", *([None] * (logits.ndim - 2)), "act_vocab")
     return logits.astype(jnp.float32)
 
