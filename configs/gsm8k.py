@@ -43,7 +43,9 @@ def get_config(arg=None):
       rope_original_max_positions=unset(int), param_dtype="float32", dtype="bfloat16",
       # Each layer keeps only its input for the backward pass and recomputes the rest: at
       # 512 rollouts of ~900 tokens the activations, not the weights, fill the chips.
-      remat="full"))
+      remat="full",
+      # None: the layers scanned (one compiled layer body) on TPU and GPU, unrolled on CPU.
+      scan_layers=unset(bool)))
 
   # dcn_data: TPU slices (multi-slice); data/fsdp/tensor are sizes inside one slice.
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))

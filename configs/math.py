@@ -30,7 +30,11 @@ def get_config(arg=None):
       qkv_bias=False, rope_scaling_factor=0.0, rope_low_freq_factor=1.0,
       rope_high_freq_factor=4.0, rope_original_max_positions=8192,
       param_dtype="float32", dtype="float32",
-      remat="none"))  # what each layer keeps for the backward: none, full, save_dots
+      remat="none",  # what each layer keeps for the backward: none, full, save_dots
+      # The layers as one compiled loop body (True) or unrolled (False); None: unrolled on
+      # CPU (faster steps there), scanned on TPU and GPU (compile time that does not grow
+      # with depth).
+      scan_layers=config_dict.placeholder(bool)))
 
   # dcn_data: TPU slices joined by the data-centre network, each a data-parallel replica;
   # data/fsdp/tensor are sizes inside one slice.

@@ -81,8 +81,8 @@ def prepare(params, cfg: model_lib.ModelConfig) -> Weights:
   hk, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
   col = lambda v: v[:, None]
   layers = []
-  for i in range(cfg.num_layers):
-    p = params[f"layer_{i}"]
+  for i in range(cfg.num_layers):  # the stacked layers, sliced (static indices: no copy)
+    p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
     a, m = p["attn"], p["mlp"]
     q = a["q"].reshape(cfg.d_model, hk, r, d)
     qkv = jnp.concatenate([q, a["k"][:, :, None], a["v"][:, :, None]], axis=2)

@@ -83,6 +83,7 @@ class LossConfig:
   micro_batch_size: int = 0    # rollouts per forward and backward pass; 0 = the whole batch
   logprob_chunk_size: int = 0  # completion positions per output projection; 0 = all at once
   remat: str = "none"          # what each layer keeps for the backward (model.REMAT_POLICIES)
+  scan_layers: bool | None = None  # layers as one compiled loop body; None: by backend
 
 
 class TrainState(NamedTuple):
@@ -193,14 +194,16 @@ def kl_sampling_params(sp: sampling.SamplingParams) -> sampling.SamplingParams:
 
 
 def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int, sp, *,
-                        chunk: int = 0, remat: str = "none"):
+                        chunk: int = 0, remat: str = "none",
+                        scan_layers: bool | None = None):
   """log π_θ of each completion token, teacher-forced; each prompt is computed once and
   shared by its G completions (model.score_groups), as in sampling.
 
   sp: one SamplingParams, or a tuple of them: one forward then serves every profile, and the
   result is a tuple of [N, T] arrays in the same order.
   chunk > 0: project `chunk` positions at a time, never holding the [N, T, V] logits
-  (scoring.chunked_logprobs). remat: what each layer keeps for the backward pass.
+  (scoring.chunked_logprobs). remat: what each layer keeps for the backward pass;
+  scan_layers: model.Decoder's.
   """
   n, t = batch["completion_tokens_NxT"].shape
   b = n // group_size
@@ -209,11 +212,12 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   args = (params, cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], completion_BxGxT,
           batch["completion_mask_NxT"].reshape(b, group_size, t))
   if chunk:
-    hidden_BxGxTxD, head_DxV = model_lib.score_hidden(*args, remat=remat)
+    hidden_BxGxTxD, head_DxV = model_lib.score_hidden(*args, remat=remat,
+                                                      scan_layers=scan_layers)
     out = scoring.chunked_logprobs(hidden_BxGxTxD.reshape(n, t, -1), head_DxV,
                                    batch["completion_tokens_NxT"], sps, chunk)
   else:
-    logits_BxGxTxV = model_lib.score_groups(*args, remat=remat)
+    logits_BxGxTxV = model_lib.score_groups(*args, remat=remat, scan_layers=scan_layers)
     out = tuple(sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
                 for p in sps)
   return out if isinstance(sp, tuple) else out[0]
@@ -233,7 +237,7 @@ def _policy_logprobs(params, cfg, batch, loss: LossConfig, sp):
   profile, for the penalty), from one forward: the same array when they coincide or
   beta is 0."""
   kl_sp = kl_sampling_params(sp)
-  opts = dict(chunk=loss.logprob_chunk_size, remat=loss.remat)
+  opts = _forward_options(loss)
   if loss.beta > 0 and kl_sp != sp:
     return completion_logprobs(params, cfg, batch, loss.num_generations, (sp, kl_sp), **opts)
   logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp, **opts)
@@ -244,7 +248,12 @@ def _reference_logprobs(ref_params, cfg, batch, loss: LossConfig, sp):
   """log π_ref of each completion token under the KL's untruncated profile (no gradient)."""
   return jax.lax.stop_gradient(completion_logprobs(
       ref_params, cfg, batch, loss.num_generations, kl_sampling_params(sp),
-      chunk=loss.logprob_chunk_size, remat=loss.remat))
+      **_forward_options(loss)))
+
+
+def _forward_options(loss: LossConfig) -> dict:
+  """How `completion_logprobs` computes (memory and compile time, not the result)."""
+  return dict(chunk=loss.logprob_chunk_size, remat=loss.remat, scan_layers=loss.scan_layers)
 
 
 def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,

@@ -46,6 +46,10 @@ def _name(path) -> str:
 
 
 def _flatten(params) -> dict[str, np.ndarray]:
+  """Host copies named as on disk: each layer's tensors apart (`layer_3/attn/q`), whatever
+  the in-memory layout (stacked under `layers`, see model.stack_layers)."""
+  if "layers" in params:
+    params = model_lib.unstack_layers(params)
   return {_name(path): np.asarray(jax.device_get(leaf))
           for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
@@ -99,8 +103,7 @@ def load_pretrained(path: str):
   cfg, tokenizer = inspect_pretrained(path)
   weights_file = os.path.join(resolve(path), WEIGHTS_FILE)
   params = _unflatten(safetensors.numpy.load_file(weights_file))
-  expected = _flatten_shapes(
-      jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0))))
+  expected = _expected_shapes(cfg)
   got = {k: v.shape for k, v in _flatten(params).items()}
   if set(expected) != set(got):
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
@@ -113,7 +116,7 @@ def load_pretrained(path: str):
   if tokenizer.vocab_size > cfg.vocab_size:
     raise PretrainedError(f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but the "
                           f"model's vocab_size is {cfg.vocab_size}")
-  return cfg, params, tokenizer
+  return cfg, model_lib.stack_layers(params), tokenizer
 
 
 def _flatten_shapes(abstract) -> dict[str, tuple]:
@@ -289,7 +292,9 @@ _FLOAT_KINDS = ("F32", "BF16", "F16")
 
 
 def _expected_shapes(cfg) -> dict[str, tuple]:
-  return _flatten_shapes(jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0))))
+  """Every tensor's shape as named on disk (one entry per layer)."""
+  return _flatten_shapes(jax.eval_shape(lambda: model_lib.unstack_layers(
+      nn.unbox(model_lib.init_params(cfg, jax.random.key(0))))))
 
 
 def _hf_shape(shape: tuple, how: str) -> tuple:
@@ -322,9 +327,25 @@ def load_hf(path: str, *, dtype: str = "float32", mesh=None):
     shardings = {_name(p): s for p, s in jax.tree_util.tree_leaves_with_path(
         sharding_lib.param_shardings(cfg, mesh))}
   np_dtype = np.dtype(model_lib.DTYPES[dtype])
+  names = _hf_names(cfg)
+
+  def read(ours):
+    theirs, how = names[ours]
+    return _from_hf(_read_tensor(files[theirs], theirs), how, expected[ours]).astype(np_dtype)
+
+  # One stacked tensor at a time: its L layers are read, stacked on the host, and placed,
+  # so the host holds at most one kind of tensor for every layer, never the model.
   flat = {}
-  for ours, (theirs, how) in _hf_names(cfg).items():
-    value = _from_hf(_read_tensor(files[theirs], theirs), how, expected[ours]).astype(np_dtype)
+  for ours in names:
+    layer, _, rest = ours.partition("/")
+    if layer.startswith(model_lib.LAYER_PREFIX):
+      if layer != f"{model_lib.LAYER_PREFIX}0":
+        continue
+      ours = f"layers/{rest}"
+      value = np.stack([read(f"{model_lib.LAYER_PREFIX}{i}/{rest}")
+                        for i in range(cfg.num_layers)])
+    else:
+      value = read(ours)
     flat[ours] = value if shardings is None else jax.device_put(value, shardings[ours])
   return cfg, _unflatten(flat), tokenizer
 

@@ -50,6 +50,7 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("layers", None),  # the stacked layers' leading axis: every chip holds every layer's share
     # Activations and caches. The model dimension of an activation has no name (whole on
     # every chip): under FSDP each chip gathers a layer's weights and computes its own rows.
     ("batch", BATCH_AXES),
@@ -206,9 +207,9 @@ def init_sharded(cfg: model_lib.ModelConfig, mesh: Mesh, rng):
   Only the initialisers run: the tree's shapes come from `jax.eval_shape` (a trace, no
   compile), and leaf i is drawn by `model.initializer` (the modules' own rule) from
   fold_in(rng, i), straight into its sharding. One small program is compiled per distinct
-  (name, shape, dtype, sharding) and reused by every layer, so the compile does not grow
-  with depth. Jitting flax's init instead compiles the forward pass it runs to create the
-  parameters: 124 s for a 28-layer 1.7B model on an H200 (../shared/device/README.md).
+  (name, shape, dtype, sharding); the layers are stacked, so one program draws a kind of
+  tensor for every layer at once and the compile does not grow with depth. Jitting flax's
+  init instead compiles the forward pass it runs to create the parameters: 124 s for a 28-layer 1.7B model on an H200 (../shared/device/README.md).
   The draws are not flax init's (another key per leaf); their distributions are.
   """
   abstract = nn.unbox(jax.eval_shape(lambda r: model_lib.init_params(cfg, r), rng))
@@ -217,10 +218,10 @@ def init_sharded(cfg: model_lib.ModelConfig, mesh: Mesh, rng):
   programs = {}
   out = []
   for i, ((path, leaf), sharding) in enumerate(zip(leaves, shardings)):
-    name = path[-1].key
+    name, stacked = path[-1].key, path[0].key == "layers"
     spec = (name, leaf.shape, leaf.dtype, sharding)
     if spec not in programs:
-      init = model_lib.initializer(name, leaf.shape)
+      init = model_lib.initializer(name, leaf.shape, stacked)
       programs[spec] = jax.jit(  # the leaf index is an argument: one program per spec
           lambda key, index, init=init, shape=leaf.shape, dtype=leaf.dtype: init(
               jax.random.fold_in(key, index), shape, dtype),

@@ -196,6 +196,7 @@ def _check_source_metrics(config, sources) -> None:
 def _resume_point(config, workdir: str, model_cfg, train_batches):
   """Where the run resumes from, checked on the host: (folder, step or None) or None."""
   from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import model as model_lib  # pylint: disable=g-import-not-at-top
   want = config.checkpoint.resume
   own = os.path.join(workdir, checkpoint.DIR_NAME)
   if want == "never":
@@ -232,6 +233,12 @@ def _resume_point(config, workdir: str, model_cfg, train_batches):
             f"config.model.{key}={value!r}: the checkpoint {directory}/{candidate} to resume "
             f"from has {saved[key]!r}; allowed: the checkpoint's value, or "
             "checkpoint.resume='never' with another --workdir")
+    if meta.get("layout") != model_lib.PARAM_LAYOUT:
+      raise config_lib.ConfigError(
+          f"config.checkpoint.resume: {directory}/{candidate} holds per-layer parameters "
+          "(written before jaxgrpo stacked its layers) and cannot be resumed; allowed: "
+          f"export it (python -m jaxgrpo.export {os.path.dirname(directory)} --out=DIR) and "
+          "start a run from it with --config.model.hf_checkpoint=DIR, or a newer checkpoint")
     try:  # same data, seed, batch size and hosts, or the resumed data order would differ
       train_batches.set_state(meta["data"])
     except data_lib.DataError as e:
@@ -286,7 +293,8 @@ def _load_policy(config):
   from jaxgrpo import model as model_lib
   from jaxgrpo.tokenizer import Tokenizer
   m = config.model
-  arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat")}
+  arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat",
+                                                    "scan_layers")}
   source = m.checkpoint or m.hf_checkpoint
   if source:
     if m.hf_checkpoint:

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxgrpo import checkpoint, distributed, faults, grpo, hf, metrics, plot, sampling
 from jaxgrpo import validation
+from jaxgrpo import model as model_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 
@@ -50,20 +51,26 @@ def build(setup, mesh=None):
   # No reference policy at all when beta is 0 (no copy, no forward pass).
   ref_params = jax.tree.map(lambda x: x.copy(), params) if g.beta > 0 else None
   state = grpo.init_state(params, optimizer, mesh)
-  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_config(c),
+  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_config(c, mesh),
                          sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
   return engine, state, ref_params, update
 
 
-def loss_config(c) -> grpo.LossConfig:
-  """The GRPO loss settings of a run config."""
+def scan_layers(c, mesh) -> bool:
+  """model.scan_layers, with None resolved by the mesh's platform (model.resolve_scan_layers)."""
+  return model_lib.resolve_scan_layers(c.model.scan_layers, mesh.devices.flat[0].platform)
+
+
+def loss_config(c, mesh) -> grpo.LossConfig:
+  """The GRPO loss settings of a run config, on `mesh`."""
   g = c.grpo
   return grpo.LossConfig(
       num_generations=g.num_generations_per_prompt, beta=g.beta, kl_type=g.kl_type,
       epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
       scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
       max_new_tokens=c.generation.max_new_tokens, micro_batch_size=g.micro_batch_size,
-      logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat)
+      logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat,
+      scan_layers=scan_layers(c, mesh))
 
 
 class CountedUpdate:
@@ -106,7 +113,8 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
              for name in profiles}
     return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
                                                      tokenizer=tokenizer, slots=slots, **common)
-  return sampling.RolloutEngine(model_cfg, mesh, profiles, **common)
+  return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
+                                **common)
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step):
@@ -205,7 +213,7 @@ def run(setup) -> int:
   def save(step, reason, result=None):
     meta = {"step": step, "reason": reason, "seed": c.seed, "time": time.time(),
             "data": setup.train_batches.get_state(),
-            "model": dataclasses.asdict(setup.model_cfg)}
+            "model": dataclasses.asdict(setup.model_cfg), "layout": model_lib.PARAM_LAYOUT}
     saved[step] = checkpoints.save(step, state, meta, result)
 
   with faults.Preemption() as preemption:

@@ -162,7 +162,8 @@ def main(argv=None) -> int:
   micro = g.micro_batch_size or rollouts
   print(f"update: {rollouts} rollouts in micro-batches of {micro} ({rollouts // micro} per "
         f"step; grpo.micro_batch_size={g.micro_batch_size}), logprob_chunk_size="
-        f"{g.logprob_chunk_size}, remat={config.model.remat}", flush=True)
+        f"{g.logprob_chunk_size}, remat={config.model.remat}, scan_layers="
+        f"{_trainer().scan_layers(config, mesh)}", flush=True)
   chip = _TOPOLOGY.value.split(":")[0]  # "v5e's 16 GiB", as the chip is called
   memory, failures = {}, []
   for name, lowered, resident in _programs(config, model_cfg, tokenizer, mesh,
@@ -350,7 +351,7 @@ def _programs(c, model_cfg, tokenizer, mesh, which):
   state = _abstract_state(_abstract_params(model_cfg, mesh), optimizer, mesh)
   ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
   engine = trainer.make_engine(c, model_cfg, tokenizer, mesh)
-  update = grpo.compile_update(state, ref_params, cfg=model_cfg, loss=trainer.loss_config(c),
+  update = grpo.compile_update(state, ref_params, cfg=model_cfg, loss=trainer.loss_config(c, mesh),
                                sp=engine.profile("train").sampling, optimizer=optimizer,
                                lr_schedule=lr, mesh=mesh)
   b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
@@ -465,6 +466,12 @@ def _table(memory: dict[str, Memory], hbm: int) -> str:
   if any(m.needs is not None for m in memory.values()):
     notes.append("?: the compiler refused the program and named only its total")
   return "per chip:\n" + "\n".join(lines + notes)
+
+
+def _trainer():
+  """jaxgrpo.trainer, imported once jax is configured (as in _programs)."""
+  from jaxgrpo import trainer  # pylint: disable=g-import-not-at-top
+  return trainer
 
 
 def _gib(n: int) -> str:

@@ -15,7 +15,10 @@ from jaxgrpo import model
 def random_params(cfg, seed, scale_noise=0.0):
   """Fan-in-scaled normal kernels, N(0, 0.02) embeddings, norm scales 1 + scale_noise * N(0, 1)
   (a non-zero noise makes a dropped norm scale visible). Host float32 numpy arrays."""
-  shapes = jax.eval_shape(lambda key: nn.unbox(model.init_params(cfg, key)), jax.random.key(0))
+  # Drawn layer by layer (the unstacked tree, in its order), then stacked: the draws do not
+  # depend on the in-memory layout, so every test's numbers survived the stacking of layers.
+  shapes = jax.eval_shape(lambda key: model.unstack_layers(nn.unbox(model.init_params(cfg, key))),
+                          jax.random.key(0))
   rng = np.random.default_rng(seed)
 
   def draw(path, leaf):
@@ -29,4 +32,4 @@ def random_params(cfg, seed, scale_noise=0.0):
       value = rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
     return np.asarray(value, np.float32)
 
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+  return model.stack_layers(jax.tree_util.tree_map_with_path(draw, shapes))

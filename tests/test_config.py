@@ -310,3 +310,29 @@ def test_slots_are_refused_with_the_native_backend():
   with pytest.raises(config_lib.ConfigError, match="max_concurrent_decodes=8: allowed: 0 with "
                      "generation.backend='native'"):
     config_lib.validate(c, num_devices=8)
+
+
+def test_scan_layers_is_a_bool_or_none_and_resolves_by_platform():
+  # model.scan_layers is an execution choice (not architecture): True, False, or None for
+  # "by platform": unrolled on CPU (faster steps there), scanned on TPU and GPU.
+  import ml_collections
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import model, sharding, trainer  # pylint: disable=g-import-not-at-top
+  raw = math_config().to_dict()
+  raw["model"]["scan_layers"] = "yes"
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.scan_layers='yes'.*True or "
+                     r"False"):
+    config_lib.validate(ml_collections.ConfigDict(raw), num_devices=1)
+  assert [model.resolve_scan_layers(None, p) for p in ("cpu", "tpu", "gpu")] == [
+      False, True, True]
+  assert model.resolve_scan_layers(False, "tpu") is False
+  assert model.resolve_scan_layers(True, "cpu") is True
+  # The trainer resolves it from the mesh's devices, for the update and the samplers alike
+  # (a random init: scan_layers None must not be refused as a missing architecture key).
+  c = math_config()
+  c.model.checkpoint = ""
+  config_lib.validate(c, num_devices=1)
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  assert trainer.loss_config(c, mesh).scan_layers is False
+  c.model.scan_layers = True
+  assert trainer.loss_config(c, mesh).scan_layers is True

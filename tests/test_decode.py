@@ -104,7 +104,7 @@ def test_prepare_keeps_each_kv_heads_queries_key_and_value_together():
   cfg = VARIANTS["bias_llama3_r4"]
   params = random_params(cfg, seed=3)
   w = decode.prepare(params, cfg)
-  a = params["layer_0"]["attn"]
+  a = jax.tree.map(lambda x: x[0], params["layers"]["attn"])  # layer 0 of the stack
   qkv = np.asarray(w.layers[0].qkv)
   assert qkv.shape == (1, 6, 8, 32)
   for h in range(4):
@@ -133,8 +133,8 @@ def test_gate_and_up_are_two_independent_matmuls():
   cfg = dataclasses.replace(BASE, mlp_dim=48)
   params = random_params(cfg, seed=0)
   w = decode.prepare(params, cfg).layers[0]
-  np.testing.assert_array_equal(w.gate, params["layer_0"]["mlp"]["gate"].T)
-  np.testing.assert_array_equal(w.up, params["layer_0"]["mlp"]["up"].T)
+  np.testing.assert_array_equal(w.gate, params["layers"]["mlp"]["gate"][0].T)
+  np.testing.assert_array_equal(w.up, params["layers"]["mlp"]["up"][0].T)
   dots = re.findall(r"= f32\[(\d+),(\d+)\]\{[\d,]*\} dot\(", _compiled_step_hlo(cfg))
   assert dots.count(("48", "6")) == 2 * cfg.num_layers, dots
   assert ("96", "6") not in dots, dots

@@ -522,7 +522,7 @@ def test_kl_penalty_uses_untruncated_distributions_under_top_k(monkeypatch):
   v = 4
   monkeypatch.setattr(
       grpo.model_lib, "score_groups",
-      lambda p, cfg, pt, pm, comp_BxGxT, cm, remat: jnp.broadcast_to(
+      lambda p, cfg, pt, pm, comp_BxGxT, cm, **unused: jnp.broadcast_to(
           p["logits"], comp_BxGxT.shape + (v,)))
   policy = {"logits": jnp.array([2.0, 1.0, 0.0, -1.0])}
   reference = {"logits": jnp.array([-1.0, 0.0, 1.0, 2.0])}

@@ -131,18 +131,22 @@ def test_every_parameter_has_logical_axis_names(variant):
     assert isinstance(leaf, nn.LogicallyPartitioned), type(leaf)
     assert len(leaf.names) == len(leaf.value.shape), (leaf.names, leaf.value.shape)
     assert all(isinstance(n, str) for n in leaf.names), leaf.names
-  # Per layer: q, k, v, o, gate, up, down and two norm scales; plus embedding and final norm.
-  expected = 2 * 9 + 2
-  attn = boxed["layer_1"]["attn"]
+  # Stacked layers: q, k, v, o, gate, up, down and two norm scales, each [num_layers, ...]
+  # with the leading axis named "layers"; plus the embedding and the final norm.
+  expected = 9 + 2
+  layers = boxed["layers"]
+  attn = layers["attn"]
   assert boxed["embedding"].names == ("vocab", "embed")
-  assert attn["q"].names == ("embed", "q_heads", "head_dim")
-  assert attn["k"].names == ("embed", "kv_heads", "head_dim")
-  assert attn["o"].names == ("q_heads", "head_dim", "embed")
-  assert boxed["layer_1"]["mlp"]["down"].names == ("mlp", "embed")
+  assert attn["q"].names == ("layers", "embed", "q_heads", "head_dim")
+  assert attn["q"].value.shape[0] == cfg.num_layers
+  assert attn["k"].names == ("layers", "embed", "kv_heads", "head_dim")
+  assert attn["o"].names == ("layers", "q_heads", "head_dim", "embed")
+  assert layers["mlp"]["down"].names == ("layers", "mlp", "embed")
+  assert layers["attn_norm"]["scale"].names == ("layers", "norm")
   if variant == "mha_qknorm_untied":
-    expected += 1 + 2 * 2  # lm_head; q_norm and k_norm per layer
+    expected += 1 + 2  # lm_head; q_norm and k_norm
     assert boxed["lm_head"].names == ("embed", "vocab")
-    assert attn["q_norm"]["scale"].names == ("norm",)
+    assert attn["q_norm"]["scale"].names == ("layers", "norm")
   assert len(leaves) == expected
 
 
@@ -243,3 +247,70 @@ def test_remat_keeps_less_for_the_backward():
                                             new_tokens=64, remat=remat)["temp_bytes"]
           for remat in ("none", "save_dots", "full")}
   assert temp["full"] < temp["none"] and temp["save_dots"] < temp["none"], temp
+
+
+def _score_loss(params, cfg, batch, scan_layers, remat="none"):
+  """A scalar of score_groups' logits (every position and vocabulary entry weighs in)."""
+  logits = model.score_groups(params, cfg, *batch, remat=remat, scan_layers=scan_layers)
+  return jnp.sum(jax.nn.log_softmax(logits) * jnp.cos(jnp.arange(logits.shape[-1])))
+
+
+def _score_batch(cfg, rng, b=2, g=3, p=6, t=5):
+  """Left-padded prompts (1 and 3 pads) and ragged completions (t and t - 2 real tokens)."""
+  prompt = rng.integers(0, cfg.vocab_size, (b, p)).astype(np.int32)
+  prompt_mask = np.arange(p)[None] >= np.array([1, 3])[:b, None]
+  completion = rng.integers(0, cfg.vocab_size, (b, g, t)).astype(np.int32)
+  completion_mask = np.ones((b, g, t), bool)
+  completion_mask[:, 1, t - 2:] = False
+  return prompt, prompt_mask, completion, completion_mask
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_scanned_layers_equal_unrolled_ones(variant):
+  # The layers as one scanned body or unrolled read the same stacked parameters and run the
+  # same ops: logits, prefill K/V, the training forward and its gradients agree (float32;
+  # the forward came out bitwise equal on CPU, the gradients' sums differ in order: up to
+  # 2e-5 relative, so gradients are compared to 1e-4 of the largest entry of each leaf).
+  # test_decode.py pins the decode step (a Python loop over the stack) to `forward`, which
+  # catches a layer applied out of order in both.
+  from jaxgrpo import sampling  # pylint: disable=g-import-not-at-top
+  cfg = VARIANTS[variant]
+  params = _random_params(cfg, seed=1)
+  tokens, mask, _ = _padding_batch(np.random.default_rng(1))
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+  logits = {s: jax.jit(model.forward, static_argnums=(1, 4))(params, cfg, tokens, mask, s)
+            for s in (True, False)}
+  close(logits[True], logits[False])
+  prefill = jax.jit(sampling.prefill, static_argnums=(1, 4))
+  (last_s, (ks_s, vs_s)), (last_u, (ks_u, vs_u)) = (prefill(params, cfg, tokens, mask, s)
+                                                    for s in (True, False))
+  close(last_s, last_u)
+  assert len(ks_s) == len(ks_u) == cfg.num_layers
+  jax.tree.map(close, (ks_s, vs_s), (ks_u, vs_u))
+  batch = _score_batch(cfg, np.random.default_rng(2))
+  grad = jax.jit(jax.value_and_grad(_score_loss), static_argnums=(1, 3, 4))
+  for remat in ("none", "full"):
+    (loss_s, g_s), (loss_u, g_u) = (grad(params, cfg, batch, s, remat) for s in (True, False))
+    close(loss_s, loss_u)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=0, atol=1e-4 * float(np.abs(b).max())), g_s, g_u)
+    assert float(jnp.abs(g_s["layers"]["mlp"]["down"][0]).max()) > 0  # a real gradient
+
+
+def test_scanned_layers_compile_one_layer_body():
+  # What scanning is for: the compiled training forward + backward holds one layer's
+  # matmuls whatever the depth, where the unrolled program holds one set per layer (28
+  # layers of a real model: 28 copies for XLA to compile). Counted in the optimized HLO.
+  rng = np.random.default_rng(0)
+  dots = {}
+  for layers in (2, 6):
+    cfg = dataclasses.replace(BASE, num_layers=layers)
+    params = jax.eval_shape(lambda: random_params(cfg, 0))
+    batch = _score_batch(cfg, rng)
+    for scan in (True, False):
+      fn = jax.jit(jax.grad(_score_loss), static_argnums=(1, 3))
+      hlo = fn.lower(params, cfg, batch, scan).compile().as_text()
+      dots[layers, scan] = hlo.count(" dot(")
+  assert dots[2, True] == dots[6, True], dots
+  assert dots[6, False] > 2 * dots[2, False], dots
+  assert dots[6, True] < dots[6, False], dots

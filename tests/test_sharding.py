@@ -117,21 +117,22 @@ def single_device_params():
 
 def test_init_sharded_places_params_by_logical_axes(mesh222, single_device_init):
   params = sharding.init_sharded(INIT_CFG, mesh222, jax.random.key(7))
-  attn, mlp = params["layer_0"]["attn"], params["layer_0"]["mlp"]
-  # ("embed", "q_heads", "head_dim") -> embed over fsdp, heads over tensor.
-  assert attn["q"].sharding.spec == P("fsdp", "tensor", None)
-  assert attn["k"].sharding.spec == P("fsdp", "tensor", None)
-  assert attn["o"].sharding.spec == P("tensor", None, "fsdp")
+  attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
+  # ("layers", "embed", "q_heads", "head_dim") -> every layer on every chip, embed over
+  # fsdp, heads over tensor.
+  assert attn["q"].sharding.spec == P(None, "fsdp", "tensor", None)
+  assert attn["k"].sharding.spec == P(None, "fsdp", "tensor", None)
+  assert attn["o"].sharding.spec == P(None, "tensor", None, "fsdp")
   # ("vocab", "embed") -> vocab over tensor, embed over fsdp; the head is its transpose.
   assert params["embedding"].sharding.spec == P("tensor", "fsdp")
   assert params["lm_head"].sharding.spec == P("fsdp", "tensor")
-  assert mlp["gate"].sharding.spec == P("fsdp", "tensor")
-  assert mlp["down"].sharding.spec == P("tensor", "fsdp")
+  assert mlp["gate"].sharding.spec == P(None, "fsdp", "tensor")
+  assert mlp["down"].sharding.spec == P(None, "tensor", "fsdp")
   assert params["final_norm"]["scale"].sharding.spec == P(None)
   for leaf in jax.tree.leaves(params):
     assert leaf.sharding.mesh == mesh222
-  # A q kernel [32, 4, 8] split 2 ways on embed and 2 ways on heads: shards of [16, 2, 8].
-  assert attn["q"].addressable_shards[0].data.shape == (16, 2, 8)
+  # q kernels [L, 32, 4, 8] split 2 ways on embed and 2 ways on heads: shards [L, 16, 2, 8].
+  assert attn["q"].addressable_shards[0].data.shape == (INIT_CFG.num_layers, 16, 2, 8)
   # Same values as on one device with the same key: the mesh never changes the draws.
   assert jax.tree.structure(params) == jax.tree.structure(single_device_init)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
@@ -144,7 +145,7 @@ def test_init_sharded_draws_what_flax_init_draws(single_device_init):
   # N(0, 0.02^2), norm scales 1. Sample std within 15% of the rule (>= 1024 draws each).
   flax_init = nn.unbox(model.init_params(INIT_CFG, jax.random.key(7)))
   assert jax.tree.structure(flax_init) == jax.tree.structure(single_device_init)
-  layer = single_device_init["layer_0"]
+  layer = jax.tree.map(lambda a: a[0], single_device_init["layers"])  # layer 0 of the stack
   for array, std in ((layer["attn"]["q"], 32 ** -0.5), (layer["attn"]["o"], 32 ** -0.5),
                      (layer["mlp"]["down"], 64 ** -0.5),
                      (single_device_init["embedding"], 0.02)):
@@ -157,7 +158,7 @@ def test_init_sharded_draws_what_flax_init_draws(single_device_init):
 
 def test_shard_params_uses_the_same_layout(mesh222, single_device_params):
   placed = sharding.shard_params(single_device_params, CFG, mesh222)
-  assert placed["layer_1"]["attn"]["v"].sharding.spec == P("fsdp", "tensor", None)
+  assert placed["layers"]["attn"]["v"].sharding.spec == P(None, "fsdp", "tensor", None)
   jax.tree.map(np.testing.assert_array_equal, placed, single_device_params)
 
 
