@@ -43,3 +43,35 @@ def test_export_writes_the_checkpoint_bitwise(straight_run, tmp_path):
   assert "--step=5: no such checkpoint" in proc.stderr and "allowed: [" in proc.stderr
   proc = export(tmp_path, "--out", tmp_path / "x")
   assert proc.returncode == 2 and "config.json: missing" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_per_layer_parameters_still_exports(straight_run, tmp_path):
+  # A run from before the layers were stacked holds layer_0, layer_1, ... in its train
+  # state. Resuming it is refused (test_checkpoint.py), and the way out the refusal names
+  # is this: export reads whatever tree orbax stored, so the old layout exports to the same
+  # Hugging Face tensors as the stacked one.
+  import shutil  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import model  # pylint: disable=g-import-not-at-top
+  workdir, run = straight_run
+  assert run.returncode == 0, run.stderr[-2000:]
+  ckpts = checkpoint.Checkpoints(str(workdir / "checkpoints"), read_only=True)
+  state, meta = ckpts.restore(8)
+  ckpts.close()
+  old = tmp_path / "old"
+  old.mkdir()
+  shutil.copy(workdir / "config.json", old / "config.json")
+  old_ckpts = checkpoint.Checkpoints(str(old / "checkpoints"))
+  old_state = dict(state, params=model.unstack_layers(state["params"]))
+  assert "layer_1" in old_state["params"] and "layers" not in old_state["params"]
+  old_ckpts.save(8, old_state, {k: v for k, v in meta.items() if k != "layout"})
+  old_ckpts.close()
+  for source, out in ((workdir, tmp_path / "new_hf"), (old, tmp_path / "old_hf")):
+    proc = export(source, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+  a = safetensors.numpy.load_file(str(tmp_path / "new_hf" / "model.safetensors"))
+  b = safetensors.numpy.load_file(str(tmp_path / "old_hf" / "model.safetensors"))
+  assert sorted(a) == sorted(b) and "model.layers.1.mlp.down_proj.weight" in a
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name])
