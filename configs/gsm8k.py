@@ -45,7 +45,9 @@ def get_config(arg=None):
       # 512 rollouts of ~900 tokens the activations, not the weights, fill the chips.
       remat="full",
       # None: the layers scanned (one compiled layer body) on TPU and GPU, unrolled on CPU.
-      scan_layers=unset(bool)))
+      scan_layers=unset(bool),
+      # None: cuDNN's fused attention on a GPU (bfloat16 compute), XLA's einsums elsewhere.
+      attention=unset(str)))
 
   # dcn_data: TPU slices (multi-slice); data/fsdp/tensor are sizes inside one slice.
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))

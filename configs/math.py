@@ -34,7 +34,9 @@ def get_config(arg=None):
       # The layers as one compiled loop body (True) or unrolled (False); None: unrolled on
       # CPU (faster steps there), scanned on TPU and GPU (compile time that does not grow
       # with depth).
-      scan_layers=config_dict.placeholder(bool)))
+      scan_layers=config_dict.placeholder(bool),
+      # None: cuDNN's fused attention on a GPU with bfloat16 compute, XLA's einsums elsewhere.
+      attention=config_dict.placeholder(str)))
 
   # dcn_data: TPU slices joined by the data-centre network, each a data-parallel replica;
   # data/fsdp/tensor are sizes inside one slice.

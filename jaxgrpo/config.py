@@ -112,7 +112,9 @@ SCHEMA: dict[str, Any] = {
         # Not architecture: what each layer keeps for the update's backward pass.
         "remat": _choice("none", "full", "save_dots"),
         # Not architecture: the layers as one compiled loop body or unrolled (None: by platform).
-        "scan_layers": _optional(_bool)},
+        "scan_layers": _optional(_bool),
+        # Not architecture: the attention kernel (None: cudnn on GPU with bfloat16, else xla).
+        "attention": _optional(_choice("xla", "cudnn"))},
     "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1), "dcn_data": _int(1)},
     "data": {
         "source": _choice("arithmetic", "jsonl"), "train_path": _str, "val_path": _str,
@@ -336,7 +338,7 @@ def _check_cross_fields(c, num_devices: int):
           f"'' while model.checkpoint={m.checkpoint!r} is set (one source of weights)")
   if not m.checkpoint and not m.hf_checkpoint:
     for key, value in m.items():
-      if value is None and key != "scan_layers":  # None there means "by platform"
+      if value is None and key not in ("scan_layers", "attention"):  # None: by platform
         _fail(f"model.{key}", value, "a value, or a checkpoint to take it from "
               "(model.hf_checkpoint=/path/to/hf/model or model.checkpoint)")
   _check_model_shapes(c, m, sizes)

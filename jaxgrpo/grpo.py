@@ -84,6 +84,7 @@ class LossConfig:
   logprob_chunk_size: int = 0  # completion positions per output projection; 0 = all at once
   remat: str = "none"          # what each layer keeps for the backward (model.REMAT_POLICIES)
   scan_layers: bool | None = None  # layers as one compiled loop body; None: by backend
+  attention: str | None = None  # model.ATTENTION; None: by backend
 
 
 class TrainState(NamedTuple):
@@ -195,7 +196,7 @@ def kl_sampling_params(sp: sampling.SamplingParams) -> sampling.SamplingParams:
 
 def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int, sp, *,
                         chunk: int = 0, remat: str = "none",
-                        scan_layers: bool | None = None):
+                        scan_layers: bool | None = None, attention: str | None = None):
   """log π_θ of each completion token, teacher-forced; each prompt is computed once and
   shared by its G completions (model.score_groups), as in sampling.
 
@@ -203,7 +204,7 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   result is a tuple of [N, T] arrays in the same order.
   chunk > 0: project `chunk` positions at a time, never holding the [N, T, V] logits
   (scoring.chunked_logprobs). remat: what each layer keeps for the backward pass;
-  scan_layers: model.Decoder's.
+  scan_layers, attention: model.Decoder's.
   """
   n, t = batch["completion_tokens_NxT"].shape
   b = n // group_size
@@ -213,11 +214,13 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
           batch["completion_mask_NxT"].reshape(b, group_size, t))
   if chunk:
     hidden_BxGxTxD, head_DxV = model_lib.score_hidden(*args, remat=remat,
-                                                      scan_layers=scan_layers)
+                                                      scan_layers=scan_layers,
+                                                      attention=attention)
     out = scoring.chunked_logprobs(hidden_BxGxTxD.reshape(n, t, -1), head_DxV,
                                    batch["completion_tokens_NxT"], sps, chunk)
   else:
-    logits_BxGxTxV = model_lib.score_groups(*args, remat=remat, scan_layers=scan_layers)
+    logits_BxGxTxV = model_lib.score_groups(*args, remat=remat, scan_layers=scan_layers,
+                                            attention=attention)
     out = tuple(sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
                 for p in sps)
   return out if isinstance(sp, tuple) else out[0]
@@ -253,7 +256,8 @@ def _reference_logprobs(ref_params, cfg, batch, loss: LossConfig, sp):
 
 def _forward_options(loss: LossConfig) -> dict:
   """How `completion_logprobs` computes (memory and compile time, not the result)."""
-  return dict(chunk=loss.logprob_chunk_size, remat=loss.remat, scan_layers=loss.scan_layers)
+  return dict(chunk=loss.logprob_chunk_size, remat=loss.remat, scan_layers=loss.scan_layers,
+              attention=loss.attention)
 
 
 def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,

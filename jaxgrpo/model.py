@@ -135,6 +135,26 @@ def resolve_scan_layers(value: bool | None, platform: str) -> bool:
   return platform != "cpu" if value is None else bool(value)
 
 
+ATTENTION = ("xla", "cudnn")
+
+
+def resolve_attention(value: str | None, platform: str, dtype: str) -> str:
+  """`model.attention`; None picks by platform: "cudnn" (jax.nn.dot_product_attention's
+  cuDNN flash attention, which keeps no [B, H, T, S] scores) on GPU with bfloat16 compute,
+  "xla" (the einsum path below, what XLA compiles on TPU and CPU) elsewhere."""
+  if value is not None:
+    return value
+  return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
+
+
+def fused_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
+  """softmax(q k^T / sqrt(D), masked) v through jax.nn.dot_product_attention (grouped-query
+  heads as the model groups them: query head h reads KV head h // (H / H_kv)). The mask is
+  one [B, 1, T, S] boolean, which cuDNN takes as an additive bias in the compute dtype."""
+  return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
+                                      mask=allowed_BxTxS[:, None], implementation=implementation)
+
+
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -194,9 +214,14 @@ def rope(x, positions, inv_freq):
 
 
 class Attention(nn.Module):
-  """Grouped-query attention; query head h uses key/value head h // (H / H_kv)."""
+  """Grouped-query attention; query head h uses key/value head h // (H / H_kv).
+
+  attention: "xla" (scores as einsums, the softmax in float32) or "cudnn" (fused, see
+  `fused_attention`); resolved by `resolve_attention` before it gets here.
+  """
 
   cfg: ModelConfig
+  attention: str = "xla"
 
   def setup(self):
     c = self.cfg
@@ -239,13 +264,16 @@ class Attention(nn.Module):
     b, t, _ = x_BxTxD.shape
     r = c.num_heads // c.num_kv_heads
     q, k, v = self._qkv(x_BxTxD, positions_BxT)
-    q = q.reshape(b, t, c.num_kv_heads, r, c.head_dim)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", q, k).astype(jnp.float32) * c.head_dim ** -0.5
     causal_TxT = jnp.tril(jnp.ones((t, t), bool))
     allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
-    scores = jnp.where(allowed[:, None, None], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, c.num_heads, c.head_dim)
+    if self.attention == "cudnn":
+      o = fused_attention(q, k, v, allowed, "cudnn")
+    else:
+      q = q.reshape(b, t, c.num_kv_heads, r, c.head_dim)
+      scores = jnp.einsum("btgrd,bsgd->bgrts", q, k).astype(jnp.float32) * c.head_dim ** -0.5
+      scores = jnp.where(allowed[:, None, None], scores, _NEG)
+      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+      o = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, c.num_heads, c.head_dim)
     # K/V returned in the cache layout [B, H_kv, T, D] for prefill.
     return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
@@ -265,6 +293,10 @@ class Attention(nn.Module):
     b, g, t, _ = x_BxGxTxD.shape
     hk, r, d = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
     q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
+    own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
+    if self.attention == "cudnn":
+      return self._out(self._extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxP,
+                                          own_BxGxTxS))
     q_BKGRTD = q.reshape(b, g, t, hk, r, d).transpose(0, 3, 1, 4, 2, 5)
     k_BKGSD = k.transpose(0, 3, 1, 2, 4)
     v_BKGSD = v.transpose(0, 3, 1, 2, 4)
@@ -274,7 +306,6 @@ class Attention(nn.Module):
     s_prompt = jnp.where(prompt_mask_BxP[:, None, None, :], s_prompt, _NEG)
     s_prompt = s_prompt.reshape(b, hk, g, r, t, -1)
     s_own = jnp.einsum("bkgrtd,bkgsd->bkgrts", q_BKGRTD, k_BKGSD).astype(jnp.float32) * scale
-    own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
     s_own = jnp.where(own_BxGxTxS[:, None, :, None], s_own, _NEG)
     row_max = jax.lax.stop_gradient(jnp.maximum(s_prompt.max(-1, keepdims=True),
                                                 s_own.max(-1, keepdims=True)))
@@ -286,6 +317,26 @@ class Attention(nn.Module):
          + jnp.einsum("bkgrts,bkgsd->bkgrtd", (e_own / denom).astype(v.dtype), v_BKGSD))
     o = o.transpose(0, 2, 4, 1, 3, 5)  # [B,G,T,Hkv,R,D]
     return self._out(o.reshape(b, g, t, c.num_heads, d))
+
+  def _extend_fused(self, q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS):
+    """`extend` through one fused attention per sample over [prompt | own] keys. The fused
+    kernel takes one key sequence, so each sample gets its own copy of its prompt's K/V
+    (B*G*P*H_kv*D values per layer, small beside the [B, H, T, P + T] scores it saves)."""
+    b, g, t, h, d = q.shape
+    p = prompt_mask_BxP.shape[-1]
+
+    def with_prompt(prompt_BxKxPxD, own_BxGxTxKxD):
+      prompt = jnp.broadcast_to(prompt_BxKxPxD.transpose(0, 2, 1, 3)[:, None],
+                                (b, g, p) + prompt_BxKxPxD.shape[1:2] + (d,))
+      return jnp.concatenate([prompt.astype(own_BxGxTxKxD.dtype), own_BxGxTxKxD], axis=2)
+
+    keys, values = with_prompt(prompt_k, k), with_prompt(prompt_v, v)
+    allowed = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxP[:, None, None], (b, g, t, p)),
+                               own_BxGxTxS], axis=-1)
+    o = fused_attention(q.reshape(b * g, t, h, d), keys.reshape(b * g, p + t, -1, d),
+                        values.reshape(b * g, p + t, -1, d), allowed.reshape(b * g, t, p + t),
+                        self.attention)
+    return o.reshape(b, g, t, h, d)
 
 
 class MLP(nn.Module):
@@ -309,10 +360,11 @@ class Block(nn.Module):
   """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x))."""
 
   cfg: ModelConfig
+  attention: str = "xla"
 
   def setup(self):
     self.attn_norm = RMSNorm(self.cfg, self.cfg.d_model)
-    self.attn = Attention(self.cfg)
+    self.attn = Attention(self.cfg, self.attention)
     self.mlp_norm = RMSNorm(self.cfg, self.cfg.d_model)
     self.mlp = MLP(self.cfg)
 
@@ -361,12 +413,14 @@ class Decoder(nn.Module):
 
   remat: a key of REMAT_POLICIES, for the training forward (`score_groups`): what each
   layer keeps for the backward pass. scan_layers: run the layers as a loop over one
-  compiled body (True) or unrolled (False); see `_over_layers`.
+  compiled body (True) or unrolled (False); see `_over_layers`. attention: a name of
+  ATTENTION, or None for the platform's (`resolve_attention`).
   """
 
   cfg: ModelConfig
   remat: str = "none"
   scan_layers: bool | None = None  # None: by the default backend (resolve_scan_layers)
+  attention: str | None = None  # None: by the default backend (resolve_attention)
 
   def setup(self):
     c = self.cfg
@@ -374,7 +428,8 @@ class Decoder(nn.Module):
     if not c.tie_embeddings:
       self.lm_head = _param(self, "lm_head", (c.d_model, c.vocab_size),
                             ("embed", "vocab"), c)
-    self.layers = Block(c)  # one block's parameters, stacked [num_layers, ...] by the scan
+    # One block's parameters, stacked [num_layers, ...] by the scan.
+    self.layers = Block(c, resolve_attention(self.attention, jax.default_backend(), c.dtype))
     self.final_norm = RMSNorm(c, c.d_model)
 
   def _embed(self, tokens):
@@ -467,26 +522,27 @@ def positions_from_mask(mask_BxT):
   return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def forward(params, cfg: ModelConfig, tokens_BxT, mask_BxT, scan_layers: bool | None = None):
+def forward(params, cfg: ModelConfig, tokens_BxT, mask_BxT, scan_layers: bool | None = None,
+            attention: str | None = None):
   """Teacher-forced logits of left-padded rows (the pure function the trainer calls)."""
-  return Decoder(cfg, scan_layers=scan_layers).apply(
+  return Decoder(cfg, scan_layers=scan_layers, attention=attention).apply(
       {"params": params}, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
 
 
 def score_groups(params, cfg: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
-                 scan_layers: bool | None = None):
+                 scan_layers: bool | None = None, attention: str | None = None):
   """Teacher-forced logits of G completions per prompt, the prompt computed once."""
-  return Decoder(cfg, remat, scan_layers).apply(
+  return Decoder(cfg, remat, scan_layers, attention).apply(
       {"params": params}, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
       completion_mask_BxGxT, method=Decoder.score_groups)
 
 
 def score_hidden(params, cfg: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
-                 scan_layers: bool | None = None):
+                 scan_layers: bool | None = None, attention: str | None = None):
   """(hidden [B, G, T, D], head [D, V]): `score_groups` before the output projection."""
-  return Decoder(cfg, remat, scan_layers).apply(
+  return Decoder(cfg, remat, scan_layers, attention).apply(
       {"params": params}, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
       completion_mask_BxGxT, method=Decoder.score_hidden)
 

@@ -174,13 +174,13 @@ def draw(logits, uniform, sp: SamplingParams):
 
 
 def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
-            scan_layers: bool | None = None):
+            scan_layers: bool | None = None, attention: str | None = None):
   """Runs the prompts once: the last position's logits and each layer's K/V.
 
   A module-level function so tests can watch the shapes it is traced with.
   """
   positions = model_lib.positions_from_mask(prompt_mask_BxP)
-  return model_lib.Decoder(cfg, scan_layers=scan_layers).apply(
+  return model_lib.Decoder(cfg, scan_layers=scan_layers, attention=attention).apply(
       {"params": params}, prompt_tokens_BxP, positions, prompt_mask_BxP, return_kv=True)
 
 
@@ -204,7 +204,7 @@ def row_uniform(key, row_id, step, num_samples: int):
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
            cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
            mesh=None, share_prefix: bool = True,
-           scan_layers: bool | None = None) -> Rollout:
+           scan_layers: bool | None = None, attention: str | None = None) -> Rollout:
   """The pure sampler (jit it with `profile` static).
 
   eos_id: the id (or a tuple of ids: instruct models end a turn with any of several) that
@@ -217,8 +217,8 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   exists to measure what sharing buys (`python -m jaxgrpo.bench prefill`); the random draws
   are the same, so the samples are too, up to float rounding.
 
-  scan_layers: the prefill's layers as one compiled loop body (model.Decoder); the decode
-  step is unrolled over layers either way (decode.py: fewest ops per token).
+  scan_layers, attention: the prefill's (model.Decoder); the decode step is unrolled over
+  layers either way (decode.py: fewest ops per token).
   """
   sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxP.shape[0]
@@ -230,7 +230,7 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
     prompt_tokens_BxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
     prompt_mask_BxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
   logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP,
-                                 scan_layers)
+                                 scan_layers, attention)
   prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
   weights = decode.prepare(params, cfg)
   cache = decode.init_cache(ks, vs, prompt_mask_BxP, cfg, pg, t)
@@ -302,7 +302,7 @@ def left_pad(prompt_tokens_BxP, prompt_mask_BxP, width: int, pad_id: int):
 
 def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad_id, mesh,
                     on_trace=None, share_prefix: bool = True,
-                    scan_layers: bool | None = None):
+                    scan_layers: bool | None = None, attention: str | None = None):
   """jit(sample) for one profile with explicit shardings: rows over the data axes."""
 
   def traced(params, tokens, mask, key, row_ids):
@@ -310,7 +310,7 @@ def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad
       on_trace()  # runs once per trace, i.e. once per compilation
     return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile, eos_id=eos_id,
                   pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
-                  scan_layers=scan_layers)
+                  scan_layers=scan_layers, attention=attention)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(
@@ -326,9 +326,10 @@ class RolloutEngine:
 
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles: Mapping[str, Profile], *,
                max_prompt_length: int, eos_id, pad_id: int, seed: int,
-               share_prefix: bool = True, scan_layers: bool | None = None):
+               share_prefix: bool = True, scan_layers: bool | None = None,
+               attention: str | None = None):
     """share_prefix=False prefills every sample's copy of its prompt (see `sample`); only
-    for measuring what prefix sharing buys. scan_layers: the prefill's (`sample`)."""
+    for measuring what prefix sharing buys. scan_layers, attention: the prefill's."""
     names = tuple(profiles)
     if sorted(names) != sorted(PROFILE_NAMES):
       raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "
@@ -338,7 +339,7 @@ class RolloutEngine:
     self.compilations = {name: 0 for name in PROFILE_NAMES}
     self._calls = {name: 0 for name in PROFILE_NAMES}
     self._base_key = jax.random.key(seed)
-    self.scan_layers = scan_layers
+    self.scan_layers, self.attention = scan_layers, attention
     self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)
 
   def _build(self, *, eos_id, share_prefix: bool):
@@ -346,7 +347,8 @@ class RolloutEngine:
     return {name: compile_sampler(self.cfg, self.profiles[name], eos_id=eos_id,
                                   pad_id=self.pad_id, mesh=self.mesh,
                                   on_trace=functools.partial(self._count, name),
-                                  share_prefix=share_prefix, scan_layers=self.scan_layers)
+                                  share_prefix=share_prefix, scan_layers=self.scan_layers,
+                                  attention=self.attention)
             for name in PROFILE_NAMES}
 
   def _count(self, name):

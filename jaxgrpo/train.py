@@ -294,7 +294,7 @@ def _load_policy(config):
   from jaxgrpo.tokenizer import Tokenizer
   m = config.model
   arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat",
-                                                    "scan_layers")}
+                                                    "scan_layers", "attention")}
   source = m.checkpoint or m.hf_checkpoint
   if source:
     if m.hf_checkpoint:

@@ -61,6 +61,12 @@ def scan_layers(c, mesh) -> bool:
   return model_lib.resolve_scan_layers(c.model.scan_layers, mesh.devices.flat[0].platform)
 
 
+def attention(c, mesh) -> str:
+  """model.attention, with None resolved by the mesh's platform and the compute dtype."""
+  return model_lib.resolve_attention(c.model.attention, mesh.devices.flat[0].platform,
+                                     c.model.dtype)
+
+
 def loss_config(c, mesh) -> grpo.LossConfig:
   """The GRPO loss settings of a run config, on `mesh`."""
   g = c.grpo
@@ -70,7 +76,7 @@ def loss_config(c, mesh) -> grpo.LossConfig:
       scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
       max_new_tokens=c.generation.max_new_tokens, micro_batch_size=g.micro_batch_size,
       logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat,
-      scan_layers=scan_layers(c, mesh))
+      scan_layers=scan_layers(c, mesh), attention=attention(c, mesh))
 
 
 class CountedUpdate:
@@ -114,7 +120,7 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
     return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
                                                      tokenizer=tokenizer, slots=slots, **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
-                                **common)
+                                attention=attention(c, mesh), **common)
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step):

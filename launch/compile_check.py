@@ -163,7 +163,8 @@ def main(argv=None) -> int:
   print(f"update: {rollouts} rollouts in micro-batches of {micro} ({rollouts // micro} per "
         f"step; grpo.micro_batch_size={g.micro_batch_size}), logprob_chunk_size="
         f"{g.logprob_chunk_size}, remat={config.model.remat}, scan_layers="
-        f"{_trainer().scan_layers(config, mesh)}", flush=True)
+        f"{_trainer().scan_layers(config, mesh)}, attention={_trainer().attention(config, mesh)}",
+        flush=True)
   chip = _TOPOLOGY.value.split(":")[0]  # "v5e's 16 GiB", as the chip is called
   memory, failures = {}, []
   for name, lowered, resident in _programs(config, model_cfg, tokenizer, mesh,

@@ -314,3 +314,43 @@ def test_scanned_layers_compile_one_layer_body():
   assert dots[2, True] == dots[6, True], dots
   assert dots[6, False] > 2 * dots[2, False], dots
   assert dots[6, True] < dots[6, False], dots
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fused_attention_path_equals_the_einsum_path(variant, monkeypatch):
+  # attention="cudnn" routes the prompt forward (prefill) and the completions' `extend`
+  # through jax.nn.dot_product_attention: one [B, 1, T, S] mask for causality and left
+  # padding, and for `extend` one key sequence per sample, [its prompt | its own tokens].
+  # cuDNN itself needs a GPU, so here the same call runs with jax's XLA implementation:
+  # the layouts, the masks and the GQA grouping handed to the kernel must reproduce the
+  # einsum path (logits, the loss and its gradients; ragged completions, left padding).
+  original = model.fused_attention
+  monkeypatch.setattr(model, "fused_attention",
+                      lambda q, k, v, allowed, implementation: original(q, k, v, allowed, "xla"))
+  cfg = VARIANTS[variant]
+  params = _random_params(cfg, seed=4)
+  tokens, mask, _ = _padding_batch(np.random.default_rng(4))
+  fwd = jax.jit(model.forward, static_argnums=(1, 4, 5))
+  got, want = (fwd(params, cfg, tokens, mask, False, a) for a in ("cudnn", "xla"))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  batch = _score_batch(cfg, np.random.default_rng(5))
+
+  def loss(p, attention):
+    logits = model.score_groups(p, cfg, *batch, scan_layers=True, attention=attention)
+    return jnp.sum(jax.nn.log_softmax(logits) * jnp.cos(jnp.arange(logits.shape[-1])))
+
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  (loss_f, g_f), (loss_x, g_x) = grad(params, "cudnn"), grad(params, "xla")
+  np.testing.assert_allclose(loss_f, loss_x, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=0, atol=1e-4 * float(np.abs(b).max())), g_f, g_x)
+
+
+def test_attention_resolves_by_platform_and_dtype():
+  # cuDNN's flash attention takes half-precision inputs only: a float32 model on a GPU
+  # keeps the einsum path, as do TPU and CPU (XLA compiles it there).
+  assert model.resolve_attention(None, "gpu", "bfloat16") == "cudnn"
+  assert model.resolve_attention(None, "gpu", "float32") == "xla"
+  assert model.resolve_attention(None, "tpu", "bfloat16") == "xla"
+  assert model.resolve_attention(None, "cpu", "bfloat16") == "xla"
+  assert model.resolve_attention("xla", "gpu", "bfloat16") == "xla"
