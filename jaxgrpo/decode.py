@@ -75,51 +75,68 @@ class Cache(NamedTuple):
   gen_v: tuple           # [B, H_kv, G, T, D]
 
 
-def prepare(params, cfg: model_lib.ModelConfig) -> Weights:
-  """Rearranges Decoder parameters for `step` (once per sampler call, outside the loop)."""
+def _prepare_layer(p, cfg: model_lib.ModelConfig) -> Layer:
+  """One block's parameters rearranged for `step`."""
   dt = model_lib.DTYPES[cfg.dtype]
   hk, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
   col = lambda v: v[:, None]
-  layers = []
-  for i in range(cfg.num_layers):  # the stacked layers, sliced (static indices: no copy)
-    p = jax.tree.map(lambda a, i=i: a[i], params["layers"])
-    a, m = p["attn"], p["mlp"]
-    q = a["q"].reshape(cfg.d_model, hk, r, d)
-    qkv = jnp.concatenate([q, a["k"][:, :, None], a["v"][:, :, None]], axis=2)
-    bias = None
-    if cfg.qkv_bias:
-      bias = jnp.concatenate([a["q_bias"].reshape(hk, r, d), a["k_bias"][:, None],
-                              a["v_bias"][:, None]], axis=1).astype(dt)[..., None, None]
-    norm = None
-    if cfg.qk_norm:
-      norm = jnp.concatenate([jnp.broadcast_to(a["q_norm"]["scale"], (r, d)),
-                              a["k_norm"]["scale"][None]], axis=0)[..., None, None]
-    layers.append(Layer(
-        attn_norm=col(p["attn_norm"]["scale"]), qkv=qkv.transpose(1, 2, 3, 0).astype(dt),
-        qkv_bias=bias, qk_norm=norm,
-        out=a["o"].reshape(hk * r * d, cfg.d_model).T.astype(dt),
-        mlp_norm=col(p["mlp_norm"]["scale"]), gate=m["gate"].T.astype(dt),
-        up=m["up"].T.astype(dt), down=m["down"].T.astype(dt)))
+  a, m = p["attn"], p["mlp"]
+  q = a["q"].reshape(cfg.d_model, hk, r, d)
+  qkv = jnp.concatenate([q, a["k"][:, :, None], a["v"][:, :, None]], axis=2)
+  bias = None
+  if cfg.qkv_bias:
+    bias = jnp.concatenate([a["q_bias"].reshape(hk, r, d), a["k_bias"][:, None],
+                            a["v_bias"][:, None]], axis=1).astype(dt)[..., None, None]
+  norm = None
+  if cfg.qk_norm:
+    norm = jnp.concatenate([jnp.broadcast_to(a["q_norm"]["scale"], (r, d)),
+                            a["k_norm"]["scale"][None]], axis=0)[..., None, None]
+  return Layer(
+      attn_norm=col(p["attn_norm"]["scale"]), qkv=qkv.transpose(1, 2, 3, 0).astype(dt),
+      qkv_bias=bias, qk_norm=norm, out=a["o"].reshape(hk * r * d, cfg.d_model).T.astype(dt),
+      mlp_norm=col(p["mlp_norm"]["scale"]), gate=m["gate"].T.astype(dt),
+      up=m["up"].T.astype(dt), down=m["down"].T.astype(dt))
+
+
+def prepare(params, cfg: model_lib.ModelConfig, stacked: bool = False) -> Weights:
+  """Rearranges Decoder parameters for `step` (once per sampler call, outside the loop).
+
+  stacked=False: `layers` is a tuple of Layer (the step unrolls the layers); True: one
+  Layer whose arrays carry a leading [num_layers] axis (the step scans over them).
+  """
+  dt = model_lib.DTYPES[cfg.dtype]
+  if stacked:
+    layers = jax.vmap(lambda p: _prepare_layer(p, cfg))(params["layers"])
+  else:  # the stacked layers, sliced (static indices: no copy)
+    layers = tuple(_prepare_layer(jax.tree.map(lambda a, i=i: a[i], params["layers"]), cfg)
+                   for i in range(cfg.num_layers))
   # Tied: one cast array serves as both the embedding and the head (both [V, d_model]).
   embedding = params["embedding"].astype(dt)
   head = embedding if cfg.tie_embeddings else params["lm_head"].T.astype(dt)
-  return Weights(embedding=embedding, layers=tuple(layers),
-                 final_norm=col(params["final_norm"]["scale"]), head=head,
-                 inv_freq=model_lib.rope_frequencies(cfg, d)[:, None, None])
+  return Weights(embedding=embedding, layers=layers,
+                 final_norm=params["final_norm"]["scale"][:, None], head=head,
+                 inv_freq=model_lib.rope_frequencies(cfg, cfg.head_dim)[:, None, None])
 
 
 def init_cache(prompt_k, prompt_v, prompt_mask_BxP, cfg: model_lib.ModelConfig,
-               num_samples: int, max_new_tokens: int) -> Cache:
-  """The cache after prefill: prefill's per-layer K/V are [B, H_kv, P, D]."""
+               num_samples: int, max_new_tokens: int, stacked: bool = False) -> Cache:
+  """The cache after prefill: prefill's per-layer K/V are [B, H_kv, P, D].
+
+  stacked: each field one array with a leading [num_layers] axis instead of a tuple (for
+  `prepare(stacked=True)`)."""
   dt = model_lib.DTYPES[cfg.dtype]
   b, hk, d = prompt_mask_BxP.shape[0], cfg.num_kv_heads, cfg.head_dim
   g, t = num_samples, max_new_tokens
-  return Cache(
+  cache = Cache(
       prompt_k=tuple(k.transpose(0, 1, 3, 2).astype(dt) for k in prompt_k),
       prompt_v=tuple(v.astype(dt) for v in prompt_v),
       prompt_bias=jnp.where(prompt_mask_BxP, 0.0, _NEG).astype(jnp.float32)[:, None, None],
       gen_k=tuple(jnp.zeros((b, hk, g, d, t), dt) for _ in prompt_k),
       gen_v=tuple(jnp.zeros((b, hk, g, t, d), dt) for _ in prompt_v))
+  if stacked:
+    cache = cache._replace(**{f: jnp.stack(getattr(cache, f))
+                              for f in ("prompt_k", "prompt_v", "gen_k", "gen_v")})
+  return cache
 
 
 def _norm(x, scale, cfg: model_lib.ModelConfig, axis: int = 0):
@@ -157,12 +174,12 @@ def _write(buffer, new, i, axis: int):
   return jnp.where(slots == at, new, buffer)
 
 
-def _attend(q_BxKxGxRxD, layer_k, layer_v, cache: Cache, l: int, i):
+def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i):
   """Softmax over the prompt's and the samples' own keys, without concatenating them."""
   b, hk, g, r, d = q_BxKxGxRxD.shape
   f32 = jnp.float32
   s_prompt = jnp.einsum("bkmd,bkdp->bkmp", q_BxKxGxRxD.reshape(b, hk, g * r, d),
-                        cache.prompt_k[l], preferred_element_type=f32) + cache.prompt_bias
+                        prompt_k, preferred_element_type=f32) + prompt_bias
   s_prompt = s_prompt.reshape(b, hk, g, r, -1)
   s_gen = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, layer_k, preferred_element_type=f32)
   slots, at = _at_slot(i, s_gen.shape, s_gen.ndim - 1)
@@ -173,7 +190,7 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, cache: Cache, l: int, i):
   total = jnp.sum(e_prompt, axis=-1, keepdims=True) + jnp.sum(e_gen, axis=-1, keepdims=True)
   dt = layer_v.dtype
   o = (jnp.einsum("bkmp,bkpd->bkmd", e_prompt.reshape(b, hk, g * r, -1).astype(dt),
-                  cache.prompt_v[l], preferred_element_type=f32).reshape(b, hk, g, r, d)
+                  prompt_v, preferred_element_type=f32).reshape(b, hk, g, r, d)
        + jnp.einsum("bkgrt,bkgtd->bkgrd", e_gen.astype(dt), layer_v,
                     preferred_element_type=f32))
   return (o / total).astype(dt)
@@ -199,8 +216,9 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   # stacking, which materialises them once per token: as broadcasts XLA fused cos and sin
   # into every layer's RoPE and recomputed them per element (tiny sampler 1.13x slower).
   cos2, sin2 = jnp.stack([cos, cos]), jnp.stack([-sin, sin])
-  gen_k, gen_v = [], []
-  for l, layer in enumerate(w.layers):
+
+  def layer_step(layer: Layer, x, prompt_k, prompt_v, gen_k, gen_v):
+    """One block: x [d_model, N] -> x, and this token's key [B, H_kv, G, D] and value."""
     h = jnp.einsum("ksem,mn->ksen", layer.qkv, _norm(x, layer.attn_norm, cfg))
     h = h.reshape(hk, r + 2, d, b, g)
     if layer.qkv_bias is not None:
@@ -211,16 +229,41 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     qk = _rope(qk, cos2, sin2)
     q = (qk[:, :r] * d ** -0.5).transpose(3, 0, 4, 1, 2)   # [B, H_kv, G, r, D]
     k = qk[:, r].transpose(2, 0, 3, 1)                     # [B, H_kv, G, D]
-    layer_k = _write(cache.gen_k[l], k[..., None], i, axis=4)
-    layer_v = _write(cache.gen_v[l], v.transpose(2, 0, 3, 1)[:, :, :, None], i, axis=3)
-    o = _attend(q, layer_k, layer_v, cache, l, i)  # [B, H_kv, G, r, D]
+    v = v.transpose(2, 0, 3, 1)
+    layer_k = _write(gen_k, k[..., None], i, axis=4)
+    layer_v = _write(gen_v, v[:, :, :, None], i, axis=3)
+    o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, cache.prompt_bias, i)
     x = x + layer.out @ o.transpose(1, 3, 4, 0, 2).reshape(hk * r * d, b * g)
     xn = _norm(x, layer.mlp_norm, cfg)
     x = x + layer.down @ (jax.nn.silu(layer.gate @ xn) * (layer.up @ xn))
-    gen_k.append(layer_k)
-    gen_v.append(layer_v)
+    return x, k, v, layer_k, layer_v
+
+  if isinstance(w.layers, Layer):  # stacked (prepare(stacked=True)): one compiled block
+    if jnp.ndim(i) != 0:
+      raise ValueError("stacked decode weights take one step for every row (a scalar i)")
+    def body(carry, xs):
+      x, gen_k, gen_v = carry
+      l, layer, prompt_k, prompt_v = xs
+      x, k, v, _, _ = layer_step(layer, x, prompt_k, prompt_v, gen_k[l], gen_v[l])
+      # Only this token's slot is written into the carried caches (in place), not the layer.
+      gen_k = jax.lax.dynamic_update_slice(gen_k, k[None, ..., None], (l, 0, 0, 0, 0, i))
+      gen_v = jax.lax.dynamic_update_slice(gen_v, v[None, :, :, :, None], (l, 0, 0, 0, i, 0))
+      return (x, gen_k, gen_v), None
+
+    (x, gen_k, gen_v), _ = jax.lax.scan(
+        body, (x, cache.gen_k, cache.gen_v),
+        (jnp.arange(cfg.num_layers), w.layers, cache.prompt_k, cache.prompt_v))
+    cache = cache._replace(gen_k=gen_k, gen_v=gen_v)
+  else:
+    gen_k, gen_v = [], []
+    for l, layer in enumerate(w.layers):
+      x, _, _, layer_k, layer_v = layer_step(layer, x, cache.prompt_k[l], cache.prompt_v[l],
+                                             cache.gen_k[l], cache.gen_v[l])
+      gen_k.append(layer_k)
+      gen_v.append(layer_v)
+    cache = cache._replace(gen_k=tuple(gen_k), gen_v=tuple(gen_v))
   # [V, N], then a transpose behind a barrier: when XLA folds the transpose into the matmul
   # it picks a slower CPU matmul kernel (0.8 ms instead of ~0.3 per token on the small preset).
   logits_VxN = jax.lax.optimization_barrier(w.head @ _norm(x, w.final_norm, cfg))
   logits = logits_VxN.astype(f32).T
-  return logits.reshape(b, g, -1), cache._replace(gen_k=tuple(gen_k), gen_v=tuple(gen_v))
+  return logits.reshape(b, g, -1), cache

@@ -217,8 +217,9 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   exists to measure what sharing buys (`python -m jaxgrpo.bench prefill`); the random draws
   are the same, so the samples are too, up to float rounding.
 
-  scan_layers, attention: the prefill's (model.Decoder); the decode step is unrolled over
-  layers either way (decode.py: fewest ops per token).
+  scan_layers: the layers as one compiled loop body, in the prefill (model.Decoder) and the
+  decode step (decode.step), or unrolled (fewest ops per token: CPU's default);
+  attention: the prefill's (model.Decoder).
   """
   sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxP.shape[0]
@@ -232,11 +233,13 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP,
                                  scan_layers, attention)
   prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
-  weights = decode.prepare(params, cfg)
-  cache = decode.init_cache(ks, vs, prompt_mask_BxP, cfg, pg, t)
+  # Scanned layers: the decode step loops over one compiled block too (decode.step).
+  stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
+  weights = decode.prepare(params, cfg, stacked)
+  cache = decode.init_cache(ks, vs, prompt_mask_BxP, cfg, pg, t, stacked)
   if mesh is not None:  # keep caches split by rows (and KV heads) through the loop
     # One sharding per field is a tree prefix: it applies to every layer's array.
-    cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh))
+    cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh, stacked))
 
   # Every step's draws up front, in one vectorised computation: threefry inside the loop
   # ran as nested loops of tiny ops, about 1 ms per token on CPU (a third of a tiny-preset

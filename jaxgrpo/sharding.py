@@ -235,12 +235,14 @@ def shard_params(params, cfg: model_lib.ModelConfig, mesh: Mesh):
   return jax.device_put(params, param_shardings(cfg, mesh))
 
 
-def cache_shardings(mesh: Mesh) -> decode.Cache:
+def cache_shardings(mesh: Mesh, stacked: bool = False) -> decode.Cache:
   """Shardings of the decode cache (a tree prefix: one entry per field applies to every
-  layer's array): rows over the data axes, KV heads over tensor."""
+  layer's array): rows over the data axes, KV heads over tensor. stacked: the fields carry
+  a leading [num_layers] axis (decode.init_cache(stacked=True)), held whole on every chip."""
+  layers = (None,) if stacked else ()
   return decode.Cache(
-      prompt_k=logical_sharding(mesh, "batch", "cache_heads", None, "length"),
-      prompt_v=logical_sharding(mesh, "batch", "cache_heads", "length", None),
+      prompt_k=logical_sharding(mesh, *layers, "batch", "cache_heads", None, "length"),
+      prompt_v=logical_sharding(mesh, *layers, "batch", "cache_heads", "length", None),
       prompt_bias=logical_sharding(mesh, "batch", None, None, "length"),
-      gen_k=logical_sharding(mesh, "batch", "cache_heads", "samples", None, "length"),
-      gen_v=logical_sharding(mesh, "batch", "cache_heads", "samples", "length", None))
+      gen_k=logical_sharding(mesh, *layers, "batch", "cache_heads", "samples", None, "length"),
+      gen_v=logical_sharding(mesh, *layers, "batch", "cache_heads", "samples", "length", None))

@@ -38,19 +38,20 @@ def _left_padded_prompts(rng, lengths, width, vocab):
   return tokens, mask
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT):
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stacked=False):
   """Decode-step logits (prefill, then one decode.step per continuation token) and the full
   forward logits over [left-padded prompt | continuation] for each of the G samples.
 
+  stacked: the scanned layers' decode (one compiled block over stacked weights and caches).
   One jit per config: a single compile instead of one per piece (CPU time is the budget).
   """
   b, p = prompt_BxP.shape
   g, t = cont_BxGxT.shape[1:]
   # Prefill once per prompt, then build the cache the way sampling.sample does.
-  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP)
-  cache = decode.init_cache(ks, vs, mask_BxP, cfg, g, t)
-  weights = decode.prepare(params, cfg)
+  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP, stacked)
+  cache = decode.init_cache(ks, vs, mask_BxP, cfg, g, t, stacked)
+  weights = decode.prepare(params, cfg, stacked)
   prompt_len_B = jnp.sum(mask_BxP, axis=-1)
 
   def step(cache, i):
@@ -66,8 +67,11 @@ def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT):
   return last_BxV, decoded_TxBxGxV.transpose(1, 2, 0, 3), full
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_decode_steps_match_the_full_forward(variant):
+def test_decode_steps_match_the_full_forward(variant, stacked):
+  # Both decode steps (the layers unrolled over a tuple of weights, or scanned over stacked
+  # weights and caches, writing only each token's slot) against the full forward.
   cfg = VARIANTS[variant]
   params = random_params(cfg, seed=1, scale_noise=0.1)  # a dropped norm scale would show
   b, g, p, t = 3, 2, 7, 5
@@ -76,7 +80,7 @@ def test_decode_steps_match_the_full_forward(variant):
   prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
   cont_BxGxT = rng.integers(0, cfg.vocab_size, size=(b, g, t)).astype(np.int32)
   last_BxV, decoded_BxGxTxV, full = _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP,
-                                                            cont_BxGxT)
+                                                            cont_BxGxT, stacked)
   for j in range(g):  # the prefill's last logits predict the first continuation token
     np.testing.assert_allclose(last_BxV, full[:, j, p - 1], atol=1e-5)
   # decode step i feeds continuation token i at position len + i: full position p + i.

@@ -51,10 +51,11 @@ def _single_device_mesh():
 
 
 def _engine(mesh, train=TRAIN, val=VAL, *, max_prompt_length=6, eos_id=None, seed=0,
-            share_prefix=True):
+            share_prefix=True, scan_layers=None):
   profiles = {"train": sampling.Profile(train, G, T), "val": sampling.Profile(val, G, T)}
   return sampling.RolloutEngine(CFG, mesh, profiles, max_prompt_length=max_prompt_length,
-                                eos_id=eos_id, pad_id=PAD, seed=seed, share_prefix=share_prefix)
+                                eos_id=eos_id, pad_id=PAD, seed=seed, share_prefix=share_prefix,
+                                scan_layers=scan_layers)
 
 
 @pytest.fixture(scope="module")
@@ -383,13 +384,17 @@ def test_each_step_draws_its_own_uniform(warm_engine, params, prompts):
   assert all(len(set(row)) > 1 for row in want_NxT)  # each row's tokens change with the step
 
 
-@pytest.mark.parametrize("mesh_config", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 8}],
-                         ids=["2x2x2", "data8"])
-def test_mesh_results_equal_single_device(engine, params, prompts, mesh_config):
+@pytest.mark.parametrize("mesh_config, scan_layers", [
+    ({"data": 2, "fsdp": 2, "tensor": 2}, None), ({"data": 8}, None),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, True)], ids=["2x2x2", "data8", "2x2x2-scanned"])
+def test_mesh_results_equal_single_device(engine, params, prompts, mesh_config, scan_layers):
+  # The single-device engine unrolls its layers (CPU's default); "scanned" samples with the
+  # layers scanned in the prefill and the decode step (stacked caches), on a (2, 2, 2) mesh:
+  # the same tokens and log-probs.
   key = engine.key("val", 5)
   expected = jax.device_get(engine.sample("val", params, *prompts, key=key))
   mesh = sharding.make_mesh(mesh_config)
-  sharded = _engine(mesh)
+  sharded = _engine(mesh, scan_layers=scan_layers)
   out = sharded.sample("val", sharding.shard_params(params, CFG, mesh), *prompts, key=key)
   assert len(out.tokens_NxT.sharding.device_set) == 8
   out = jax.device_get(out)
