@@ -94,10 +94,12 @@ class _Setup:
   """Parameters, reference copy, optimizer state and the compiled update, as trainer.build
   makes them, with a trace counter inside the update."""
 
-  def __init__(self, cfg, prompts: int, new_tokens: int, total_updates: int):
+  def __init__(self, cfg, prompts: int, new_tokens: int, total_updates: int,
+               scan_layers: bool | None = None):
     self.cfg, self.new_tokens = cfg, new_tokens
     self.devices = jax.devices()[:1]
     self.mesh = sharding_lib.make_mesh({"data": -1}, self.devices)
+    self.scan_layers = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
     params = sharding_lib.init_sharded(cfg, self.mesh, jax.random.key(SEED))
     self.n_params = model_lib.count_params(params)
     optimizer, lr = grpo.make_optimizer(LEARNING_RATE, 0, total_updates, WEIGHT_DECAY, 0.0,
@@ -109,7 +111,8 @@ class _Setup:
     self.loss = grpo.LossConfig(
         num_generations=NUM_SAMPLES, beta=BETA, kl_type="k3", epsilon=EPSILON,
         epsilon_high=EPSILON, loss_agg="seq_mean_token_mean", scale_rewards="group",
-        mask_truncated_completions=False, max_new_tokens=new_tokens)
+        mask_truncated_completions=False, max_new_tokens=new_tokens,
+        scan_layers=self.scan_layers)
     self.update = grpo.compile_update(self.state, self.ref_params, cfg=cfg, loss=self.loss,
                                       sp=TRAIN_SP, optimizer=optimizer, lr_schedule=lr,
                                       mesh=self.mesh, on_trace=self._count_trace)
@@ -140,7 +143,8 @@ class _Setup:
     t0 = time.perf_counter()
     compiled = self.update.lower(self.state, batch, self.ref_params).compile()
     compile_s = time.perf_counter() - t0
-    flops = roofline.compiled_flops(compiled)
+    # XLA's cost analysis counts a loop body once: scanned layers would count one layer.
+    flops = None if self.scan_layers else roofline.compiled_flops(compiled)
     mm = roofline.matmul_rate()
     rate = flops / update_median_s if flops and update_median_s else None
     return dict(update_flops=flops, update_flops_per_s=rate,
@@ -169,7 +173,7 @@ class _Setup:
 
   def result(self, preset: str, loadavg_start, **fields) -> dict:
     return dict(bench="step", preset=preset, n_params=self.n_params, workload=self.workload,
-                **fields, peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                scan_layers=self.scan_layers, **fields, peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                             / 1024, 1),
                 **bench._machine(self.devices, loadavg_start))  # pylint: disable=W0212
 
@@ -191,16 +195,16 @@ def rollout_flops(cfg, prompts: int, prompt_len: int, new_tokens: int, decode_st
 
 
 def full_steps(preset: str, steps: int, new_tokens: int, prompts: int,
-               forward_reps: int = FORWARD_REPS) -> dict:
+               forward_reps: int = FORWARD_REPS, scan_layers: bool | None = None) -> dict:
   """`steps` whole GRPO steps (rollout + update), then the update's roofline."""
   loadavg_start = bench._loadavg()  # pylint: disable=W0212
-  s = _Setup(preset_config(preset), prompts, new_tokens, steps)
+  s = _Setup(preset_config(preset), prompts, new_tokens, steps, scan_layers)
   profiles = {"train": sampling.Profile(TRAIN_SP, NUM_SAMPLES, new_tokens),
               # The engine requires a val profile; this bench never calls (so never compiles) it.
               "val": sampling.Profile(sampling.SamplingParams(0.0, 1.0, 0), 1, new_tokens)}
   engine = sampling.RolloutEngine(s.cfg, s.mesh, profiles,
                                   max_prompt_length=s.workload["prompt_len"], eos_id=EOS,
-                                  pad_id=PAD, seed=SEED)
+                                  pad_id=PAD, seed=SEED, scan_layers=s.scan_layers)
   step_s, rollout_s, update_s, flops_r, lengths, rewards, aux = [], [], [], [], [], [], {}
   for step in range(steps):
     t0 = time.perf_counter()
@@ -246,10 +250,10 @@ def full_steps(preset: str, steps: int, new_tokens: int, prompts: int,
 
 
 def update_only(preset: str, steps: int, new_tokens: int, prompts: int,
-                forward_reps: int = FORWARD_REPS) -> dict:
+                forward_reps: int = FORWARD_REPS, scan_layers: bool | None = None) -> dict:
   """`steps` updates on one synthetic full-length batch (see the module docstring)."""
   loadavg_start = bench._loadavg()  # pylint: disable=W0212
-  s = _Setup(preset_config(preset), prompts, new_tokens, steps)
+  s = _Setup(preset_config(preset), prompts, new_tokens, steps, scan_layers)
   s.workload["completions"] = "synthetic: uniform random bytes, no EOS"
   rows = prompts * NUM_SAMPLES
   rng = np.random.default_rng(SEED)
@@ -286,7 +290,8 @@ def run_step(args) -> list[dict]:
   prompts = args.step_prompts or DEFAULT_PROMPTS[args.preset]
   steps = args.steps or DEFAULT_STEPS[args.preset]
   run = update_only if args.preset == "medium" else full_steps
-  return [run(args.preset, steps, new_tokens, prompts, args.step_forward_reps)]
+  scan = {"auto": None, "true": True, "false": False}[args.scan_layers]
+  return [run(args.preset, steps, new_tokens, prompts, args.step_forward_reps, scan)]
 
 
 def _at_least(lowest: int):
@@ -307,6 +312,9 @@ def add_parsers(sub) -> None:
   s.add_argument("--steps", type=_at_least(2), default=None,
                  help="steps, the first compiles (default 10; medium: updates, default 5)")
   s.add_argument("--out", default=None, help="also append the JSON line to this file")
+  s.add_argument("--scan_layers", choices=("auto", "true", "false"), default="auto",
+                 help="model.scan_layers for the update and the sampler (auto: the "
+                 "platform's default, unrolled on CPU); scanned runs report no update FLOPs")
   # Hidden, for tests. Own dests: bench.main compares a `new_tokens` attribute with 1, and
   # None (the preset's default) would not compare.
   s.add_argument("--new_tokens", dest="step_new_tokens", type=_at_least(1), default=None,

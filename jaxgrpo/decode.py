@@ -120,23 +120,25 @@ def prepare(params, cfg: model_lib.ModelConfig, stacked: bool = False) -> Weight
 
 def init_cache(prompt_k, prompt_v, prompt_mask_BxP, cfg: model_lib.ModelConfig,
                num_samples: int, max_new_tokens: int, stacked: bool = False) -> Cache:
-  """The cache after prefill: prefill's per-layer K/V are [B, H_kv, P, D].
+  """The cache after prefill: prefill's per-layer K/V, tuples of [B, H_kv, P, D].
 
-  stacked: each field one array with a leading [num_layers] axis instead of a tuple (for
-  `prepare(stacked=True)`)."""
+  stacked: the prefill's K/V stacked, [num_layers, B, H_kv, P, D] (sampling.prefill with
+  stacked_kv), and each field one array with a leading [num_layers] axis instead of a
+  tuple (for `prepare(stacked=True)`)."""
   dt = model_lib.DTYPES[cfg.dtype]
   b, hk, d = prompt_mask_BxP.shape[0], cfg.num_kv_heads, cfg.head_dim
   g, t = num_samples, max_new_tokens
-  cache = Cache(
+  bias = jnp.where(prompt_mask_BxP, 0.0, _NEG).astype(jnp.float32)[:, None, None]
+  if stacked:
+    num = cfg.num_layers
+    return Cache(prompt_k=jnp.swapaxes(prompt_k, 3, 4).astype(dt), prompt_v=prompt_v.astype(dt),
+                 prompt_bias=bias, gen_k=jnp.zeros((num, b, hk, g, d, t), dt),
+                 gen_v=jnp.zeros((num, b, hk, g, t, d), dt))
+  return Cache(
       prompt_k=tuple(k.transpose(0, 1, 3, 2).astype(dt) for k in prompt_k),
-      prompt_v=tuple(v.astype(dt) for v in prompt_v),
-      prompt_bias=jnp.where(prompt_mask_BxP, 0.0, _NEG).astype(jnp.float32)[:, None, None],
+      prompt_v=tuple(v.astype(dt) for v in prompt_v), prompt_bias=bias,
       gen_k=tuple(jnp.zeros((b, hk, g, d, t), dt) for _ in prompt_k),
       gen_v=tuple(jnp.zeros((b, hk, g, t, d), dt) for _ in prompt_v))
-  if stacked:
-    cache = cache._replace(**{f: jnp.stack(getattr(cache, f))
-                              for f in ("prompt_k", "prompt_v", "gen_k", "gen_v")})
-  return cache
 
 
 def _norm(x, scale, cfg: model_lib.ModelConfig, axis: int = 0):

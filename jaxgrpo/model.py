@@ -443,15 +443,18 @@ class Decoder(nn.Module):
     logits = constrain(logits, "batch", *([None] * (logits.ndim - 2)), "act_vocab")
     return logits.astype(jnp.float32)
 
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxT, return_kv: bool = False):
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxT, return_kv: bool | str = False):
     """Causal forward over left-padded rows; mask_BxT marks real tokens.
 
     Returns logits_BxTxV; with return_kv (prefill) only the last position's logits_BxV,
-    which is all a sampler needs, and per-layer tuples (K, V) of [B, Hkv, T, D].
+    which is all a sampler needs, and per-layer tuples (K, V) of [B, Hkv, T, D];
+    return_kv="stacked": (K, V) as the scan makes them, [num_layers, B, Hkv, T, D] each.
     """
     x = self._embed(tokens_BxT)
     layers = _over_layers(_prefill_layer, self.cfg, self._scan(), 2)
     x, (k_L, v_L) = layers(self.layers, x, positions_BxT, mask_BxT)
+    if return_kv == "stacked":
+      return self._logits(x[:, -1]), (k_L, v_L)
     if return_kv:
       num = self.cfg.num_layers
       return self._logits(x[:, -1]), (tuple(k_L[i] for i in range(num)),

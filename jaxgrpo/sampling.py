@@ -174,14 +174,17 @@ def draw(logits, uniform, sp: SamplingParams):
 
 
 def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
-            scan_layers: bool | None = None, attention: str | None = None):
-  """Runs the prompts once: the last position's logits and each layer's K/V.
+            scan_layers: bool | None = None, attention: str | None = None,
+            stacked_kv: bool = False):
+  """Runs the prompts once: the last position's logits and each layer's K/V (tuples of
+  [B, H_kv, P, D]; stacked_kv: two [num_layers, B, H_kv, P, D] arrays).
 
   A module-level function so tests can watch the shapes it is traced with.
   """
   positions = model_lib.positions_from_mask(prompt_mask_BxP)
   return model_lib.Decoder(cfg, scan_layers=scan_layers, attention=attention).apply(
-      {"params": params}, prompt_tokens_BxP, positions, prompt_mask_BxP, return_kv=True)
+      {"params": params}, prompt_tokens_BxP, positions, prompt_mask_BxP,
+      return_kv="stacked" if stacked_kv else True)
 
 
 def row_uniforms(key, row_ids_B, step, num_samples: int):
@@ -230,11 +233,12 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   if not share_prefix:
     prompt_tokens_BxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
     prompt_mask_BxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
-  logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP,
-                                 scan_layers, attention)
-  prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
-  # Scanned layers: the decode step loops over one compiled block too (decode.step).
+  # Scanned layers: the decode step loops over one compiled block too (decode.step), over
+  # the caches as the prefill's scan stacked them.
   stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
+  logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP,
+                                 scan_layers, attention, stacked_kv=stacked)
+  prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
   weights = decode.prepare(params, cfg, stacked)
   cache = decode.init_cache(ks, vs, prompt_mask_BxP, cfg, pg, t, stacked)
   if mesh is not None:  # keep caches split by rows (and KV heads) through the loop

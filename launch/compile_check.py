@@ -352,7 +352,8 @@ def _programs(c, model_cfg, tokenizer, mesh, which):
   state = _abstract_state(_abstract_params(model_cfg, mesh), optimizer, mesh)
   ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
   engine = trainer.make_engine(c, model_cfg, tokenizer, mesh)
-  update = grpo.compile_update(state, ref_params, cfg=model_cfg, loss=trainer.loss_config(c, mesh),
+  update = grpo.compile_update(state, ref_params, cfg=model_cfg,
+                               loss=trainer.loss_config(c, mesh),
                                sp=engine.profile("train").sampling, optimizer=optimizer,
                                lr_schedule=lr, mesh=mesh)
   b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
@@ -375,7 +376,8 @@ def _programs(c, model_cfg, tokenizer, mesh, which):
     # make_engine's eos and pad ids: the engine keeps its compiled samplers private.
     sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
                                        eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-                                       mesh=mesh)
+                                       mesh=mesh, scan_layers=engine.scan_layers,
+                                       attention=engine.attention)
     lowered = sampler.lower(state.params, sds((rows, p), jnp.int32), sds((rows, p), bool),
                             key, sds((rows,), jnp.int32))
     yield f"{name} sampler", lowered, resident

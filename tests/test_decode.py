@@ -49,7 +49,8 @@ def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stack
   b, p = prompt_BxP.shape
   g, t = cont_BxGxT.shape[1:]
   # Prefill once per prompt, then build the cache the way sampling.sample does.
-  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP, stacked)
+  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP, stacked,
+                                        stacked_kv=stacked)
   cache = decode.init_cache(ks, vs, mask_BxP, cfg, g, t, stacked)
   weights = decode.prepare(params, cfg, stacked)
   prompt_len_B = jnp.sum(mask_BxP, axis=-1)

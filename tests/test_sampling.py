@@ -71,9 +71,9 @@ def engine_record(params):
   prefill_shapes, outputs = [], {}
   original_prefill = sampling.prefill
 
-  def recording_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args):
+  def recording_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args, **kwargs):
     prefill_shapes.append(prompt_tokens_BxP.shape)  # runs at trace time only
-    return original_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args)
+    return original_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args, **kwargs)
 
   stream = io.StringIO()
   handler = logging.StreamHandler(stream)
@@ -410,9 +410,9 @@ def test_unshared_prefill_draws_the_same_samples(engine, params, prompts, monkey
   shapes = []
   original_prefill = sampling.prefill
 
-  def recording_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args):
+  def recording_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args, **kwargs):
     shapes.append(prompt_tokens_BxP.shape)  # trace time only
-    return original_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args)
+    return original_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args, **kwargs)
 
   monkeypatch.setattr(sampling, "prefill", recording_prefill)
   unshared = _engine(_single_device_mesh(), share_prefix=False)

@@ -260,7 +260,9 @@ class Engine(engine_api.Engine):
     shift = p - length  # left-align, as sampling.left_pad lays prompts out
     mask_P = jnp.arange(p) >= shift
     tokens_P = jnp.where(mask_P, jnp.roll(tokens_P, shift), self.pad_id)
-    logits, (ks, vs) = sampling.prefill(params, self.cfg, tokens_P[None], mask_P[None])
+    # Slots step at their own positions (one i per row): the unrolled, per-layer caches.
+    logits, (ks, vs) = sampling.prefill(params, self.cfg, tokens_P[None], mask_P[None],
+                                        scan_layers=False)
     cache = decode.init_cache(ks, vs, mask_P[None], self.cfg, 1, 1)
     return Prefix(cache.prompt_k, cache.prompt_v, cache.prompt_bias, logits, length, row_id,
                   jnp.int32(0))
