@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from jaxgrpo import model as model_lib
 
-_NEG = -1e30  # as in model.py: finite, so a fully masked row cannot produce NaN
+_NEG = -1e30  # as in attention.py: finite, so a fully masked row cannot produce NaN
 
 
 class Layer(NamedTuple):

@@ -114,7 +114,7 @@ def load_pretrained(path: str):
       raise PretrainedError(f"{weights_file}: {name} has shape {got[name]}, "
                             f"{MODEL_FILE} implies {tuple(shape)}")
   if tokenizer.vocab_size > cfg.vocab_size:
-    raise PretrainedError(f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but the "
+    raise PretrainedError(f"{resolve(path)}: tokenizer has {tokenizer.vocab_size} tokens but the "
                           f"model's vocab_size is {cfg.vocab_size}")
   return cfg, model_lib.stack_layers(params), tokenizer
 

@@ -25,14 +25,17 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxgrpo import attention as attention_lib
+from jaxgrpo import layers as layers_lib
 from jaxgrpo.activations import constrain, constrain_rows
+# The stacked layers' layout and execution (layers.py), re-exported for callers of model.
+from jaxgrpo.layers import (LAYER_PREFIX, PARAM_LAYOUT, resolve_scan_layers,  # noqa: F401
+                            stack_layers, unstack_layers)
+from jaxgrpo.attention import (ATTENTION, resolve_attention, rope,  # noqa: F401
+                               rope_frequencies)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# A large finite negative instead of -inf: a fully masked row (a pad query) then gets a
-# uniform softmax instead of NaN, and NaN never leaks into gradients.
-_NEG = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,34 +130,6 @@ def dense(x, w, in_dims: int = 1):
 # `model.remat`: what a layer keeps for the backward pass. "full" keeps only its inputs and
 # recomputes the rest; "save_dots" keeps the projections' outputs (matmuls without batch
 # dimensions) and recomputes norms, rotations, attention and activations.
-def resolve_scan_layers(value: bool | None, platform: str) -> bool:
-  """`model.scan_layers`; None picks by platform. Unrolled on CPU, where the steady update
-  measured 1.08-1.16x faster unrolled (tiny and medium presets, BENCHMARKS.md) and a model
-  small enough for CPU compiles quickly either way; scanned on TPU and GPU, where a real
-  model's 28+ layers would otherwise each be compiled (MaxText's scan_layers default)."""
-  return platform != "cpu" if value is None else bool(value)
-
-
-ATTENTION = ("xla", "cudnn")
-
-
-def resolve_attention(value: str | None, platform: str, dtype: str) -> str:
-  """`model.attention`; None picks by platform: "cudnn" (jax.nn.dot_product_attention's
-  cuDNN flash attention, which keeps no [B, H, T, S] scores) on GPU with bfloat16 compute,
-  "xla" (the einsum path below, what XLA compiles on TPU and CPU) elsewhere."""
-  if value is not None:
-    return value
-  return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
-
-
-def fused_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
-  """softmax(q k^T / sqrt(D), masked) v through jax.nn.dot_product_attention (grouped-query
-  heads as the model groups them: query head h reads KV head h // (H / H_kv)). The mask is
-  one [B, 1, T, S] boolean, which cuDNN takes as an additive bias in the compute dtype."""
-  return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
-                                      mask=allowed_BxTxS[:, None], implementation=implementation)
-
-
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -178,46 +153,11 @@ def rms_norm(x, scale, cfg: ModelConfig):
   return (x32 * scale.astype(jnp.float32)).astype(DTYPES[cfg.dtype])
 
 
-def rope_frequencies(cfg: ModelConfig, d: int):
-  """inv_freq_i = theta^(-2i/d), then Llama 3's scaling when rope_scaling_factor > 0.
-
-  The scaling is transformers' `_compute_llama3_parameters`: wavelengths longer than
-  original_max / low_freq_factor are divided by the factor, shorter than original_max /
-  high_freq_factor are kept, and the band between is interpolated.
-  """
-  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  factor = cfg.rope_scaling_factor
-  if not factor:
-    return inv_freq
-  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-  old_len = cfg.rope_original_max_positions
-  wavelen = 2 * math.pi / inv_freq
-  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-  smooth = (old_len / wavelen - low) / (high - low)
-  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-  return jnp.where(medium, smoothed, scaled)
-
-
-def rope(x, positions, inv_freq):
-  """Rotary embedding, Hugging Face "rotate_half" convention (first half / second half).
-
-  x: [..., T, H, D] (or [..., H, D] with positions [...]); positions broadcast over heads.
-  """
-  d = x.shape[-1]
-  angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [..., 1, D/2]
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
-  x32 = x.astype(jnp.float32)
-  x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
-
-
 class Attention(nn.Module):
   """Grouped-query attention; query head h uses key/value head h // (H / H_kv).
 
-  attention: "xla" (scores as einsums, the softmax in float32) or "cudnn" (fused, see
-  `fused_attention`); resolved by `resolve_attention` before it gets here.
+  attention: "xla" (scores as einsums, the softmax in float32) or "cudnn" (fused); see
+  attention.py. Resolved by `resolve_attention` before it gets here.
   """
 
   cfg: ModelConfig
@@ -260,83 +200,23 @@ class Attention(nn.Module):
     return dense(o, self.wo.astype(DTYPES[self.cfg.dtype]), in_dims=2)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxT):
-    c = self.cfg
-    b, t, _ = x_BxTxD.shape
-    r = c.num_heads // c.num_kv_heads
+    t = x_BxTxD.shape[1]
     q, k, v = self._qkv(x_BxTxD, positions_BxT)
     causal_TxT = jnp.tril(jnp.ones((t, t), bool))
     allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
-    if self.attention == "cudnn":
-      o = fused_attention(q, k, v, allowed, "cudnn")
-    else:
-      q = q.reshape(b, t, c.num_kv_heads, r, c.head_dim)
-      scores = jnp.einsum("btgrd,bsgd->bgrts", q, k).astype(jnp.float32) * c.head_dim ** -0.5
-      scores = jnp.where(allowed[:, None, None], scores, _NEG)
-      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-      o = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, c.num_heads, c.head_dim)
+    o = attention_lib.attend(q, k, v, allowed, self.attention)
     # K/V returned in the cache layout [B, H_kv, T, D] for prefill.
     return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
   def extend(self, x_BxGxTxD, positions_BxGxT, prompt_k, prompt_v, prompt_mask_BxP,
              mask_BxGxT):
     """T new tokens per sample, attending to the shared prompt K/V and causally to
-    themselves (the training-time twin of decode.step), with no prompt copied G times.
-
-    Heads are laid out [B, Hkv, G, R, T, D] so the prompt scores are one batched matmul per
-    (prompt, kv head) with G*R*T rows. The softmax runs over the two score blocks without
-    concatenating them: both are shifted by their joint row max (held constant for the
-    gradient, which is exact because softmax is shift-invariant) and normalised by the
-    summed exponentials. Measured on the small preset update: 1.07x faster than the
-    concatenated softmax, same loss.
-    """
-    c = self.cfg
-    b, g, t, _ = x_BxGxTxD.shape
-    hk, r, d = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+    themselves (the training-time twin of decode.step); see attention.extend."""
+    t = x_BxGxTxD.shape[2]
     q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
     own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
-    if self.attention == "cudnn":
-      return self._out(self._extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxP,
-                                          own_BxGxTxS))
-    q_BKGRTD = q.reshape(b, g, t, hk, r, d).transpose(0, 3, 1, 4, 2, 5)
-    k_BKGSD = k.transpose(0, 3, 1, 2, 4)
-    v_BKGSD = v.transpose(0, 3, 1, 2, 4)
-    scale = d ** -0.5
-    s_prompt = jnp.einsum("bkmd,bkpd->bkmp", q_BKGRTD.reshape(b, hk, g * r * t, d),
-                          prompt_k).astype(jnp.float32) * scale
-    s_prompt = jnp.where(prompt_mask_BxP[:, None, None, :], s_prompt, _NEG)
-    s_prompt = s_prompt.reshape(b, hk, g, r, t, -1)
-    s_own = jnp.einsum("bkgrtd,bkgsd->bkgrts", q_BKGRTD, k_BKGSD).astype(jnp.float32) * scale
-    s_own = jnp.where(own_BxGxTxS[:, None, :, None], s_own, _NEG)
-    row_max = jax.lax.stop_gradient(jnp.maximum(s_prompt.max(-1, keepdims=True),
-                                                s_own.max(-1, keepdims=True)))
-    e_prompt = jnp.exp(s_prompt - row_max)
-    e_own = jnp.exp(s_own - row_max)
-    denom = e_prompt.sum(-1, keepdims=True) + e_own.sum(-1, keepdims=True)
-    o = (jnp.einsum("bkmp,bkpd->bkmd", (e_prompt / denom).astype(v.dtype).reshape(
-        b, hk, g * r * t, -1), prompt_v).reshape(b, hk, g, r, t, d)
-         + jnp.einsum("bkgrts,bkgsd->bkgrtd", (e_own / denom).astype(v.dtype), v_BKGSD))
-    o = o.transpose(0, 2, 4, 1, 3, 5)  # [B,G,T,Hkv,R,D]
-    return self._out(o.reshape(b, g, t, c.num_heads, d))
-
-  def _extend_fused(self, q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS):
-    """`extend` through one fused attention per sample over [prompt | own] keys. The fused
-    kernel takes one key sequence, so each sample gets its own copy of its prompt's K/V
-    (B*G*P*H_kv*D values per layer, small beside the [B, H, T, P + T] scores it saves)."""
-    b, g, t, h, d = q.shape
-    p = prompt_mask_BxP.shape[-1]
-
-    def with_prompt(prompt_BxKxPxD, own_BxGxTxKxD):
-      prompt = jnp.broadcast_to(prompt_BxKxPxD.transpose(0, 2, 1, 3)[:, None],
-                                (b, g, p) + prompt_BxKxPxD.shape[1:2] + (d,))
-      return jnp.concatenate([prompt.astype(own_BxGxTxKxD.dtype), own_BxGxTxKxD], axis=2)
-
-    keys, values = with_prompt(prompt_k, k), with_prompt(prompt_v, v)
-    allowed = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxP[:, None, None], (b, g, t, p)),
-                               own_BxGxTxS], axis=-1)
-    o = fused_attention(q.reshape(b * g, t, h, d), keys.reshape(b * g, p + t, -1, d),
-                        values.reshape(b * g, p + t, -1, d), allowed.reshape(b * g, t, p + t),
-                        self.attention)
-    return o.reshape(b, g, t, h, d)
+    return self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxP,
+                                          own_BxGxTxS, self.attention))
 
 
 class MLP(nn.Module):
@@ -393,27 +273,12 @@ def _train_layer(block, carry, positions_p, mask_p, positions_c, mask_c):
   return (constrain_rows(x_next), constrain_rows(x_c)), None
 
 
-def _over_layers(body, cfg: ModelConfig, scan_layers: bool, num_broadcast: int):
-  """`body` run over the stacked layers: params["layers"] holds every layer's parameters
-  with a leading [num_layers] axis (logical name "layers"), sliced one layer per step.
-
-  scan_layers=True compiles one layer body in a loop (MaxText's scan_layers); False unrolls
-  the same scan into num_layers copies, as a Python loop over layers would, which lets XLA
-  schedule and fuse across layers at the price of a compile that grows with depth. Both
-  read the same parameter tree, so the choice is the compiler's, never the checkpoint's.
-  """
-  return nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                 in_axes=(nn.broadcast,) * num_broadcast, length=cfg.num_layers,
-                 unroll=1 if scan_layers else cfg.num_layers,
-                 metadata_params={nn.PARTITION_NAME: "layers"})
-
-
 class Decoder(nn.Module):
   """The policy network: tokens -> next-token logits (float32).
 
   remat: a key of REMAT_POLICIES, for the training forward (`score_groups`): what each
   layer keeps for the backward pass. scan_layers: run the layers as a loop over one
-  compiled body (True) or unrolled (False); see `_over_layers`. attention: a name of
+  compiled body (True) or unrolled (False); see `layers.over_layers`. attention: a name of
   ATTENTION, or None for the platform's (`resolve_attention`).
   """
 
@@ -451,7 +316,7 @@ class Decoder(nn.Module):
     return_kv="stacked": (K, V) as the scan makes them, [num_layers, B, Hkv, T, D] each.
     """
     x = self._embed(tokens_BxT)
-    layers = _over_layers(_prefill_layer, self.cfg, self._scan(), 2)
+    layers = layers_lib.over_layers(_prefill_layer, self.cfg.num_layers, self._scan(), 2)
     x, (k_L, v_L) = layers(self.layers, x, positions_BxT, mask_BxT)
     if return_kv == "stacked":
       return self._logits(x[:, -1]), (k_L, v_L)
@@ -506,13 +371,13 @@ class Decoder(nn.Module):
       # Inside a scan the loop already keeps XLA from merging the recomputation with the
       # forward; unrolled, prevent_cse must (jax.checkpoint's documentation).
       body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
-    layers = _over_layers(body, self.cfg, self._scan(), 4)
+    layers = layers_lib.over_layers(body, self.cfg.num_layers, self._scan(), 4)
     (x_p, x_c), _ = layers(self.layers, (x_p, x_c), positions_BxP, prompt_mask_BxP,
                            positions_BxGxT, completion_mask_BxGxT)
     return x_p[:, -1], x_c
 
   def _scan(self) -> bool:
-    return resolve_scan_layers(self.scan_layers, jax.default_backend())
+    return layers_lib.resolve_scan_layers(self.scan_layers, jax.default_backend())
 
   def _head(self):
     """The output projection [D, V] in the compute dtype (the tied embedding, transposed)."""
@@ -558,34 +423,3 @@ def init_params(cfg: ModelConfig, rng):
 
 def count_params(params) -> int:
   return int(sum(x.size for x in jax.tree.leaves(params)))
-
-
-# The layers' parameters live stacked under "layers" ([num_layers, ...] per leaf). Files on
-# disk (jaxgrpo's own folders and Hugging Face's) name each layer's tensors separately:
-# these two convert between the layouts, on host numpy or device arrays alike.
-LAYER_PREFIX = "layer_"
-# A train-state checkpoint's meta names its layout; those written before the layers were
-# stacked have none (their trees hold layer_0 ... and cannot restore into this one).
-PARAM_LAYOUT = "stacked_layers"
-
-
-def unstack_layers(params) -> dict:
-  """{..., "layers": {...[L, ...]}} -> {..., "layer_0": {...}, ..., "layer_{L-1}": {...}}."""
-  out = {k: v for k, v in params.items() if k != "layers"}
-  stacked = params["layers"]
-  num = len(jax.tree.leaves(stacked)[0])
-  for i in range(num):
-    out[f"{LAYER_PREFIX}{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
-  return out
-
-
-def stack_layers(params, stack=None) -> dict:
-  """The inverse of `unstack_layers` (layer_0 ... layer_{L-1} must all be there).
-
-  stack(list of arrays) -> array; numpy's by default (host trees)."""
-  stack = stack or np.stack
-  names = [k for k in params if k.startswith(LAYER_PREFIX)]
-  out = {k: v for k, v in params.items() if not k.startswith(LAYER_PREFIX)}
-  layers = [params[f"{LAYER_PREFIX}{i}"] for i in range(len(names))]
-  out["layers"] = jax.tree.map(lambda *xs: stack(list(xs)), *layers)
-  return out

@@ -79,6 +79,7 @@ def test_validate_leaves_callers_config_alone():
     ("grpo.logprob_chunk_size", 0, "config.grpo.logprob_chunk_size=0"),
     ("grpo.logprob_chunk_size", -16, "config.grpo.logprob_chunk_size=-16"),
     ("model.remat", "dots", "'none', 'full', 'save_dots'"),
+    ("model.attention", "flash", "None or one of 'xla', 'cudnn'"),
 ])
 def test_bad_values_name_the_key(path, value, expect):
   c = math_config()

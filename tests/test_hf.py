@@ -29,8 +29,15 @@ def test_round_trip(saved):
   path, params = saved
   cfg, loaded, tok = hf.load_pretrained(path)
   assert cfg == CFG and tok.vocab_size == 16 and tok.eos_id == 2
+  assert jax.tree.structure(loaded) == jax.tree.structure(params)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(np.asarray(a), b)
+  # In memory the layers are stacked ([num_layers, ...] under "layers"); on disk each
+  # layer's tensors are named apart, the format the shipped checkpoint has always had.
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+  names = set(safetensors.numpy.load_file(os.path.join(path, hf.WEIGHTS_FILE)))
+  assert "layer_0/attn/q" in names and not any(n.startswith("layers/") for n in names)
+  assert loaded["layers"]["attn"]["q"].shape == (1, 16, 2, 8)
 
 
 def test_shipped_warmstart_loads():
@@ -56,6 +63,12 @@ def test_errors_name_the_file(saved, tmp_path):
   config["d_model"], config["colour"] = 16, "blue"
   json.dump(config, open(bad / hf.MODEL_FILE, "w"))
   with pytest.raises(hf.PretrainedError, match=r"model.json: .*unknown keys \['colour'\]"):
+    hf.load_pretrained(str(bad))
+  config.pop("colour")
+  json.dump(config, open(bad / hf.MODEL_FILE, "w"))
+  Tokenizer.char_level("0123456789+=abcdefgh").save(str(bad))  # 24 tokens, vocab_size 16
+  with pytest.raises(hf.PretrainedError, match=r"bad: tokenizer has 24 tokens but the "
+                     r"model's vocab_size is 16"):
     hf.load_pretrained(str(bad))
   os.remove(bad / hf.WEIGHTS_FILE)
   with pytest.raises(hf.PretrainedError, match="model.safetensors: missing"):

@@ -324,8 +324,9 @@ def test_fused_attention_path_equals_the_einsum_path(variant, monkeypatch):
   # cuDNN itself needs a GPU, so here the same call runs with jax's XLA implementation:
   # the layouts, the masks and the GQA grouping handed to the kernel must reproduce the
   # einsum path (logits, the loss and its gradients; ragged completions, left padding).
-  original = model.fused_attention
-  monkeypatch.setattr(model, "fused_attention",
+  from jaxgrpo import attention  # pylint: disable=g-import-not-at-top
+  original = attention.fused_attention
+  monkeypatch.setattr(attention, "fused_attention",
                       lambda q, k, v, allowed, implementation: original(q, k, v, allowed, "xla"))
   cfg = VARIANTS[variant]
   params = _random_params(cfg, seed=4)

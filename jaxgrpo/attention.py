@@ -1,0 +1,156 @@
+"""Attention maths for the training forward and the prefill: rotary embeddings, and
+softmax(q k^T / sqrt(D), masked) v in one of two implementations (`model.attention`):
+
+  * "xla": the scores as einsums and the softmax in float32, what XLA compiles on TPU and
+    CPU. For the completions (`extend`) the prompt's K/V are shared by the G samples and the
+    softmax runs over [prompt | own] score blocks without concatenating them.
+  * "cudnn": `jax.nn.dot_product_attention`'s cuDNN flash attention (GPU, bfloat16), which
+    never holds the [B, H, T, S] scores. Causality and left padding are one boolean mask
+    (cuDNN's padding masks assume right padding), and a completion attends to [its prompt |
+    itself] as one key sequence.
+
+Grouped-query attention throughout: query head h reads KV head h // (H / H_kv). The decode
+step's attention lives in decode.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# A large finite negative instead of -inf: a fully masked row (a pad query) then gets a
+# uniform softmax instead of NaN, and NaN never leaks into gradients.
+_NEG = -1e30
+
+ATTENTION = ("xla", "cudnn")
+
+
+def resolve_attention(value: str | None, platform: str, dtype: str) -> str:
+  """`model.attention`; None picks by platform: "cudnn" (jax.nn.dot_product_attention's
+  cuDNN flash attention, which keeps no [B, H, T, S] scores) on GPU with bfloat16 compute,
+  "xla" (the einsum path, what XLA compiles on TPU and CPU) elsewhere."""
+  if value is not None:
+    return value
+  return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
+
+
+def fused_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
+  """softmax(q k^T / sqrt(D), masked) v through jax.nn.dot_product_attention (grouped-query
+  heads as the model groups them: query head h reads KV head h // (H / H_kv)). The mask is
+  one [B, 1, T, S] boolean, which cuDNN takes as an additive bias in the compute dtype."""
+  return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
+                                      mask=allowed_BxTxS[:, None], implementation=implementation)
+
+
+
+
+def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
+  """Masked attention of T queries over S keys; out [B, T, H, D]."""
+  if implementation == "cudnn":
+    return fused_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, "cudnn")
+  b, t, h, d = q_BxTxHxD.shape
+  hk = k_BxSxKxD.shape[2]
+  q = q_BxTxHxD.reshape(b, t, hk, h // hk, d)
+  scores = jnp.einsum("btgrd,bsgd->bgrts", q, k_BxSxKxD).astype(jnp.float32) * d ** -0.5
+  scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxD.dtype)
+  return jnp.einsum("bgrts,bsgd->btgrd", probs, v_BxSxKxD).reshape(b, t, h, d)
+
+
+def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS, implementation: str):
+  """G samples' T new tokens per prompt (q [B, G, T, H, D], k/v [B, G, T, H_kv, D]) over
+  their prompt's K/V ([B, H_kv, P, D], the cache layout) and causally over themselves
+  (own_BxGxTxS); out [B, G, T, H, D].
+
+  "xla": heads laid out [B, Hkv, G, R, T, D] so the prompt scores are one batched matmul
+  per (prompt, kv head) with G*R*T rows, no prompt copied G times. Both score blocks are
+  shifted by their joint row max (held constant for the gradient, exact because softmax is
+  shift-invariant) and normalised by the summed exponentials. Measured on the small preset
+  update: 1.07x faster than the concatenated softmax, same loss.
+  """
+  if implementation == "cudnn":
+    return _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS,
+                         implementation)
+  b, g, t, h, d = q.shape
+  hk = k.shape[3]
+  r = h // hk
+  q_BKGRTD = q.reshape(b, g, t, hk, r, d).transpose(0, 3, 1, 4, 2, 5)
+  k_BKGSD = k.transpose(0, 3, 1, 2, 4)
+  v_BKGSD = v.transpose(0, 3, 1, 2, 4)
+  scale = d ** -0.5
+  s_prompt = jnp.einsum("bkmd,bkpd->bkmp", q_BKGRTD.reshape(b, hk, g * r * t, d),
+                        prompt_k).astype(jnp.float32) * scale
+  s_prompt = jnp.where(prompt_mask_BxP[:, None, None, :], s_prompt, _NEG)
+  s_prompt = s_prompt.reshape(b, hk, g, r, t, -1)
+  s_own = jnp.einsum("bkgrtd,bkgsd->bkgrts", q_BKGRTD, k_BKGSD).astype(jnp.float32) * scale
+  s_own = jnp.where(own_BxGxTxS[:, None, :, None], s_own, _NEG)
+  row_max = jax.lax.stop_gradient(jnp.maximum(s_prompt.max(-1, keepdims=True),
+                                              s_own.max(-1, keepdims=True)))
+  e_prompt = jnp.exp(s_prompt - row_max)
+  e_own = jnp.exp(s_own - row_max)
+  denom = e_prompt.sum(-1, keepdims=True) + e_own.sum(-1, keepdims=True)
+  o = (jnp.einsum("bkmp,bkpd->bkmd", (e_prompt / denom).astype(v.dtype).reshape(
+      b, hk, g * r * t, -1), prompt_v).reshape(b, hk, g, r, t, d)
+       + jnp.einsum("bkgrts,bkgsd->bkgrtd", (e_own / denom).astype(v.dtype), v_BKGSD))
+  o = o.transpose(0, 2, 4, 1, 3, 5)  # [B,G,T,Hkv,R,D]
+  return o.reshape(b, g, t, h, d)
+
+
+def _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS,
+                  implementation: str):
+  """`extend` through one fused attention per sample over [prompt | own] keys. The fused
+  kernel takes one key sequence, so each sample gets its own copy of its prompt's K/V
+  (B*G*P*H_kv*D values per layer, small beside the [B, H, T, P + T] scores it saves)."""
+  b, g, t, h, d = q.shape
+  p = prompt_mask_BxP.shape[-1]
+
+  def with_prompt(prompt_BxKxPxD, own_BxGxTxKxD):
+    prompt = jnp.broadcast_to(prompt_BxKxPxD.transpose(0, 2, 1, 3)[:, None],
+                              (b, g, p) + prompt_BxKxPxD.shape[1:2] + (d,))
+    return jnp.concatenate([prompt.astype(own_BxGxTxKxD.dtype), own_BxGxTxKxD], axis=2)
+
+  keys, values = with_prompt(prompt_k, k), with_prompt(prompt_v, v)
+  allowed = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxP[:, None, None], (b, g, t, p)),
+                             own_BxGxTxS], axis=-1)
+  o = fused_attention(q.reshape(b * g, t, h, d), keys.reshape(b * g, p + t, -1, d),
+                      values.reshape(b * g, p + t, -1, d), allowed.reshape(b * g, t, p + t),
+                      implementation)
+  return o.reshape(b, g, t, h, d)
+
+
+def rope_frequencies(cfg, d: int):
+  """inv_freq_i = theta^(-2i/d), then Llama 3's scaling when rope_scaling_factor > 0 (cfg:
+  a model.ModelConfig).
+
+  The scaling is transformers' `_compute_llama3_parameters`: wavelengths longer than
+  original_max / low_freq_factor are divided by the factor, shorter than original_max /
+  high_freq_factor are kept, and the band between is interpolated.
+  """
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  factor = cfg.rope_scaling_factor
+  if not factor:
+    return inv_freq
+  low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  old_len = cfg.rope_original_max_positions
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, inv_freq):
+  """Rotary embedding, Hugging Face "rotate_half" convention (first half / second half).
+
+  x: [..., T, H, D] (or [..., H, D] with positions [...]); positions broadcast over heads.
+  """
+  d = x.shape[-1]
+  angles = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [..., 1, D/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
