@@ -10,9 +10,12 @@ Entry points sharing the same parameters:
   * `Decoder.score_groups`: the training loss's forward, each prompt computed once for its
     G completions.
 The sampler's token-by-token step lives in decode.py: the same function of the same
-parameters, arranged for speed and pinned to `forward` by tests/test_decode.py.
+parameters, arranged for speed and pinned to `forward` by tests/test_decode.py. The
+attention maths (einsums or cuDNN's fused kernel) and RoPE live in attention.py.
 
-Every parameter carries logical axis names (see sharding.py for the rules mapping them to
+The layers' parameters are stacked ([num_layers, ...] under `layers`) and a scan runs one
+block over them, compiled once or unrolled (`scan_layers`; layers.py). Every parameter
+carries logical axis names (see sharding.py for the rules mapping them to
 mesh axes).
 """
 
