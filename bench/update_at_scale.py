@@ -5,7 +5,9 @@
 
 A random-init Qwen3-1.7B-shaped policy (28 layers, d_model 2048, 16 / 8 heads x 128, MLP
 6144, vocab 151,936, tied, bfloat16 parameters and compute), G = 8, every completion its
-full length. For each `micro_batch_size:logprob_chunk_size:remat` in --configs it compiles
+full length. For each `micro_batch_size:logprob_chunk_size:remat[:scan[:attention]]` in
+--configs (scan: `scan` or `unrolled`, attention: `xla` or `cudnn`; left out, the platform's
+defaults: scanned and, on a GPU with bfloat16, cuDNN) it compiles
 `grpo.compile_update` exactly as the trainer builds it and runs it --reps times on the same
 batch, then prints one JSON line: compile and step seconds, model TFLOP/s (forward and
 backward, 3x the forward's matmul FLOPs; remat's recomputation not counted), that rate as
@@ -121,12 +123,15 @@ def main():
   optimizer, lr = grpo.make_optimizer(1e-6, 0, 100, 0.0, 1.0, "constant")
   flops = 3 * forward_flops(cfg, b, g, p, t)
   for spec in a.configs.split(","):
-    micro, chunk, remat = spec.split(":")
+    micro, chunk, remat, *rest = spec.split(":")
+    scan = {"scan": True, "unrolled": False, None: None}[rest[0] if rest else None]
+    attention = rest[1] if len(rest) > 1 else None
     loss = grpo.LossConfig(num_generations=g, beta=0.0, kl_type="k3", epsilon=0.2,
                            epsilon_high=0.28, loss_agg="token_mean", scale_rewards="group",
                            mask_truncated_completions=False, max_new_tokens=t,
                            micro_batch_size=int(micro), logprob_chunk_size=int(chunk),
-                           remat=remat)
+                           remat=remat, scan_layers=scan, attention=attention)
+    platform = jax.devices()[0].platform
     state = grpo.init_state(jax.tree.map(lambda x: x.copy(), params), optimizer, mesh)
     try:
       t0 = time.perf_counter()
@@ -143,7 +148,10 @@ def main():
         times.append(time.perf_counter() - t0)
       s = float(np.median(times))
       emit(part="update", rollouts=b * g, prompt_len=p, new_tokens=t, micro_batch_size=int(micro),
-           logprob_chunk_size=int(chunk), remat=remat, compile_s=round(compile_s, 1),
+           logprob_chunk_size=int(chunk), remat=remat,
+           scan_layers=model_lib.resolve_scan_layers(scan, platform),
+           attention=model_lib.resolve_attention(attention, platform, cfg.dtype),
+           compile_s=round(compile_s, 1),
            step_s=[round(x, 3) for x in times], tflops=round(flops / s / 1e12, 1),
            fraction_of_matmul_rate=round(flops / s / rate, 3),
            temp_gib=round(memory.temp_size_in_bytes / 2**30, 1),

@@ -342,6 +342,7 @@ def _check_cross_fields(c, num_devices: int):
         _fail(f"model.{key}", value, "a value, or a checkpoint to take it from "
               "(model.hf_checkpoint=/path/to/hf/model or model.checkpoint)")
   _check_model_shapes(c, m, sizes)
+  _check_attention(m)
   _check_backend(c.generation, rows)
   _check_stop_rule(g, c.rewards)
   _check_checkpoint(c.checkpoint, g, c.rewards)
@@ -374,6 +375,20 @@ def _check_no_backslash_n(template: str):
       "newline (a shell passes \\n inside quotes as two characters); allowed: real "
       f"newlines, e.g. --config.data.prompt_template=$'{quoted}' in bash or zsh, or "
       '"\\n" in a Python config file')
+
+
+def _check_attention(m):
+  """cuDNN's fused attention: a GPU and half-precision compute (else jax fails deep inside
+  the first compilation)."""
+  if m.attention != "cudnn":
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() != "gpu":
+    _fail("model.attention", m.attention, f"None or 'xla' on {jax.default_backend()} "
+          "(cuDNN's fused attention needs a GPU)")
+  if m.dtype != "bfloat16":
+    _fail("model.attention", m.attention, f"None or 'xla' with model.dtype={m.dtype!r} "
+          "(cuDNN's flash attention takes bfloat16)")
 
 
 def _check_backend(gen, rows: int):

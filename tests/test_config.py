@@ -80,6 +80,9 @@ def test_validate_leaves_callers_config_alone():
     ("grpo.logprob_chunk_size", -16, "config.grpo.logprob_chunk_size=-16"),
     ("model.remat", "dots", "'none', 'full', 'save_dots'"),
     ("model.attention", "flash", "None or one of 'xla', 'cudnn'"),
+    # cuDNN's kernel needs a GPU: on CPU (and for a TPU compile check) a line, not a
+    # RuntimeError from inside the first compilation.
+    ("model.attention", "cudnn", "None or 'xla' on cpu (cuDNN's fused attention needs a GPU)"),
 ])
 def test_bad_values_name_the_key(path, value, expect):
   c = math_config()
