@@ -54,7 +54,8 @@ def batch_shapes(prompts: int, generations: int, prompt_len: int, new_tokens: in
 
 def update_memory(cfg: model_lib.ModelConfig, mesh, *, prompts: int, generations: int,
                   prompt_len: int, new_tokens: int, micro_batch_size: int = 0,
-                  logprob_chunk_size: int = 0, remat: str = "none", beta: float = 0.0):
+                  logprob_chunk_size: int = 0, remat: str = "none", beta: float = 0.0,
+                  scan_layers: bool | None = None):
   """Per-device bytes of the compiled update: {temp_bytes, argument_bytes, output_bytes}."""
   params = _abstract(nn.unbox(jax.eval_shape(lambda r: model_lib.init_params(cfg, r),
                                              jax.random.key(0))),
@@ -68,7 +69,7 @@ def update_memory(cfg: model_lib.ModelConfig, mesh, *, prompts: int, generations
       num_generations=generations, beta=beta, kl_type="k3", epsilon=0.2, epsilon_high=0.28,
       loss_agg="token_mean", scale_rewards="group", mask_truncated_completions=False,
       max_new_tokens=new_tokens, micro_batch_size=micro_batch_size,
-      logprob_chunk_size=logprob_chunk_size, remat=remat)
+      logprob_chunk_size=logprob_chunk_size, remat=remat, scan_layers=scan_layers)
   ref = params if beta > 0 else None
   update = grpo.compile_update(state, ref, cfg=cfg, loss=loss, sp=SP, optimizer=optimizer,
                                lr_schedule=lr, mesh=mesh)

@@ -187,23 +187,28 @@ MEMORY_CFG = model.ModelConfig(vocab_size=32768, d_model=256, num_layers=2, num_
                                    num_kv_heads=2, head_dim=64, mlp_dim=1024)
 
 
-def _update_temp_bytes(mesh_shape):
+def _update_temp_bytes(mesh_shape, scan_layers=None):
   from jaxgrpo import bench_memory  # pylint: disable=g-import-not-at-top
   devices = jax.devices()[:int(np.prod(list(mesh_shape.values())))]
   mesh = sharding.make_mesh(mesh_shape, devices=devices)
   return bench_memory.update_memory(MEMORY_CFG, mesh, prompts=16, generations=4, prompt_len=32,
-                                    new_tokens=96)["temp_bytes"]
+                                    new_tokens=96, scan_layers=scan_layers)["temp_bytes"]
 
 
 @pytest.fixture(scope="module")
 def update_temp_bytes():
   shapes = {"1": {"data": 1}, "data8": {"data": 8}, "fsdp8": {"fsdp": 8},
             "241": {"data": 2, "fsdp": 4}, "222": {"data": 2, "fsdp": 2, "tensor": 2}}
-  return {name: _update_temp_bytes(shape) for name, shape in shapes.items()}
+  out = {name: _update_temp_bytes(shape) for name, shape in shapes.items()}
+  # The layers scanned (TPU's and GPU's default; CPU unrolls by default).
+  for name in ("1", "data8", "fsdp8"):
+    out[f"{name}-scanned"] = _update_temp_bytes(shapes[name], scan_layers=True)
+  return out
 
 
-@pytest.mark.parametrize("name", ["fsdp8", "241", "222"])
+@pytest.mark.parametrize("name", ["fsdp8", "241", "222", "fsdp8-scanned"])
 def test_fsdp_divides_the_update_activations(update_temp_bytes, name):
-  got, data8, one = (update_temp_bytes[k] for k in (name, "data8", "1"))
+  suffix = "-scanned" if name.endswith("-scanned") else ""
+  got, data8, one = (update_temp_bytes[k] for k in (name, "data8" + suffix, "1" + suffix))
   assert got <= 1.5 * data8, (name, got / 2**30, data8 / 2**30)
   assert got <= one / 4, (name, got / 2**30, one / 2**30)
