@@ -122,6 +122,7 @@ def main():
   sp = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
   optimizer, lr = grpo.make_optimizer(1e-6, 0, 100, 0.0, 1.0, "constant")
   flops = 3 * forward_flops(cfg, b, g, p, t)
+  platform = jax.devices()[0].platform
   for spec in a.configs.split(","):
     micro, chunk, remat, *rest = spec.split(":")
     scan = {"scan": True, "unrolled": False, None: None}[rest[0] if rest else None]
@@ -131,7 +132,6 @@ def main():
                            mask_truncated_completions=False, max_new_tokens=t,
                            micro_batch_size=int(micro), logprob_chunk_size=int(chunk),
                            remat=remat, scan_layers=scan, attention=attention)
-    platform = jax.devices()[0].platform
     state = grpo.init_state(jax.tree.map(lambda x: x.copy(), params), optimizer, mesh)
     try:
       t0 = time.perf_counter()

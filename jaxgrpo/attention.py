@@ -44,8 +44,6 @@ def fused_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementati
                                       mask=allowed_BxTxS[:, None], implementation=implementation)
 
 
-
-
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
   """Masked attention of T queries over S keys; out [B, T, H, D]."""
   if implementation == "cudnn":

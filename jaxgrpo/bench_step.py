@@ -173,8 +173,9 @@ class _Setup:
 
   def result(self, preset: str, loadavg_start, **fields) -> dict:
     return dict(bench="step", preset=preset, n_params=self.n_params, workload=self.workload,
-                scan_layers=self.scan_layers, **fields, peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                            / 1024, 1),
+                scan_layers=self.scan_layers, **fields,
+                peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                   / 1024, 1),
                 **bench._machine(self.devices, loadavg_start))  # pylint: disable=W0212
 
 

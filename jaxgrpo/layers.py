@@ -53,13 +53,11 @@ def unstack_layers(params) -> dict:
   return out
 
 
-def stack_layers(params, stack=None) -> dict:
-  """The inverse of `unstack_layers` (layer_0 ... layer_{L-1} must all be there).
-
-  stack(list of arrays) -> array; numpy's by default (host trees)."""
-  stack = stack or np.stack
+def stack_layers(params) -> dict:
+  """The inverse of `unstack_layers` on a host tree of numpy arrays (layer_0 ...
+  layer_{L-1} must all be there)."""
   names = [k for k in params if k.startswith(LAYER_PREFIX)]
   out = {k: v for k, v in params.items() if not k.startswith(LAYER_PREFIX)}
   layers = [params[f"{LAYER_PREFIX}{i}"] for i in range(len(names))]
-  out["layers"] = jax.tree.map(lambda *xs: stack(list(xs)), *layers)
+  out["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
   return out
