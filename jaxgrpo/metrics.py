@@ -25,7 +25,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Mapping, Optional, TextIO
+from typing import Any, Mapping, Optional, Sequence, TextIO
 
 JSONL_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
@@ -43,12 +43,12 @@ def _to_number(value: Any) -> float | int:
   return float(value)
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
   """Recursively replaces non-finite floats with None so `allow_nan=False` dumps succeed."""
   if isinstance(value, Mapping):
-    return {str(k): _json_safe(v) for k, v in value.items()}
+    return {str(k): json_safe(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
-    return [_json_safe(v) for v in value]
+    return [json_safe(v) for v in value]
   if isinstance(value, (str, bool)) or value is None:
     return value
   try:
@@ -72,6 +72,15 @@ def _fmt_duration(seconds: float) -> str:
   hours, rest = divmod(seconds, 3600)
   minutes, secs = divmod(rest, 60)
   return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
+  """One JSON object per line, written whole (a reader never sees half a file)."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    for record in records:
+      f.write(json.dumps(record) + "\n")
+  os.replace(path + ".tmp", path)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -197,7 +206,7 @@ class MetricsWriter:
     values = {str(k): _to_number(v) for k, v in metrics.items()}
     now = time.time()
     record = {"step": step, "split": split, "time": now, **values}
-    self._jsonl.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+    self._jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
     self._jsonl.flush()
     if self._tensorboard:
       writer = self._tb_writer(split)
@@ -229,7 +238,7 @@ class MetricsWriter:
     result = self._summarize(by_split)
     result.update(summary or {})
     with open(os.path.join(self.workdir, SUMMARY_NAME), "w") as f:
-      json.dump(_json_safe(result), f, indent=2, allow_nan=False)
+      json.dump(json_safe(result), f, indent=2, allow_nan=False)
       f.write("\n")
     if self._plots:
       try:

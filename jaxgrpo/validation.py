@@ -44,7 +44,6 @@ hosts.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import statistics
@@ -56,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo import distributed
+from jaxgrpo import metrics as metrics_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 from jaxgrpo import voting
@@ -149,15 +149,15 @@ def pass_at_j(c_P, n: int, j: int):
 
 
 def grouped_metrics(scores_N, rewards_N, lengths_N, truncated_N, valid_P, source_P=None,
-                    maj_P=None, *, k: int, threshold: float, sources: Sequence[str] = (),
-                    per_prompt: str | None = None) -> dict:
+                    maj_P=None, *, k: int, threshold: float,
+                    sources: Sequence[str] = ()) -> dict:
   """Every validation metric from N = P*k rows (prompt-major); padding prompts masked out.
 
   source_P: each prompt's index into `sources` (metrics are also computed per source, keyed
   `<metric>/<source>`); maj_P: 1 where the prompt's majority answer is right (maj@k is
-  reported when given). per_prompt names a metric ('pass@2/gsm8k', say) whose per-prompt
-  values and prompt weights are returned too, under '_values_P' and '_weights_P', for the
-  stop metric's lower bound.
+  reported when given). Each metric's per-prompt values come back too, under '_values'
+  (a dict of [P] arrays, padding included): the stop metric's lower bound and the paired
+  comparison of two checkpoints (jaxgrpo/paired.py) are computed from them on the host.
   """
   scores_PxK = scores_N.reshape(-1, k).astype(jnp.float32)
   c_P = jnp.sum(scores_PxK > threshold, axis=1)
@@ -188,24 +188,18 @@ def grouped_metrics(scores_N, rewards_N, lengths_N, truncated_N, valid_P, source
   w_P = valid_P.astype(jnp.float32)
   out = block(w_P, "")
   out["num_rollouts"] = out["num_prompts"] * k
-  weights = {None: w_P}
   for s, name in enumerate(sources):
-    weights[name] = w_P * (source_P == s)
-    out.update(block(weights[name], f"/{name}"))
-  if per_prompt is not None:
-    base, source = split_metric(per_prompt)
-    out["_values_P"], out["_weights_P"] = values[base], weights[source]
+    out.update(block(w_P * (source_P == s), f"/{name}"))
+  out["_values"] = values
   return out
 
 
-def compile_metrics(mesh, k: int, threshold: float, sources: Sequence[str] = (),
-                    per_prompt: str | None = None):
-  """grouped_metrics jitted once: rows split over the data axes, scalars (and the stop
-  metric's per-prompt values) replicated."""
+def compile_metrics(mesh, k: int, threshold: float, sources: Sequence[str] = ()):
+  """grouped_metrics jitted once: rows split over the data axes, scalars and the per-prompt
+  values replicated (P numbers per metric: small beside one rollout)."""
   rows = sharding_lib.batch_sharding(mesh, 1)
   sources = tuple(sources)
-  return jax.jit(lambda *a: grouped_metrics(*a, k=k, threshold=threshold, sources=sources,
-                                            per_prompt=per_prompt),
+  return jax.jit(lambda *a: grouped_metrics(*a, k=k, threshold=threshold, sources=sources),
                  in_shardings=(rows,) * 7, out_shardings=sharding_lib.replicated(mesh))
 
 
@@ -267,35 +261,48 @@ class Validator:
   the order their metrics are logged; rows name theirs in batch["sources"]. stop_metric and
   confidence: the stop rule's metric gets its lower bound `<metric>_lcb` when confidence is
   set (seeded by `seed`, like the samples).
+
+  After a call, `per_prompt` holds every metric's per-prompt values over the valid prompts
+  of all hosts, sorted by prompt index, beside `prompt_index` and `source` (names, or None
+  without sources); `records` holds the samples log's rows (process 0: every host's).
   """
 
   def __init__(self, engine, batches: Sequence[dict], tokenizer, weights: Mapping[str, float],
                *, threshold: float, seed: int, mesh, samples_dir: str | None = None,
                sources: Sequence[str] = (), stop_metric: str | None = None,
-               confidence: float | None = None):
+               confidence: float | None = None, collect: bool = False):
+    """collect: keep `records` without writing them (the evaluation command writes its own
+    samples.jsonl)."""
     self.engine, self.batches, self.tokenizer = engine, list(batches), tokenizer
     self.weights, self.threshold, self.seed = dict(weights), threshold, seed
     self.k = engine.profile("val").num_samples
     self.key = jax.random.key(seed)  # with the prompt index, the only source of randomness
     self.samples_dir, self.mesh = samples_dir, mesh
     self.sources = list(sources)
-    # One sample per prompt has no vote to take (maj@1 would repeat accuracy).
-    self.majority = majority_reward(self.weights) if self.k > 1 else None
+    # The correctness reward's answers, logged per sample; one sample per prompt has no
+    # vote to take (maj@1 would repeat accuracy).
+    self.extractor = majority_reward(self.weights)
+    self.majority = self.extractor if self.k > 1 else None
     self.stop_metric = stop_metric if confidence is not None else None
     self.confidence = confidence
     self.names = metric_names(self.k, self.majority is not None, self.sources,
                               self.stop_metric, confidence)
-    self._metrics = compile_metrics(mesh, self.k, threshold, self.sources, self.stop_metric)
+    self._metrics = compile_metrics(mesh, self.k, threshold, self.sources)
+    # Process 0 writes every host's samples, so on a pod every host collects its own.
+    self.collect = collect or samples_dir is not None or jax.process_count() > 1
+    self.per_prompt, self.records = {}, []
 
-  def __call__(self, params, step: int) -> dict:
+  def __call__(self, params, step: int, progress=None) -> dict:
+    """progress: called as progress(prompts_done, prompts_total, tokens, seconds) after each
+    batch is scored (this process's prompts, padding excluded)."""
     t0 = time.perf_counter()
     # Dispatch every batch first: the device samples batch i+1 while the host scores batch i.
     rollouts = [self.engine.sample("val", params, b["prompt_tokens_BxL"], b["prompt_mask_BxL"],
                                    key=self.key, row_ids_B=b["row_ids_B"])
                 for b in self.batches]
-    # Process 0 writes every host's samples, so on a pod every host collects its own.
-    collect = self.samples_dir is not None or jax.process_count() > 1
     scores, totals, lengths, truncated, majs, records = [], [], [], [], [], []
+    total_prompts = int(sum(b["valid_B"].sum() for b in self.batches))
+    done = tokens_done = 0
     for batch, rollout in zip(self.batches, rollouts):
       tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
                                                    rollout.truncated_N))
@@ -307,13 +314,19 @@ class Validator:
       totals.append(np.asarray(total, np.float32))
       lengths.append(lens)
       truncated.append(trunc)
+      extracted = (voting.extract_all(self.extractor, completions, self.k)
+                   if self.extractor and (self.majority or self.collect) else None)
       if self.majority is not None:
         correct = correctness(self.weights, total, breakdown).reshape(-1, self.k)
         majs.append(voting.maj_correct(
-            voting.extract_all(self.majority, completions, self.k), correct,
-            functools.partial(rewards_lib.answers_equal, self.majority)))
-      if collect:
-        records += self._records(batch, completions, score, lens, trunc)
+            extracted, correct, functools.partial(rewards_lib.answers_equal, self.majority)))
+      if self.collect:
+        records += self._records(batch, completions, score, lens, trunc, extracted)
+      if progress is not None:
+        valid_rows = np.repeat(batch["valid_B"], self.k)
+        done += int(batch["valid_B"].sum())
+        tokens_done += int(np.asarray(lens)[valid_rows].sum())
+        progress(done, total_prompts, tokens_done, time.perf_counter() - t0)
     valid_P = np.concatenate([b["valid_B"] for b in self.batches])
     source_P = np.asarray(
         [self.sources.index("other" if s is None else s) if self.sources else 0
@@ -324,45 +337,59 @@ class Validator:
     metrics = jax.device_get(self._metrics(*sharding_lib.to_global(self.mesh, (
         np.concatenate(scores), np.concatenate(totals), np.concatenate(lengths),
         np.concatenate(truncated), valid_P, source_P, maj_P))))
+    # The per-prompt values are in that global order too: so are the gathered rows.
+    ids_P, valid_P, source_P = distributed.gather_rows(
+        np.concatenate([b["row_ids_B"] for b in self.batches]), valid_P, source_P)
+    values = metrics.pop("_values")  # global order, padding included
+    self.per_prompt = self._per_prompt(values, ids_P, valid_P, source_P)
     if self.stop_metric is not None:
-      base = split_metric(self.stop_metric)[0]
+      base, source = split_metric(self.stop_metric)
       stderr_key = self.stop_metric.replace(base, f"{base}_stderr", 1)
+      in_source = (np.ones_like(valid_P) if source is None
+                   else source_P == self.sources.index(source))
       metrics[f"{self.stop_metric}_lcb"] = lower_bound(
-          metrics["_values_P"], metrics["_weights_P"], self.stop_metric, self.confidence,
-          self.seed, mean=float(metrics[self.stop_metric]),
+          values[base], valid_P & in_source, self.stop_metric, self.confidence, self.seed,
+          mean=float(metrics[self.stop_metric]),
           stderr=float(metrics[stderr_key]) if stderr_key in metrics else None)
     if jax.process_count() > 1:  # into process 0's file (the others pass samples_dir=None)
       records = sorted((r for part in distributed.gather_objects(records) for r in part),
                        key=lambda r: r["prompt_index"])
+    self.records = records
     metrics["wall_time_s"] = time.perf_counter() - t0
     # In metric_names order (device_get sorts dict keys): accuracy first on every console line.
     out = {name: (int(metrics[name]) if name.split("/")[0].startswith("num_")
                   else float(metrics[name])) for name in self.names}
     if self.samples_dir is not None:
-      self._write_samples(step, records)
+      metrics_lib.write_jsonl(os.path.join(self.samples_dir, f"step_{step}.jsonl"), records)
     return out
 
-  def _records(self, batch, completions, score, lens, trunc) -> list[dict]:
+  def _per_prompt(self, values, ids_P, valid_P, source_P) -> dict:
+    """Every metric's per-prompt values over the valid prompts, sorted by prompt index."""
+    keep = np.flatnonzero(valid_P)
+    keep = keep[np.argsort(ids_P[keep], kind="stable")]
+    out = {"prompt_index": ids_P[keep].astype(np.int64),
+           "source": [self.sources[s] if self.sources else None for s in source_P[keep]]}
+    out.update({name: np.asarray(v, np.float64)[keep] for name, v in values.items()})
+    return out
+
+  def _records(self, batch, completions, score, lens, trunc, extracted) -> list[dict]:
     k, out = self.k, []
     for b, valid in enumerate(batch["valid_B"]):
       if not valid:
         continue
       rows = slice(b * k, (b + 1) * k)
-      out.append({"prompt_index": int(batch["row_ids_B"][b]), "prompt": batch["prompts"][b],
-                  "answer": batch["answers"][b], "completions": completions[rows],
-                  "rewards": [float(x) for x in score[rows]],
-                  "passed": [bool(x > self.threshold) for x in score[rows]],
-                  "lengths": [int(x) for x in lens[rows]],
-                  "truncated": [bool(x) for x in trunc[rows]]})
+      record = {"prompt_index": int(batch["row_ids_B"][b]), "prompt": batch["prompts"][b],
+                "answer": batch["answers"][b], "completions": completions[rows],
+                "rewards": [float(x) for x in score[rows]],
+                "passed": [bool(x > self.threshold) for x in score[rows]],
+                "lengths": [int(x) for x in lens[rows]],
+                "truncated": [bool(x) for x in trunc[rows]]}
+      if extracted is not None:  # what the correctness reward read as each sample's answer
+        record["extracted"] = [None if a is None else str(a) for a in extracted[b]]
+      if self.sources:
+        record["source"] = batch["sources"][b] or "other"
+      out.append(record)
     return out
-
-  def _write_samples(self, step: int, records: list[dict]) -> None:
-    os.makedirs(self.samples_dir, exist_ok=True)
-    path = os.path.join(self.samples_dir, f"step_{step}.jsonl")
-    with open(path + ".tmp", "w") as f:
-      for record in records:
-        f.write(json.dumps(record) + "\n")
-    os.replace(path + ".tmp", path)  # a reader never sees half a file
 
 
 def unbiased_pass_at_j(n: int, c: int, j: int) -> float:

@@ -15,7 +15,7 @@ from numpy_params import random_params  # tests/numpy_params.py
 
 
 def metrics_of(scores, k, valid=None, threshold=0.0, devices=1, source=None, sources=(),
-               maj=None, per_prompt=None):
+               maj=None):
   """grouped_metrics through its jitted, sharded call site, as the Validator calls it."""
   scores = np.asarray(scores, np.float32)
   p = len(scores) // k
@@ -24,10 +24,11 @@ def metrics_of(scores, k, valid=None, threshold=0.0, devices=1, source=None, sou
   maj = np.zeros(p, np.float32) if maj is None else np.asarray(maj, np.float32)
   mesh = sharding.make_mesh({"data": devices, "fsdp": 1, "tensor": 1},
                             devices=jax.devices()[:devices])
-  fn = validation.compile_metrics(mesh, k, threshold, sources, per_prompt)
+  fn = validation.compile_metrics(mesh, k, threshold, sources)
   out = jax.device_get(fn(scores, scores, np.full(len(scores), 3, np.int32),
                           np.zeros(len(scores), bool), valid, source, maj))
-  return {name: (v if name.startswith("_") else float(v)) for name, v in out.items()}
+  out.pop("_values")  # the per-prompt values: tested through the Validator's per_prompt
+  return {name: float(v) for name, v in out.items()}
 
 
 def test_two_prompts_k4_by_hand():
@@ -265,3 +266,31 @@ def test_each_prompts_rollouts_land_in_its_row(tmp_path):
   assert len(set(alone.values())) > 1  # the prompts do get different completions
   for r in samples_of(tmp_path / "k3"):
     assert r["completions"] == [alone[r["prompt_index"]]] * 3
+
+
+def test_per_prompt_values_follow_the_prompt_index_on_any_mesh(tmp_path):
+  # What the paired comparison (jaxgrpo/paired.py) differences: every metric's value per
+  # valid prompt, sorted by prompt index, whatever the batching and mesh (batch size 8 on
+  # 8 devices pads 12 prompts to 16; the padding must not appear).
+  rows = [dict(r, source="even" if i % 2 == 0 else "odd") for i, r in enumerate(ROWS)]
+  sp = sampling.SamplingParams(1.0, 1.0, 0)
+  one, params = make_validator(sp, 3, 4, rows=rows, sources=["even", "odd"], collect=True)
+  m = one(params, 0)
+  per = one.per_prompt
+  assert list(per["prompt_index"]) == list(range(12))
+  assert per["source"] == ["even", "odd"] * 6
+  # The prompt means of the per-prompt values are the reported metrics.
+  for name in ("accuracy", "pass@1", "pass@2", "pass@3", "maj@3", "pass_k", "avg_length"):
+    assert per[name].mean() == pytest.approx(m[name], abs=1e-6), name
+    assert per[name][1::2].mean() == pytest.approx(m[f"{name}/odd"], abs=1e-6), name
+  # A prompt's accuracy is the mean of its samples' rewards in the records, and each
+  # record names its source and the answers exact_match read (the first word).
+  assert len(one.records) == 12
+  for record, accuracy in zip(one.records, per["accuracy"]):
+    assert np.mean(record["rewards"]) == pytest.approx(accuracy)
+    assert record["extracted"] == [(c.split() or [None])[0] for c in record["completions"]]
+    assert record["source"] == per["source"][record["prompt_index"]]
+  eight, params8 = make_validator(sp, 3, 8, devices=8, rows=rows, sources=["even", "odd"])
+  eight(params8, 0)
+  for name, values in per.items():
+    np.testing.assert_array_equal(eight.per_prompt[name], values)
