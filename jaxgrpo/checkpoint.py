@@ -136,6 +136,15 @@ class Checkpoints:
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
 
+  def restore_params(self, step: int, like: Any) -> Any:
+    """Only the parameters of checkpoint `step`, shaped and sharded like `like` (abstract
+    arrays are enough): an evaluation never reads the optimizer's moments, twice as large."""
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            item={"params": like}, partial_restore=True,
+            restore_args={"params": ocp.checkpoint_utils.construct_restore_args(like)})))
+    return restored.state["params"]
+
   def restore_latest(self, like: Any, at_most: int | None = None):
     """(step, state, meta) of the newest checkpoint that restores, newest first, or None.
 

@@ -201,6 +201,14 @@ def param_shardings(cfg: model_lib.ModelConfig, mesh: Mesh):
   return nn.logical_to_mesh_sharding(specs, mesh, RULES)
 
 
+def abstract_params(cfg: model_lib.ModelConfig, mesh: Mesh):
+  """The parameter tree as ShapeDtypeStructs carrying their shardings (a restore target)."""
+  abstract = nn.unbox(jax.eval_shape(lambda r: model_lib.init_params(cfg, r),
+                                     jax.random.key(0)))
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, param_shardings(cfg, mesh))
+
+
 def init_sharded(cfg: model_lib.ModelConfig, mesh: Mesh, rng):
   """Parameters initialised directly into their shardings (never whole on one host).
 

@@ -44,6 +44,18 @@ def test_sharded_state_round_trips(tmp_path):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert got.sharding == want.sharding  # restored straight onto the mesh layout
   assert checkpoint.read_meta(str(tmp_path / "checkpoints"), 7)["reason"] == "end"
+  # The evaluation reads the parameters alone (not the optimizer's moments), straight into
+  # another mesh's layout.
+  other = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  like = sharding.abstract_params(CFG, other)
+  only = checkpoint.Checkpoints(str(tmp_path / "checkpoints"), read_only=True)
+  params_only = only.restore_params(7, like)
+  only.close()
+  assert jax.tree.structure(params_only) == jax.tree.structure(state.params)
+  for got, want, target in zip(jax.tree.leaves(params_only), jax.tree.leaves(state.params),
+                               jax.tree.leaves(like)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.sharding == target.sharding
 
 
 def test_keeps_the_latest_and_the_best(tmp_path):
