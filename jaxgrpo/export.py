@@ -27,10 +27,8 @@ class ExportError(ValueError):
   """A workdir or step that cannot be exported, in one line."""
 
 
-def load_run(workdir: str, step: int | None = None):
-  """A run folder's config, model config, tokenizer and the parameters of checkpoint `step`
-  (default: the newest): (config, model_cfg, tokenizer, params, step). Host arrays."""
-  from jaxgrpo import train  # pylint: disable=g-import-not-at-top
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run folder recorded (config.json), its model keys completed."""
   config_path = os.path.join(workdir, "config.json")
   if not os.path.isfile(config_path):
     raise ExportError(f"{config_path}: missing (is {workdir} a jaxgrpo run folder?)")
@@ -39,7 +37,11 @@ def load_run(workdir: str, step: int | None = None):
   # Keys a run from an older version did not write: absent means "from the checkpoint".
   model = {"checkpoint": "", "hf_checkpoint": "", **{k: None for k in _ARCH_KEYS},
            **values.get("model", {})}
-  config = ml_collections.ConfigDict({**values, "model": model})
+  return ml_collections.ConfigDict({**values, "model": model})
+
+
+def run_step(workdir: str, step: int | None = None) -> tuple[str, int]:
+  """(checkpoints folder, step) of a run's checkpoint `step` (default: the newest)."""
   directory = os.path.join(workdir, checkpoint.DIR_NAME)
   steps = checkpoint.step_dirs(directory)
   if not steps:
@@ -48,6 +50,15 @@ def load_run(workdir: str, step: int | None = None):
     step = steps[-1]
   elif step not in steps:
     raise ExportError(f"--step={step}: no such checkpoint in {directory}; allowed: {steps}")
+  return directory, step
+
+
+def load_run(workdir: str, step: int | None = None):
+  """A run folder's config, model config, tokenizer and the parameters of checkpoint `step`
+  (default: the newest): (config, model_cfg, tokenizer, params, step). Host arrays."""
+  from jaxgrpo import train  # pylint: disable=g-import-not-at-top
+  config = run_config(workdir)
+  directory, step = run_step(workdir, step)
   try:
     cfg, _, tokenizer = train._load_policy(config)  # pylint: disable=protected-access
   except train.USER_ERRORS as e:

@@ -52,8 +52,9 @@ class Setup:
   val_sources: list = dataclasses.field(default_factory=list)  # names, [] for one source
 
 
-def prepare(argv) -> Setup:
-  """Host-side: everything that can be wrong with the user's input is found here."""
+def parse_config(argv):
+  """The config file with its command-line overrides (not yet validated); joins the other
+  processes of a multi-host run first. Raises ConfigError."""
   saved_argv, sys.argv = sys.argv, list(argv)  # config_flags finds overrides in sys.argv
   try:
     flags.FLAGS(argv)
@@ -69,9 +70,19 @@ def prepare(argv) -> Setup:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
-  import jax  # imported here so that flag errors answer fast; no compilation happens below
-  config = config_lib.validate(_CONFIG.value, jax.device_count())
-  model_cfg, host_params, tokenizer = _load_policy(config)
+  return _CONFIG.value
+
+
+@dataclasses.dataclass
+class Data:
+  train_rows: list
+  val_rows: list
+  val_sources: list  # names, [] for one source
+  template: object  # data.prompt_template, or a ChatPrompt around it
+
+
+def load_data(config, tokenizer) -> Data:
+  """The training and validation rows (max_val_samples applied), checked on the host."""
   train_rows, val_rows = data_lib.make_sources(config.data)
   if config.grpo.max_val_samples:  # the first rows of each source: a mixture keeps every part
     kept, counts = [], collections.Counter()
@@ -82,7 +93,7 @@ def prepare(argv) -> Setup:
     val_rows = kept
   val_sources = data_lib.source_names(val_rows)
   _check_source_metrics(config, val_sources)
-  d, g = config.data, config.grpo
+  d = config.data
   template = d.prompt_template
   if d.use_chat_template:
     from jaxgrpo import chat  # pylint: disable=g-import-not-at-top
@@ -94,19 +105,42 @@ def prepare(argv) -> Setup:
   # Before the batches: their length check would otherwise report prompts of <unk> tokens
   # as too long, hiding that the model cannot read them.
   warning = check_encodable(tokenizer, template, train_rows, val_rows, _model_name(config))
+  import jax  # pylint: disable=g-import-not-at-top
   if warning and jax.process_index() == 0:
     print(warning, file=sys.stderr, flush=True)
-  procs = jax.process_count()
-  for key in ("num_prompts_per_step", "val_batch_size"):
-    if g[key] % procs:
-      raise config_lib.ConfigError(
-          f"config.grpo.{key}={g[key]}: allowed: a multiple of the {procs} processes")
+  return Data(train_rows, val_rows, val_sources, template)
+
+
+def _per_process(config, key: str) -> int:
+  """config.grpo.<key>, a global batch size, divided over the processes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  procs, value = jax.process_count(), config.grpo[key]
+  if value % procs:
+    raise config_lib.ConfigError(
+        f"config.grpo.{key}={value}: allowed: a multiple of the {procs} processes")
+  return value // procs
+
+
+def validation_batches(config, tokenizer, data: Data) -> list:
+  """This process's validation batches (every process holds a slice of each)."""
+  return data_lib.validation_batches(data.val_rows, tokenizer,
+                                     _per_process(config, "val_batch_size"),
+                                     config.data.max_prompt_length, template=data.template)
+
+
+def prepare(argv) -> Setup:
+  """Host-side: everything that can be wrong with the user's input is found here."""
+  raw = parse_config(argv)
+  import jax  # imported here so that flag errors answer fast; no compilation happens below
+  config = config_lib.validate(raw, jax.device_count())
+  model_cfg, host_params, tokenizer = _load_policy(config)
+  data = load_data(config, tokenizer)
+  _per_process(config, "num_prompts_per_step")
   # Global batches: each process keeps its slice, so the run does not depend on the hosts.
   train_batches = data_lib.PromptBatches(
-      train_rows, tokenizer, g.num_prompts_per_step, d.max_prompt_length,
-      template=template, seed=config.seed)
-  val_batches = data_lib.validation_batches(val_rows, tokenizer, g.val_batch_size // procs,
-                                            d.max_prompt_length, template=template)
+      data.train_rows, tokenizer, config.grpo.num_prompts_per_step,
+      config.data.max_prompt_length, template=data.template, seed=config.seed)
+  val_batches = validation_batches(config, tokenizer, data)
   workdir = _WORKDIR.value or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
   if "://" in workdir:  # logs and plots are written with plain file I/O
     raise config_lib.ConfigError(
@@ -118,7 +152,7 @@ def prepare(argv) -> Setup:
   if jax.process_index() == 0:
     _write_config(workdir, config_lib.to_json(config))
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
-               resume, val_sources)
+               resume, data.val_sources)
 
 
 # Training prompts checked for unknown tokens, spread evenly over the file (every validation

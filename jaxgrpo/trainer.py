@@ -35,12 +35,7 @@ def build(setup, mesh=None):
   c = setup.config
   # A caller may pass its own mesh (a benchmark on fewer devices than the host has).
   mesh = sharding_lib.make_mesh(c.mesh.to_dict()) if mesh is None else mesh
-  if c.model.hf_checkpoint:  # streamed tensor by tensor onto the mesh (checked in prepare)
-    params = hf.load_hf(c.model.hf_checkpoint, dtype=c.model.param_dtype, mesh=mesh)[1]
-  elif setup.host_params is None:
-    params = sharding_lib.init_sharded(setup.model_cfg, mesh, jax.random.key(c.seed))
-  else:
-    params = sharding_lib.shard_params(setup.host_params, setup.model_cfg, mesh)
+  params = place_params(c, setup.model_cfg, setup.host_params, mesh)
   g = c.grpo
   engine = make_engine(c, setup.model_cfg, setup.tokenizer, mesh)
   train_sp = engine.profile("train").sampling
@@ -54,6 +49,16 @@ def build(setup, mesh=None):
   update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_config(c, mesh),
                          sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
   return engine, state, ref_params, update
+
+
+def place_params(c, model_cfg, host_params, mesh):
+  """The starting policy on the mesh: a Hugging Face folder streamed tensor by tensor (checked
+  in train.prepare), a loaded jaxgrpo checkpoint (host_params), or the seeded random init."""
+  if c.model.hf_checkpoint:
+    return hf.load_hf(c.model.hf_checkpoint, dtype=c.model.param_dtype, mesh=mesh)[1]
+  if host_params is None:
+    return sharding_lib.init_sharded(model_cfg, mesh, jax.random.key(c.seed))
+  return sharding_lib.shard_params(host_params, model_cfg, mesh)
 
 
 def scan_layers(c, mesh) -> bool:
