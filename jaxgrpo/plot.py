@@ -1,4 +1,5 @@
-"""Draws a run's validation curves into `<workdir>/validation.png`.
+"""Draws a run's validation curves into `<workdir>/validation.png` (and the evaluation
+command's pass_at_k.png and compare.png: `pass_at_k_figure`, `compare_figure`).
 
 One chart: `accuracy` and every logged `pass@j` against the training step, each with a shaded
 +- stderr band where the stderr is finite, plus the early-stop threshold as a dashed line when the
@@ -127,6 +128,79 @@ def figure(val_rows: dict[int, dict[str, Any]], stop_metric: Optional[str] = Non
   if ax.get_legend_handles_labels()[0]:
     ax.legend(loc="best", fontsize=9)
   ax.set_title(_title(val_rows))
+  return fig
+
+
+def _new_figure(rows: int = 1, height: float = 5.0):
+  # The object API with an explicit Agg canvas, as in `figure`.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(8, height), layout="constrained")
+  FigureCanvasAgg(fig)
+  return fig, [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
+
+
+def save(fig, path: str) -> str:
+  fig.savefig(path, dpi=100)
+  return path
+
+
+def pass_at_k_figure(row: dict[str, Any], sources: Sequence[str] = (), title: str = ""):
+  """One evaluation's pass@j against j (log axis), +- stderr bands, overall and per source
+  (`python -m jaxgrpo.evaluate` writes it as pass_at_k.png)."""
+  fig, (ax,) = _new_figure()
+  js = sorted(int(m.group(1)) for k in row if (m := _PASS_AT.match(k)))
+  for i, source in enumerate([None, *sources]):
+    suffix = f"/{source}" if source else ""
+    values = [row.get(f"pass@{j}{suffix}") for j in js]
+    errs = [row.get(f"pass@{j}_stderr{suffix}") for j in js]
+    if not all(_finite(v) for v in values):
+      continue
+    color = f"C{i % 10}"
+    ax.plot(js, values, color=color, marker="o", linewidth=2.0 if source is None else 1.2,
+            label=f"{source or 'all'} (n={row.get('num_prompts' + suffix)})")
+    if all(_finite(e) for e in errs):
+      ax.fill_between(js, [max(v - e, 0.0) for v, e in zip(values, errs)],
+                      [min(v + e, 1.0) for v, e in zip(values, errs)], color=color,
+                      alpha=0.2, linewidth=0)
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(js or [1], [str(j) for j in js or [1]])
+  ax.set_ylim(-0.02, 1.02)
+  ax.set_xlabel("j (samples per prompt)")
+  ax.set_ylabel("pass@j (unbiased estimator)")
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(loc="lower right", fontsize=9)
+  ax.set_title(f"pass@j, +- stderr{': ' + title if title else ''}", fontsize=10)
+  return fig
+
+
+def compare_figure(diffs: dict[str, Any], metrics: Sequence[str], sources: Sequence[str] = (),
+                   title: str = ""):
+  """B - A per metric and source: the paired 95% interval (dark) over the unpaired one that
+  two separate error bars imply (light), and 0 (`evaluate --compare` writes compare.png)."""
+  metrics = list(dict.fromkeys(metrics))
+  fig, axes = _new_figure(len(metrics), height=1.2 + 1.1 * len(metrics) * (1 + len(sources)))
+  groups = ["all", *sources]
+  for ax, metric in zip(axes, metrics):
+    for y, group in enumerate(groups):
+      d = diffs[metric][group]
+      if not _finite(d["difference"]):
+        continue
+      lo, hi = d["unpaired_ci95"]
+      ax.plot([lo, hi], [y, y], color="C0", alpha=0.3, linewidth=8, solid_capstyle="butt",
+              label="unpaired 95%" if y == 0 else None)
+      lo, hi = d["ci95"]
+      ax.errorbar([d["difference"]], [y], xerr=[[d["difference"] - lo], [hi - d["difference"]]],
+                  color="C3", fmt="o", capsize=4, label="paired 95%" if y == 0 else None)
+    ax.axvline(0.0, color="0.3", linewidth=1)
+    ax.set_yticks(range(len(groups)), groups)
+    ax.set_ylim(-0.7, len(groups) - 0.3)
+    ax.set_title(metric, fontsize=10, loc="left")
+    ax.grid(alpha=0.3, axis="x")
+  if axes and axes[0].get_legend_handles_labels()[0]:
+    axes[0].legend(loc="best", fontsize=8)
+  fig.suptitle(title, fontsize=10)
   return fig
 
 

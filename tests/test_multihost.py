@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -115,3 +116,28 @@ def test_checkpoints_restore_across_process_counts(runs):
     with open(runs[workdir] / "summary.json") as f:
       summary = json.load(f)
     assert summary["steps"] == 3 and summary["resumed_from"].endswith("checkpoints/2")
+
+
+def test_evaluate_on_two_processes_gives_the_runs_validation(runs, tmp_path):
+  # `python -m jaxgrpo.evaluate` on the same 2 x 2-device rehearsal: the 2-process run's
+  # step-2 checkpoint gives its step-2 validation row, every prompt's samples, and only
+  # process 0 writes and prints.
+  port, out = _free_port(), tmp_path / "eval"
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "jaxgrpo.evaluate", *ARGS, f"--workdir={runs['two']}",
+       "--step=2", f"--out={out}", f"--coordinator_address=127.0.0.1:{port}",
+       "--num_processes=2", f"--process_id={i}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cli.ROOT,
+      env=cli.env(XLA_FLAGS="--xla_force_host_platform_device_count=2")) for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  printed = [[l for l in out.splitlines() if not l.startswith("[Gloo]")] for out, _ in outs]
+  assert any(l.startswith("accuracy") for l in printed[0]) and printed[1] == []
+  with open(out / "eval.json") as f:
+    metrics = json.load(f)["metrics"]
+  logged = _rows(runs["two"])[("val", 2)]
+  for key in VAL_KEYS:
+    assert metrics[key] == pytest.approx(logged[key], rel=1e-5, abs=1e-6), key
+  with open(out / "samples.jsonl") as f, open(runs["two"] / "val_samples" / "step_2.jsonl") as g:
+    assert f.read() == g.read()

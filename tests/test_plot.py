@@ -161,3 +161,29 @@ def test_figure_draws_the_lower_bound_and_a_stop_metric_without_a_curve():
   plain = {s: {k: v for k, v in r.items() if not k.endswith("_lcb")} for s, r in rows.items()}
   labels = [l.get_label() for l in plot.figure(plain, "accuracy", 0.6).axes[0].get_lines()]
   assert labels == ["accuracy", "stop: accuracy >= 0.6"]
+
+
+def test_pass_at_k_figure_one_line_per_source_on_a_log_axis(tmp_path):
+  row = {"num_prompts": 4, "num_prompts/a": 2, "num_prompts/b": 2}
+  for j, value in ((1, 0.25), (2, 0.5), (4, 0.75)):
+    row[f"pass@{j}"], row[f"pass@{j}_stderr"] = value, 0.1
+    row[f"pass@{j}/a"], row[f"pass@{j}_stderr/a"] = value + 0.1, float("nan")  # no band
+    row[f"pass@{j}/b"], row[f"pass@{j}_stderr/b"] = value - 0.1, 0.05
+  fig = plot.pass_at_k_figure(row, ["a", "b"], title="run:8")
+  ax = fig.axes[0]
+  assert ax.get_xscale() == "log"
+  assert [l.get_label() for l in ax.lines] == ["all (n=4)", "a (n=2)", "b (n=2)"]
+  assert list(ax.lines[1].get_xdata()) == [1, 2, 4]
+  assert list(ax.lines[1].get_ydata()) == pytest.approx([0.35, 0.6, 0.85])
+  assert sum(isinstance(c, PolyCollection) for c in ax.collections) == 2  # a has no stderr
+  assert os.path.getsize(plot.save(fig, str(tmp_path / "p.png"))) > 0
+
+
+def test_compare_figure_draws_both_intervals_and_zero():
+  d = {"difference": 0.1, "ci95": [0.05, 0.15], "unpaired_ci95": [-0.02, 0.22]}
+  fig = plot.compare_figure({"accuracy": {"all": d, "x": d}}, ["accuracy", "accuracy"], ["x"])
+  ax, = fig.axes  # a metric named twice is drawn once
+  unpaired = [l for l in ax.lines if l.get_label() == "unpaired 95%"]
+  assert list(unpaired[0].get_xdata()) == [-0.02, 0.22]
+  assert [t.get_text() for t in ax.get_yticklabels()] == ["all", "x"]
+  assert any(list(l.get_xdata()) == [0.0, 0.0] for l in ax.lines)  # the line at 0

@@ -1,0 +1,190 @@
+"""The device side of `python -m jaxgrpo.evaluate`: place each policy, validate it, report.
+
+Each policy is validated by a `validation.Validator` built exactly as the trainer builds its
+own (same engine, profiles, batches, key and metrics program), so a run's checkpoint gives
+the run's validation row. Two policies with the same architecture and tokenizer share one
+engine and Validator: the val sampler and the metrics compile once for both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxgrpo import checkpoint, evaluate, paired, plot, trainer, validation
+from jaxgrpo import metrics as metrics_lib
+from jaxgrpo import sharding as sharding_lib
+
+# A progress line at most this often (and one at the end).
+PROGRESS_EVERY_S = 2.0
+
+
+def run(plan) -> int:
+  primary = jax.process_index() == 0
+  mesh = sharding_lib.make_mesh(plan.sides[0].config.mesh.to_dict())
+  if primary:
+    if plan.ignored:
+      print(f"note: ignored (read only by training): {', '.join(plan.ignored)}",
+            file=sys.stderr, flush=True)
+    for note in plan.notes:
+      print(f"note: this evaluation's validation differs from the run's: {note}",
+            file=sys.stderr, flush=True)
+  comparing = len(plan.sides) == 2
+  validators, results = {}, []
+  for name, side in zip("AB" if comparing else "-", plan.sides):
+    result = evaluate_side(side, mesh, validators, plan.sources,
+                           label=f"{name} ({side.label})" if comparing else side.label)
+    results.append(result)
+    if primary:
+      folder = os.path.join(plan.out, name) if comparing else plan.out
+      write_side(folder, side, result, plan.sources)
+      print(f"\n{side.label}: {result['num_prompts']} prompts x k={result['sampling']['k']}"
+            f", {result['wall_time_s']:.1f}s, {result['tokens_per_s']:.0f} tokens/s")
+      print(table(result["metrics"], plan.metrics, plan.sources))
+  if comparing:
+    a, b = (r.pop("_per_prompt") for r in results)
+    k = plan.sides[0].config.grpo.val_num_generations_per_prompt
+    names = [m for m in evaluate.per_prompt_metrics(k, f"maj@{k}" in a) if m in a and m in b]
+    seed = plan.sides[0].config.grpo.val_seed
+    diffs = paired.compare(a, b, names, plan.sources, seed=seed)
+    lines = verdict_lines(diffs, plan.metrics, plan.sources)
+    if primary:
+      write_compare(plan, results, diffs, lines)
+      print("\nB - A, paired over prompts (95% normal interval):")
+      print("\n".join(f"  {line}" for line in lines))
+  if primary:
+    print(f"results in {plan.out}", flush=True)
+  return 0
+
+
+def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
+  """Validates one policy: {'metrics': the validation row, '_per_prompt', 'records', ...}."""
+  c, g = side.config, side.config.grpo
+  t0 = time.perf_counter()
+  params = place(side, mesh)
+  key = (side.model_cfg, side.tokenizer.hf.to_str())  # the same prompts and programs
+  if key not in validators:
+    engine = trainer.make_engine(c, side.model_cfg, side.tokenizer, mesh)
+    validators[key] = validation.Validator(
+        engine, side.val_batches, side.tokenizer, c.rewards.to_dict(),
+        threshold=g.val_pass_threshold, seed=g.val_seed, mesh=mesh, sources=sources,
+        stop_metric=g.stop_at_validation_metric, confidence=g.stop_at_validation_confidence,
+        collect=True)
+  validator = validators[key]
+  engine = validator.engine
+  progress = Progress(label)
+  row = validator(params, side.restore[1] if side.restore else 0, progress=progress)
+  del params
+  tokens = int(sum(sum(r["lengths"]) for r in validator.records))
+  wall = time.perf_counter() - t0
+  profile = engine.profile("val")
+  sp = profile.sampling
+  return {"metrics": row, "_per_prompt": validator.per_prompt, "records": validator.records,
+          "num_prompts": int(row["num_prompts"]), "wall_time_s": wall,
+          "validation_s": row["wall_time_s"], "generated_tokens": tokens,
+          "tokens_per_s": tokens / max(row["wall_time_s"], 1e-9),
+          "sampling": {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+                       "k": profile.num_samples, "max_new_tokens": profile.max_new_tokens,
+                       "val_seed": g.val_seed, "pass_threshold": g.val_pass_threshold}}
+
+
+def place(side, mesh):
+  """The policy's parameters on the mesh: a run's checkpoint (only its parameters are
+  read, straight into their shardings), else as the trainer starts a run."""
+  if side.restore is None:
+    return trainer.place_params(side.config, side.model_cfg, side.host_params, mesh)
+  directory, step = side.restore
+  ckpts = checkpoint.Checkpoints(directory, read_only=True)
+  try:
+    return ckpts.restore_params(step, sharding_lib.abstract_params(side.model_cfg, mesh))
+  finally:
+    ckpts.close()
+
+
+class Progress:
+  """Prints `label: 128/500 prompts, 5,210 tokens/s` to stderr on process 0, rate-limited."""
+
+  def __init__(self, label: str):
+    self.label, self.last = label, 0.0
+    self.on = jax.process_index() == 0
+
+  def __call__(self, done: int, total: int, tokens: int, seconds: float) -> None:
+    now = time.perf_counter()
+    if self.on and (done >= total or now - self.last >= PROGRESS_EVERY_S):
+      self.last = now
+      print(f"{self.label}: {done}/{total} prompts, {tokens / max(seconds, 1e-9):,.0f} "
+            "tokens/s", file=sys.stderr, flush=True)
+
+
+def write_side(folder: str, side, result: dict, sources) -> None:
+  os.makedirs(folder, exist_ok=True)
+  metrics_lib.write_jsonl(os.path.join(folder, evaluate.SAMPLES_JSONL), result["records"])
+  doc = {"checkpoint": side.checkpoint, "label": side.label, "metrics": result["metrics"],
+         "sources": list(sources), "sampling": result["sampling"],
+         "num_prompts": result["num_prompts"], "generated_tokens": result["generated_tokens"],
+         "tokens_per_s": result["tokens_per_s"], "wall_time_s": result["wall_time_s"],
+         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+         "platform": {"jax": jax.__version__, "backend": jax.default_backend(),
+                      "devices": jax.device_count(), "processes": jax.process_count()},
+         "config": side.config.to_dict()}
+  _write_json(os.path.join(folder, evaluate.EVAL_JSON), doc)
+  plot.save(plot.pass_at_k_figure(result["metrics"], sources, title=side.label),
+            os.path.join(folder, evaluate.PASS_AT_K_PNG))
+
+
+def _write_json(path: str, doc) -> None:
+  with open(path + ".tmp", "w") as f:  # strict JSON: NaN (one prompt: no stderr) is null
+    json.dump(metrics_lib.json_safe(doc), f, indent=2, allow_nan=False)
+  os.replace(path + ".tmp", path)
+
+
+def table(row: dict, names, sources) -> str:
+  """metric | all | each source: 'value +- stderr' (stderr where the metric has one)."""
+  columns = ["all"] + list(sources)
+  cells = [["metric"] + columns]
+  for name in names:
+    base, only = validation.split_metric(name)
+    cells.append([base] + [_cell(row, base, None if c == "all" else c)
+                           if only in (None, c) else "" for c in columns])
+  widths = [max(len(r[i]) for r in cells) for i in range(len(columns) + 1)]
+  return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _cell(row, base, source) -> str:
+  suffix = f"/{source}" if source else ""
+  value, stderr = row.get(base + suffix), row.get(f"{base}_stderr{suffix}")
+  if value is None:
+    return "-"
+  if stderr is None or not np.isfinite(stderr):
+    return f"{value:.4f}"
+  return f"{value:.4f} +- {stderr:.4f}"
+
+
+def verdict_lines(diffs: dict, names, sources) -> list[str]:
+  """One verdict per chosen metric and group: overall and every source, or the one named."""
+  lines = []
+  for name in names:
+    base, only = validation.split_metric(name)
+    for group in ([only] if only else ["all", *sources]):
+      lines.append(paired.verdict_line(base, group, diffs[base][group]))
+  return lines
+
+
+def write_compare(plan, results, diffs, lines) -> None:
+  doc = {"A": {"label": plan.sides[0].label, "checkpoint": plan.sides[0].checkpoint},
+         "B": {"label": plan.sides[1].label, "checkpoint": plan.sides[1].checkpoint},
+         "difference": "B - A, per prompt", "confidence": paired.CONFIDENCE,
+         "interval": "normal: difference +- z * paired stderr (jaxgrpo/paired.py)",
+         "sampling": results[0]["sampling"], "sources": list(plan.sources),
+         "metrics": diffs, "verdicts": lines}
+  os.makedirs(plan.out, exist_ok=True)
+  _write_json(os.path.join(plan.out, evaluate.COMPARE_JSON), doc)
+  plot.save(plot.compare_figure(diffs, [validation.split_metric(m)[0] for m in plan.metrics],
+                                plan.sources, title=f"B={plan.sides[1].label} minus "
+                                f"A={plan.sides[0].label}"),
+            os.path.join(plan.out, evaluate.COMPARE_PNG))

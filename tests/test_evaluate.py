@@ -1,0 +1,190 @@
+"""`python -m jaxgrpo.evaluate` as a user runs it: a run's checkpoint gives the run's own
+validation row, a comparison of a policy with itself is exactly 0, and bad input is one line.
+
+The end-to-end tests read conftest.py's straight run (tests/cli.py's ARGS: the smoke preset,
+k=2, validation and a checkpoint every 2 steps) and evaluate with the same ARGS.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import cli  # tests/cli.py
+from jaxgrpo import checkpoint
+
+
+def run_evaluate(*args):
+  return subprocess.run([sys.executable, "-m", "jaxgrpo.evaluate", *args], capture_output=True,
+                        text=True, env=cli.env(), cwd=cli.ROOT, timeout=600)
+
+
+def read_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def val_rows(workdir):
+  return {r["step"]: r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+          if r["split"] == "val"}
+
+
+def assert_row_equals(metrics, row):
+  """Every logged validation metric, bit for bit (JSON floats round-trip exactly)."""
+  logged = {k: v for k, v in row.items() if k not in ("step", "split", "time", "wall_time_s")}
+  assert {k: v for k, v in metrics.items() if k != "wall_time_s"} == logged
+
+
+@pytest.mark.slow
+def test_a_runs_checkpoint_evaluates_to_the_runs_validation_row(straight_run, tmp_path):
+  workdir, run = straight_run
+  assert run.returncode == 0, run.stderr[-2000:]
+  steps = checkpoint.step_dirs(os.path.join(workdir, "checkpoints"))
+  step = steps[-2]  # not the newest: --step must pick it
+  out = tmp_path / "eval"
+  proc = run_evaluate(*cli.ARGS, f"--workdir={workdir}", f"--step={step}", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  doc = json.loads((out / "eval.json").read_text())
+  assert_row_equals(doc["metrics"], val_rows(workdir)[step])
+  assert doc["checkpoint"]["step"] == step and doc["sampling"]["k"] == 2
+  assert doc["sampling"]["temperature"] == 0.9  # the val profile follows the override
+  # The same samples as the run logged (which now name each sample's extracted answer).
+  samples = read_jsonl(out / "samples.jsonl")
+  assert samples == read_jsonl(os.path.join(workdir, "val_samples", f"step_{step}.jsonl"))
+  assert len(samples) == doc["num_prompts"] and all(len(s["extracted"]) == 2 for s in samples)
+  assert (out / "pass_at_k.png").stat().st_size > 0
+  # The table, and the training-only overrides named once.
+  assert "accuracy" in proc.stdout and "maj@2" in proc.stdout
+  ignored = [l for l in proc.stderr.splitlines() if "ignored" in l]
+  assert len(ignored) == 1 and "--config.grpo.max_num_steps" in ignored[0]
+  assert "--config.generation.temperature" not in ignored[0]
+  assert f"/{doc['num_prompts']} prompts" in proc.stderr  # the progress line
+
+
+@pytest.mark.slow
+def test_compare_the_base_model_with_a_checkpoint(straight_run, tmp_path):
+  # A = the config's own starting checkpoint (what the run validated at step 0), B = the
+  # newest checkpoint of the run: each side's eval.json is the run's row at that step.
+  workdir, _ = straight_run
+  step = checkpoint.step_dirs(os.path.join(workdir, "checkpoints"))[-1]
+  out = tmp_path / "cmp"
+  proc = run_evaluate(*cli.ARGS, f"--compare=@embedded/arith3,{workdir}:{step}",
+                      f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = val_rows(workdir)
+  a = json.loads((out / "A" / "eval.json").read_text())
+  b = json.loads((out / "B" / "eval.json").read_text())
+  assert_row_equals(a["metrics"], rows[0])
+  assert_row_equals(b["metrics"], rows[step])
+  doc = json.loads((out / "compare.json").read_text())
+  acc = doc["metrics"]["accuracy"]["all"]
+  assert acc["difference"] == pytest.approx(rows[step]["accuracy"] - rows[0]["accuracy"],
+                                            abs=1e-6)
+  assert acc["a_stderr"] == pytest.approx(rows[0]["accuracy_stderr"], rel=1e-5)
+  assert len(doc["verdicts"]) == 4  # accuracy, pass@1, pass@2, maj@2 (no sources)
+  assert (out / "compare.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_checkpoint_compared_with_itself_differs_by_exactly_zero(straight_run, tmp_path):
+  workdir, _ = straight_run
+  step = checkpoint.step_dirs(os.path.join(workdir, "checkpoints"))[-1]
+  out = tmp_path / "self"
+  proc = run_evaluate(*cli.ARGS, f"--compare={workdir}:{step},{workdir}/checkpoints/{step}",
+                      f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  doc = json.loads((out / "compare.json").read_text())
+  for metric, groups in doc["metrics"].items():
+    d = groups["all"]
+    assert d["difference"] == 0.0 and d["ci95"] == [0.0, 0.0], metric
+    assert d["verdict"] == "no significant difference at 95%"
+  verdicts = [l for l in proc.stdout.splitlines() if l.startswith("  ")]
+  assert len(verdicts) == 4
+  assert all("no significant difference at 95%" in l for l in verdicts), verdicts
+  assert (out / "A" / "samples.jsonl").read_text() == (out / "B" / "samples.jsonl").read_text()
+  # One engine for both sides: the val sampler (jit(traced)) compiled once, not per side.
+  assert sum("Compiling jit(traced)" in l for l in proc.stderr.splitlines()) == 1
+
+
+def fake_run(tmp_path):
+  """A run folder that holds config.json and an (empty) checkpoint folder for step 2."""
+  workdir = tmp_path / "run"
+  (workdir / "checkpoints" / "2").mkdir(parents=True)
+  (workdir / "config.json").write_text(json.dumps({"model": {"checkpoint": "@embedded/arith3"}}))
+  return workdir
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--workdir=/no/such/run"], ["/no/such/run/config.json", "missing"]),
+    (["--workdir={run}", "--step=5"], ["--step=5", "no such checkpoint", "[2]"]),
+    (["--compare={run}"], ["--compare=", "two policies A,B"]),
+    (["--compare=/no/such/dir,@embedded/arith3"], ["/no/such/dir", "no checkpoint there"]),
+    (["--config.model.checkpoint=/no/such/ckpt"], ["/no/such/ckpt", "no such checkpoint"]),
+    (["--metrics=pass@4"], ["--metrics", "'pass@4'", "allowed: accuracy"]),
+    (["--metrics=accuracy/gsm8k"], ["no validation source 'gsm8k'"]),
+    (["--config.grpo.val_sampless=4"], ["config.grpo.val_sampless", "unknown key"]),
+    (["--step=2"], ["--step=2", "only with --workdir"]),
+    (["--out={out}"], ["already holds eval.json"]),
+])
+def test_bad_input_is_one_line_and_exit_2_before_compiling(tmp_path, args, fragments):
+  run = fake_run(tmp_path)
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "eval.json").write_text("{}")  # an earlier evaluation's results: never overwritten
+  args = [a.format(run=run, out=out) for a in args]
+  proc = run_evaluate(f"--config={cli.MATH}:smoke", *args)
+  cli.assert_clean_error(proc, *fragments)
+  assert (out / "eval.json").read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_several_validation_sources_each_get_their_metrics_and_verdicts(tmp_path):
+  # data.val_path with two named files: every metric per source in eval.json, a column
+  # per source in the table, and the paired comparison (of the shipped checkpoint with
+  # itself) per source, with one verdict line per metric and source.
+  def write(name, pairs):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"question": f"{a}+{b}=", "answer": f"{a + b:04d}"})
+                            + "\n" for a, b in pairs))
+    return path
+  train = write("train.jsonl", [(100 + i, 200 + i) for i in range(16)])
+  easy = write("easy.jsonl", [(100 + i, 100) for i in range(8)])
+  hard = write("hard.jsonl", [(900 - 7 * i, 800 + 3 * i) for i in range(8)])
+  out = tmp_path / "cmp"
+  proc = run_evaluate(f"--config={cli.MATH}:smoke", "--config.data.source=jsonl",
+                      f"--config.data.train_path={train}",
+                      f"--config.data.val_path=easy={easy},hard={hard}",
+                      "--compare=@embedded/arith3,@embedded/arith3",
+                      "--metrics=accuracy,pass@2/hard", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  doc = json.loads((out / "A" / "eval.json").read_text())
+  assert doc["sources"] == ["easy", "hard"]
+  m = doc["metrics"]
+  assert m["num_prompts/easy"] == 8 and m["num_prompts/hard"] == 8
+  assert m["accuracy"] == pytest.approx((m["accuracy/easy"] + m["accuracy/hard"]) / 2)
+  header = next(l for l in proc.stdout.splitlines() if l.startswith("metric"))
+  assert header.split() == ["metric", "all", "easy", "hard"]
+  samples = read_jsonl(out / "A" / "samples.jsonl")
+  assert [s["source"] for s in samples] == ["easy"] * 8 + ["hard"] * 8
+  compare = json.loads((out / "compare.json").read_text())
+  assert set(compare["metrics"]["accuracy"]) == {"all", "easy", "hard"}
+  assert [v.split(":")[0] for v in compare["verdicts"]] == [
+      "accuracy", "accuracy/easy", "accuracy/hard", "pass@2/hard"]
+
+
+def test_a_checkpoint_of_per_layer_parameters_is_refused_in_one_line(tmp_path):
+  # As for a resume (test_checkpoint.py): a run checkpointed before the layers were
+  # stacked is named with the way out, before anything compiles.
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import grpo  # pylint: disable=g-import-not-at-top
+  run = fake_run(tmp_path)
+  (run / "checkpoints" / "2").rmdir()
+  ckpts = checkpoint.Checkpoints(str(run / "checkpoints"))
+  old = {"layer_0": {"w": jnp.ones(2)}, "layer_1": {"w": jnp.ones(2)}}
+  ckpts.save(3, grpo.TrainState(jnp.int32(3), old, ()), {"step": 3, "model": {}})
+  ckpts.close()
+  proc = run_evaluate(f"--config={cli.MATH}:smoke", f"--workdir={run}")
+  cli.assert_clean_error(proc, f"{run}/checkpoints/3", "per-layer parameters",
+                         "python -m jaxgrpo.export")
