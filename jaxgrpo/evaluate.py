@@ -85,7 +85,8 @@ class Plan:
 
 
 def _parser():
-  p = argparse.ArgumentParser(prog="python -m jaxgrpo.evaluate", add_help=False)
+  p = argparse.ArgumentParser(prog="python -m jaxgrpo.evaluate", add_help=False,
+                              allow_abbrev=False)
   p.add_argument("--workdir")
   p.add_argument("--step", type=int)
   p.add_argument("--compare")
