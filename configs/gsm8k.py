@@ -31,6 +31,10 @@ from ml_collections import config_dict
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # Compiled programs are kept on disk and loaded by later processes (a restart, the
+  # evaluation command): 'auto' is $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxgrpo/jax
+  # ($XDG_CACHE_HOME/jaxgrpo/jax); '' turns the cache off; any other value is the folder.
+  c.compilation_cache_dir = "auto"
   unset = lambda t: config_dict.placeholder(t)  # None: the checkpoint's value
 
   c.model = ml_collections.ConfigDict(dict(

@@ -29,3 +29,46 @@ def compiler_options(mesh) -> dict:
     return {}
   user_flags = os.environ.get("XLA_FLAGS", "")
   return {k: v for k, v in CPU_OPTIONS.items() if f"--{k}" not in user_flags}
+
+
+# ------------------------------------------------- the persistent compilation cache
+
+# jax's own variable: set (by the user, or by the test session for its subprocesses), it wins
+# over config.compilation_cache_dir, and jax reads it itself.
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def default_cache_dir() -> str:
+  """The per-user folder: $XDG_CACHE_HOME/jaxgrpo/jax, else ~/.cache/jaxgrpo/jax."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "jaxgrpo", "jax")
+
+
+def resolve_cache_dir(setting: str) -> str | None:
+  """config.compilation_cache_dir -> the folder jax caches compiled programs in, or None.
+
+  'auto': the environment's JAX_COMPILATION_CACHE_DIR, else the per-user folder; '': off;
+  anything else: that folder (~ expanded).
+  """
+  if setting == "":
+    return None
+  if setting == "auto":
+    return os.environ.get(CACHE_ENV) or default_cache_dir()
+  return os.path.expanduser(setting)
+
+
+def enable_cache(setting: str) -> str | None:
+  """Points jax's persistent compilation cache at `setting`'s folder (before the first
+  compile: jax decides once per process), or turns it off. Returns the folder or None.
+
+  A compiled sampler or update step is then written once per machine and loaded by every
+  later process with the same program, jax version and devices: a restarted run, the
+  evaluation command, a second run of the same config. Programs that compile in under
+  jax's `jax_persistent_cache_min_compile_time_secs` (1 s) are not worth a file and are not
+  written.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  path = resolve_cache_dir(setting)
+  jax.config.update("jax_enable_compilation_cache", path is not None)
+  jax.config.update("jax_compilation_cache_dir", path)
+  return path

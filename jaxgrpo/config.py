@@ -96,6 +96,7 @@ BACKEND_LIMITS: dict[str, dict[str, Callable[[Any], str | None]]] = {"native": {
 
 SCHEMA: dict[str, Any] = {
     "seed": _int(0),
+    "compilation_cache_dir": _str,
     # Architecture keys may be None: then the checkpoint says (and a random init refuses).
     "model": {
         "checkpoint": _str, "hf_checkpoint": _str,

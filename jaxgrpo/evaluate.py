@@ -296,7 +296,8 @@ def main(argv=None) -> int:
   except USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  from jaxgrpo import evaluator  # the device side: jax compiles from here on
+  from jaxgrpo import compile_options, evaluator  # the device side: jax compiles from here on
+  compile_options.enable_cache(plan.sides[0].config.compilation_cache_dir)
   return evaluator.run(plan)
 
 

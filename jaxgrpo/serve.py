@@ -52,6 +52,7 @@ def build_engine(workdir: str, step: int | None, *, max_concurrent_decodes: int,
     config, cfg, tokenizer, params, step = export.load_run(workdir, step)
   except export.ExportError as e:
     raise ServeError(str(e)) from None
+
   from jaxgrpo.engine import jetstream_engine  # pylint: disable=g-import-not-at-top
   gen = config.generation
   get = lambda key, fallback: gen.get(key) if gen.get(key) is not None else gen[fallback]
@@ -66,6 +67,16 @@ def build_engine(workdir: str, step: int | None, *, max_concurrent_decodes: int,
       pad_id=tokenizer.pad_id, params=sharding_lib.shard_params(params, cfg, mesh),
       seed=config.seed)
   return engine, step
+
+
+def _enable_cache(workdir: str) -> None:
+  """The run's compilation cache setting (a run from before the key: the per-user folder)."""
+  from jaxgrpo import compile_options, export  # pylint: disable=g-import-not-at-top
+  try:
+    setting = export.run_config(workdir).get("compilation_cache_dir", "auto")
+  except export.ExportError as e:
+    raise ServeError(str(e)) from None
+  compile_options.enable_cache(setting)
 
 
 def start(engine, port: int, host: str = "localhost"):
@@ -116,6 +127,7 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   try:
+    _enable_cache(args.workdir)
     engine, step = build_engine(args.workdir, args.step,
                                 max_concurrent_decodes=args.max_concurrent_decodes,
                                 max_new_tokens=args.max_new_tokens)

@@ -383,7 +383,8 @@ def main(argv=None) -> int:
   except USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  from jaxgrpo import trainer  # the device side: jax compiles from here on
+  from jaxgrpo import compile_options, trainer  # the device side: jax compiles from here on
+  compile_options.enable_cache(setup.config.compilation_cache_dir)
   return trainer.run(setup)
 
 

@@ -1,5 +1,6 @@
 """Tests for jaxgrpo.compile_options: which XLA options the sampler and the update get."""
 
+import os
 import types
 
 import jax
@@ -62,3 +63,51 @@ def test_sampler_and_update_compile_with_the_options(mesh, monkeypatch):
            "truncated_N": np.zeros(2, bool)}
   with pytest.raises(Exception, match="xla_jaxgrpo_no_such_option"):
     update.lower(state, batch, None).compile()
+
+
+# --- The persistent compilation cache -------------------------------------------------------
+
+def test_cache_dir_setting(monkeypatch, tmp_path):
+  monkeypatch.delenv(compile_options.CACHE_ENV, raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert compile_options.resolve_cache_dir("auto") == str(tmp_path / "xdg" / "jaxgrpo" / "jax")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert compile_options.resolve_cache_dir("auto") == str(
+      tmp_path / "home" / ".cache" / "jaxgrpo" / "jax")
+  monkeypatch.setenv(compile_options.CACHE_ENV, "/from/env")  # jax's own variable wins
+  assert compile_options.resolve_cache_dir("auto") == "/from/env"
+  assert compile_options.resolve_cache_dir("") is None
+  assert compile_options.resolve_cache_dir("~/jit") == str(tmp_path / "home" / "jit")
+
+
+def _train_once(tmp_path, name, *args, xdg):
+  """A one-step smoke run in a fresh process with no cache variable of the test session's:
+  the per-user folder is under `xdg`."""
+  import cli  # tests/cli.py  # pylint: disable=g-import-not-at-top
+  env = cli.env(XDG_CACHE_HOME=str(xdg))
+  env.pop(compile_options.CACHE_ENV, None)
+  import subprocess  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run(cli.command(f"--config={cli.MATH}:smoke", "--config.grpo.max_num_steps=1",
+                                    *args, workdir=tmp_path / name),
+                        capture_output=True, text=True, env=env, cwd=cli.ROOT, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return [l for l in proc.stderr.splitlines() if "Persistent compilation cache hit" in l]
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_the_first_ones_compiled_programs(tmp_path):
+  # On by default, in the per-user folder: the first run compiles and writes the sampler
+  # (jit_traced) and the update (jit_step_fn); a second run of the same config loads them.
+  xdg = tmp_path / "xdg"
+  assert _train_once(tmp_path, "first", xdg=xdg) == []
+  cached = os.listdir(xdg / "jaxgrpo" / "jax")
+  assert any(f.startswith("jit_traced") for f in cached), cached
+  assert any(f.startswith("jit_step_fn") for f in cached), cached
+  hits = _train_once(tmp_path, "second", xdg=xdg)
+  assert any("'jit_traced'" in l for l in hits) and any("'jit_step_fn'" in l for l in hits), hits
+  # Off: nothing is read from (or written to) any cache folder.
+  assert _train_once(tmp_path, "off", "--config.compilation_cache_dir=", xdg=xdg) == []
+  assert _train_once(tmp_path, "off2", "--config.compilation_cache_dir=",
+                     xdg=tmp_path / "empty") == []
+  assert not (tmp_path / "empty").exists()
