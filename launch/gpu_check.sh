@@ -1,0 +1,67 @@
+#!/bin/bash
+# The GPU device check: what README.md "On a GPU" and BENCHMARKS.md quote, in one prepared run.
+#
+#   OUT=/tmp/gpu_check bash launch/gpu_check.sh            # on the GPU machine, repo root
+#   OUT=/tmp/gpu_check SMALL=1 JAX_PLATFORMS=cpu bash launch/gpu_check.sh   # dry run on CPU
+#
+# Each part has its own timeout, so one that hangs or runs out of memory does not take the
+# rest with it; log.txt says how each ended (rc, seconds) and results.jsonl collects every
+# JSON line the parts print. A missing Python package (see ../shared/device/README.md: the
+# machine lacked grain, ml_collections, math-verify, tensorboardX) travels as wheels in
+# .whl/ and is installed first when that folder exists.
+#
+# Parts (the seconds are the H200's, with margin):
+#   versions      jax, the devices, nvidia-smi
+#   default_run   python -m jaxgrpo.train --config=configs/math.py: 500 steps (37 s there)
+#   eval_cold     python -m jaxgrpo.evaluate on its last checkpoint, k=8, empty compile cache
+#   eval_warm     the same again: the first call from the persistent compilation cache
+#   sampler       python -m jaxgrpo.bench sampler --preset small --mode all
+#   update        bench/update_at_scale.py: the Qwen3-1.7B update, scanned and unrolled,
+#                 XLA and cuDNN attention
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+L=$OUT/log.txt
+R=$OUT/results.jsonl
+W=$(mktemp -d)
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$L" 2>&1 || echo "pip failed" | tee -a "$L"
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+
+part() {  # part NAME TIMEOUT_S COMMAND...: runs it, logs how it ended, collects JSON lines
+  local name=$1 t=$2 s rc
+  shift 2
+  echo "=== $name $(date +%T)" >>"$L"
+  s=$(date +%s)
+  timeout -k 5 "$t" "$@" >"$OUT/$name.out" 2>&1
+  rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - s ))s" >>"$L"
+  grep -h '^{' "$OUT/$name.out" | sed "s/^{/{\"part\": \"$name\", /" >>"$R"
+  tail -5 "$OUT/$name.out" >>"$L"
+}
+
+if [ -n "${SMALL:-}" ]; then  # a dry run: every part, each cut to seconds on a CPU
+  STEPS=--config.grpo.max_num_steps=4; UPDATE=(--small --rollouts 16 --configs 8:0:none:scan:xla)
+  SAMPLER=(--preset tiny --reps 1)
+else
+  STEPS=; UPDATE=(--configs 32:128:save_dots:scan:xla,32:128:save_dots:scan:cudnn,32:128:save_dots:unrolled:cudnn --reps 2)
+  SAMPLER=(--preset small --mode all --reps 5)
+fi
+
+part versions 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1; python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"'
+part default_run 150 python3 -m jaxgrpo.train --config=configs/math.py $STEPS --workdir="$W/run"
+cp "$W/run/summary.json" "$OUT/default_summary.json" 2>/dev/null
+for name in eval_cold eval_warm; do
+  part $name 90 python3 -m jaxgrpo.evaluate --config=configs/math.py --workdir="$W/run" \
+    --config.grpo.val_num_generations_per_prompt=8 --config.compilation_cache_dir="$W/cache" \
+    --out="$W/$name"
+  cp "$W/$name/eval.json" "$OUT/$name.json" 2>/dev/null
+done
+part sampler 120 python3 -m jaxgrpo.bench sampler "${SAMPLER[@]}"
+part update 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py "${UPDATE[@]}"
+echo "=== done $(date +%T)" >>"$L"
+rm -rf "$W"
