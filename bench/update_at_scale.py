@@ -38,7 +38,7 @@ QWEN3_1_7B = dict(vocab_size=151936, d_model=2048, num_layers=28, num_heads=16,
                   tie_embeddings=True, qk_norm=True, param_dtype="bfloat16", dtype="bfloat16")
 SMALL = dict(QWEN3_1_7B, vocab_size=4096, d_model=128, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=32, mlp_dim=256)
-# jaxgrpo.bench's medium preset (bench_step.MEDIUM) with a 32k vocabulary, float32: the CPU
+# jaxgrpo.bench's medium preset (jaxgrpo/bench/step.py MEDIUM) with a 32k vocabulary, float32: the CPU
 # figures of BENCHMARKS.md.
 MEDIUM = dict(QWEN3_1_7B, vocab_size=32768, d_model=512, num_layers=8, num_heads=8,
               num_kv_heads=4, head_dim=64, mlp_dim=2048, rope_theta=1e4,

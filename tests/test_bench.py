@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from jaxgrpo import bench
+from jaxgrpo import bench, roofline
+from jaxgrpo.bench import common, prefill, sampler, validation
+from jaxgrpo.bench import step as bench_step
 
 KEYS = {"bench", "preset", "mode", "n_params", "tokens_per_s", "first_call_s", "median_s",
         "all_s", "generated_tokens", "rows", "decode_steps_per_s", "jax", "device",
@@ -12,19 +14,19 @@ KEYS = {"bench", "preset", "mode", "n_params", "tokens_per_s", "first_call_s", "
 
 
 def test_prompt_batch_matches_the_peer_workload():
-  tokens, mask = bench.prompt_batch()
+  tokens, mask = common.prompt_batch()
   assert tokens.shape == mask.shape == (8, 64)  # the 33-token prompt rounds up to 64
   assert max(mask.sum(axis=1)) == 33
   # Left-padded, bos first, bytes shifted by 3.
   row = tokens[2][mask[2]].tolist()
   assert row == [1] + [b + 3 for b in b"Natalia sold 48 clips. How many?"]
   assert not mask[0, 0] and mask[:, -1].all()
-  assert bench.decode(row) == "Natalia sold 48 clips. How many?"
+  assert common.decode(row) == "Natalia sold 48 clips. How many?"
 
 
 def test_presets_have_the_peer_sizes():
   # The peer reports 557,824 parameters for its tiny Qwen3 (tied embeddings, QK-norm).
-  cfg = bench.preset_config("tiny")
+  cfg = common.preset_config("tiny")
   assert (cfg.num_layers, cfg.d_model, cfg.mlp_dim, cfg.vocab_size) == (2, 128, 512, 512)
   assert cfg.qk_norm and cfg.tie_embeddings and cfg.rope_theta == 1e4
 
@@ -96,9 +98,9 @@ def test_bad_validation_arguments_exit(argv):
 
 def test_validation_bench_without_the_repository_config_fails_in_one_line(tmp_path, monkeypatch):
   # Installed without the checkout: configs/math.py is not next to the package.
-  monkeypatch.setattr(bench, "__file__", str(tmp_path / "jaxgrpo" / "bench.py"))
+  monkeypatch.setattr(common, "__file__", str(tmp_path / "jaxgrpo" / "bench" / "common.py"))
   with pytest.raises(SystemExit, match="configs/math.py not found") as e:
-    bench.default_config()
+    common.default_config()
   assert "\n" not in str(e.value)
 
 
@@ -109,13 +111,13 @@ def test_sampler_flops_by_hand():
   # One call of 8 prompts x 4 samples, P = 64, T = 4: 8 x 64 prefill tokens over 64 keys,
   # then 3 decode steps of 32 rows over the 68-slot cache.
   expected = 8 * 64 * (1_114_112 + 1_024 * 64) + 32 * 3 * (1_114_112 + 1_024 * 68)
-  assert bench.sampler_flops(bench.preset_config("tiny"), 8, 4, 64, 4) == expected
+  assert sampler.sampler_flops(common.preset_config("tiny"), 8, 4, 64, 4) == expected
 
 
 def test_sampler_bench_reports_its_roofline_fraction(monkeypatch):
-  monkeypatch.setattr(bench.roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
+  monkeypatch.setattr(roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
   r = bench.main(["sampler", "--preset", "tiny", "--reps", "1", "--new_tokens", "4"])[0]
-  assert r["flops_per_call"] == bench.sampler_flops(bench.preset_config("tiny"), 8, 4, 64, 4)
+  assert r["flops_per_call"] == sampler.sampler_flops(common.preset_config("tiny"), 8, 4, 64, 4)
   # median_s is printed to 0.1 ms, a few percent of this 4-token call; the rate is not rounded.
   assert r["flops_per_s"] == pytest.approx(r["flops_per_call"] / r["median_s"], rel=0.05)
   assert r["matmul_flops_per_s"] == 1e11
@@ -123,20 +125,20 @@ def test_sampler_bench_reports_its_roofline_fraction(monkeypatch):
 
 
 def test_prefill_bench_times_shared_and_unshared_rollouts(monkeypatch, capsys):
-  monkeypatch.setattr(bench.roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
+  monkeypatch.setattr(roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
   # Every call still runs; the clock is replaced so the figures are known. In call order:
   # the prefill (first + 2 reps), the first shared and unshared rollouts, then 2 rounds of
   # shared 1.25 ms / unshared 8.75 ms. Rounded to 0.1 ms those medians would be
   # 0.0012 / 0.0088 = 0.136, 5% off their true ratio 1.25 / 8.75 = 0.142857.
   durations = iter([(0.5, [0.01, 0.01]), (1.0, []), (1.0, []),
                     (0.0, [0.00125]), (0.0, [0.00875]), (0.0, [0.00125]), (0.0, [0.00875])])
-  real_timed = bench._timed
+  real_timed = common.timed
 
   def timed(fn, reps):
     real_timed(fn, reps)
     return next(durations)
 
-  monkeypatch.setattr(bench, "_timed", timed)
+  monkeypatch.setattr(common, "timed", timed)
   results = bench.main(["prefill", "--preset", "tiny", "--prompts", "2", "--prompt_len", "16",
                         "--samples", "2", "--new_tokens", "3", "--reps", "2"])
   assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == results
@@ -157,15 +159,14 @@ def test_prefill_bench_times_shared_and_unshared_rollouts(monkeypatch, capsys):
 
 
 def test_all_runs_each_bench_for_the_preset(monkeypatch):
-  from jaxgrpo import bench_step
   seen = []
 
   def fake(name):
     return lambda args: seen.append((name, getattr(args, "preset", None))) or [{"bench": name}]
 
-  monkeypatch.setattr(bench, "run_sampler", fake("sampler"))
-  monkeypatch.setattr(bench, "run_prefill", fake("prefill"))
-  monkeypatch.setattr(bench, "run_validation", fake("validation"))
+  monkeypatch.setattr(sampler, "run_sampler", fake("sampler"))
+  monkeypatch.setattr(prefill, "run_prefill", fake("prefill"))
+  monkeypatch.setattr(validation, "run_validation", fake("validation"))
   monkeypatch.setattr(bench_step, "run_step", fake("step"))
   results = bench.main(["all", "--preset", "small"])
   assert seen == [("sampler", "small"), ("step", "small"), ("prefill", "small"),

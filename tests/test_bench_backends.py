@@ -1,4 +1,4 @@
-"""Tests for `python -m jaxgrpo.bench backends` (jaxgrpo/bench_backends.py)."""
+"""Tests for `python -m jaxgrpo.bench backends` (jaxgrpo/bench/backends.py)."""
 
 import importlib.util
 

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.roofline, the `step` bench (jaxgrpo.bench_step) and bench/compare_tunix.py.
+"""Tests for jaxgrpo.roofline, the `step` bench (jaxgrpo.bench.step) and bench/compare_tunix.py.
 
 No timing is ever asserted: the machine is shared and noisy. The step bench runs once on the
 tiny preset with 2 steps of 4 new tokens; the Tunix peer is never started (its JSON is faked).
@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxgrpo import bench, bench_step, roofline
+from jaxgrpo import roofline
+from jaxgrpo.bench import common
+from jaxgrpo.bench import step as bench_step
 
 STEP_KEYS = {
     "bench", "preset", "n_params", "workload", "kind", "steps", "first_step_s",
@@ -31,7 +33,7 @@ def test_model_flops_per_token_by_hand():
   # 196,608: 245,760; two layers 491,520, plus the tied head 512*128 = 65,536: 557,056
   # weights, 2 FLOPs each = 1,114,112. (557,056 is the peer's 557,824 parameters less the
   # 768 norm scales.) Attention at 100 keys: 2 layers * 2 * 2 * 4 heads * 32 * 100 = 102,400.
-  cfg = bench.preset_config("tiny")
+  cfg = common.preset_config("tiny")
   assert roofline.model_flops_per_token(cfg, 100) == 1_114_112 + 102_400
   assert roofline.model_flops_per_token(cfg, 0) == 1_114_112
 

@@ -140,7 +140,7 @@ def test_split_gives_every_shard_a_slice_of_every_micro_batch():
 def test_memory_is_per_micro_batch():
   # A fixed micro-batch of 16 rollouts: 4x the batch (8 -> 32 prompts x 4) must leave the
   # compiled update's temporary bytes within 25% (they hold one micro-batch's activations).
-  from jaxgrpo import bench_memory  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.bench import memory as bench_memory  # pylint: disable=g-import-not-at-top
   cfg = model_lib.ModelConfig(vocab_size=4096, d_model=64, num_layers=2, num_heads=4,
                               num_kv_heads=2, head_dim=16, mlp_dim=256)
   mesh = _mesh({"data": 1})

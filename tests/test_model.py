@@ -239,7 +239,8 @@ def test_remat_keeps_less_for_the_backward():
   # CPU scheduler runs much of the recomputation early, so on CPU the saving is small
   # (measured 93 -> 85 MiB here; a plain 8-layer MLP under jax.checkpoint saved nothing);
   # what matters is that the update compiles with it and holds less, not how much.
-  from jaxgrpo import bench_memory, sharding  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import sharding  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.bench import memory as bench_memory  # pylint: disable=g-import-not-at-top
   cfg = model.ModelConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4,
                           num_kv_heads=2, head_dim=16, mlp_dim=256)
   mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])

@@ -188,7 +188,7 @@ MEMORY_CFG = model.ModelConfig(vocab_size=32768, d_model=256, num_layers=2, num_
 
 
 def _update_temp_bytes(mesh_shape, scan_layers=None):
-  from jaxgrpo import bench_memory  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.bench import memory as bench_memory  # pylint: disable=g-import-not-at-top
   devices = jax.devices()[:int(np.prod(list(mesh_shape.values())))]
   mesh = sharding.make_mesh(mesh_shape, devices=devices)
   return bench_memory.update_memory(MEMORY_CFG, mesh, prompts=16, generations=4, prompt_len=32,

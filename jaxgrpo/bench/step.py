@@ -3,7 +3,7 @@ roofline.
 
 Workload (tiny, small): the GRPO part of the Tunix peer benchmark (shared/peers/tunix_bench.py),
 built from the trainer's own pieces. The peer's 8 prompts as byte-level tokens, left-padded to
-64 (bench.prompt_batch), G=4 samples each, 64 new tokens at temperature 0.9 / top_p 1 / top_k 0
+64 (common.prompt_batch), G=4 samples each, 64 new tokens at temperature 0.9 / top_p 1 / top_k 0
 with EOS (id 2) allowed (pad 0), the trivial reward (count of 'a' and '1' characters in the
 decoded completion), mu=1 (one update per step), beta=0.04 (a reference copy of the parameters
 and its forward pass in every update), epsilon 0.2, the peer's loss settings (k3 KL,
@@ -47,16 +47,16 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import bench
 from jaxgrpo import grpo
 from jaxgrpo import model as model_lib
 from jaxgrpo import roofline
 from jaxgrpo import sampling
 from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.bench import common
 
 SEED = 0
-PAD, EOS = bench.PAD, 2
-NUM_SAMPLES = bench.NUM_SAMPLES
+PAD, EOS = common.PAD, 2
+NUM_SAMPLES = common.NUM_SAMPLES
 TRAIN_SP = sampling.SamplingParams(temperature=0.9, top_p=1.0, top_k=0)
 LEARNING_RATE, WEIGHT_DECAY = 1e-5, 1e-4
 BETA, EPSILON = 0.04, 0.2
@@ -65,16 +65,16 @@ MEDIUM = dict(num_layers=8, d_model=512, mlp_dim=2048, num_heads=8, num_kv_heads
               head_dim=64, vocab_size=1024)
 PRESET_NAMES = ("tiny", "small", "medium")
 # Per preset: new tokens and prompts when the flags leave them unset.
-DEFAULT_NEW_TOKENS = {"tiny": bench.NEW_TOKENS, "small": bench.NEW_TOKENS, "medium": 192}
-DEFAULT_PROMPTS = {"tiny": len(bench.PROMPTS), "small": len(bench.PROMPTS), "medium": 1}
+DEFAULT_NEW_TOKENS = {"tiny": common.NEW_TOKENS, "small": common.NEW_TOKENS, "medium": 192}
+DEFAULT_PROMPTS = {"tiny": len(common.PROMPTS), "small": len(common.PROMPTS), "medium": 1}
 DEFAULT_STEPS = {"tiny": 10, "small": 10, "medium": 5}
 FORWARD_REPS = 3
 
 
 def preset_config(name: str) -> model_lib.ModelConfig:
   if name == "medium":
-    return model_lib.ModelConfig(**{**bench._QWEN3, **MEDIUM})  # pylint: disable=W0212
-  return bench.preset_config(name)
+    return model_lib.ModelConfig(**{**common.QWEN3, **MEDIUM})
+  return common.preset_config(name)
 
 
 def reward(text: str) -> float:
@@ -116,7 +116,7 @@ class _Setup:
     self.update = grpo.compile_update(self.state, self.ref_params, cfg=cfg, loss=self.loss,
                                       sp=TRAIN_SP, optimizer=optimizer, lr_schedule=lr,
                                       mesh=self.mesh, on_trace=self._count_trace)
-    tokens, mask = bench.prompt_batch()  # all 8 prompts fix the width at 64
+    tokens, mask = common.prompt_batch()  # all 8 prompts fix the width at 64
     self.prompt_tokens_BxP, self.prompt_mask_BxP = tokens[:prompts], mask[:prompts]
     self.workload = dict(
         prompts=prompts, samples=NUM_SAMPLES, prompt_len=tokens.shape[1],
@@ -176,7 +176,7 @@ class _Setup:
                 scan_layers=self.scan_layers, **fields,
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                    / 1024, 1),
-                **bench._machine(self.devices, loadavg_start))  # pylint: disable=W0212
+                **common.machine(self.devices, loadavg_start))  # pylint: disable=W0212
 
 
 def _update_batch(prompt_tokens_BxP, prompt_mask_BxP, rollout, rewards_N) -> dict:
@@ -198,7 +198,7 @@ def rollout_flops(cfg, prompts: int, prompt_len: int, new_tokens: int, decode_st
 def full_steps(preset: str, steps: int, new_tokens: int, prompts: int,
                forward_reps: int = FORWARD_REPS, scan_layers: bool | None = None) -> dict:
   """`steps` whole GRPO steps (rollout + update), then the update's roofline."""
-  loadavg_start = bench._loadavg()  # pylint: disable=W0212
+  loadavg_start = common.loadavg()  # pylint: disable=W0212
   s = _Setup(preset_config(preset), prompts, new_tokens, steps, scan_layers)
   profiles = {"train": sampling.Profile(TRAIN_SP, NUM_SAMPLES, new_tokens),
               # The engine requires a val profile; this bench never calls (so never compiles) it.
@@ -209,12 +209,12 @@ def full_steps(preset: str, steps: int, new_tokens: int, prompts: int,
   step_s, rollout_s, update_s, flops_r, lengths, rewards, aux = [], [], [], [], [], [], {}
   for step in range(steps):
     t0 = time.perf_counter()
-    tokens, mask = bench.prompt_batch()
+    tokens, mask = common.prompt_batch()
     tokens, mask = tokens[:prompts], mask[:prompts]
     rollout = engine.sample("train", s.state.params, tokens, mask, step=step)
     jax.block_until_ready(rollout)
     ids_NxT, lengths_N = jax.device_get((rollout.tokens_NxT, rollout.lengths_N))
-    rewards_N = np.asarray([reward(bench.decode(row[:n])) for row, n in zip(ids_NxT, lengths_N)],
+    rewards_N = np.asarray([reward(common.decode(row[:n])) for row, n in zip(ids_NxT, lengths_N)],
                            np.float32)
     t1 = time.perf_counter()
     aux = s.run_update(_update_batch(tokens, mask, rollout, rewards_N))
@@ -253,13 +253,13 @@ def full_steps(preset: str, steps: int, new_tokens: int, prompts: int,
 def update_only(preset: str, steps: int, new_tokens: int, prompts: int,
                 forward_reps: int = FORWARD_REPS, scan_layers: bool | None = None) -> dict:
   """`steps` updates on one synthetic full-length batch (see the module docstring)."""
-  loadavg_start = bench._loadavg()  # pylint: disable=W0212
+  loadavg_start = common.loadavg()  # pylint: disable=W0212
   s = _Setup(preset_config(preset), prompts, new_tokens, steps, scan_layers)
   s.workload["completions"] = "synthetic: uniform random bytes, no EOS"
   rows = prompts * NUM_SAMPLES
   rng = np.random.default_rng(SEED)
   ids_NxT = rng.integers(3, 259, (rows, new_tokens), dtype=np.int32)  # bytes, never EOS
-  rewards_N = np.asarray([reward(bench.decode(r)) for r in ids_NxT], np.float32)
+  rewards_N = np.asarray([reward(common.decode(r)) for r in ids_NxT], np.float32)
   batch = {"prompt_tokens_BxP": s.prompt_tokens_BxP, "prompt_mask_BxP": s.prompt_mask_BxP,
            "completion_tokens_NxT": ids_NxT,
            "completion_mask_NxT": np.ones((rows, new_tokens), bool),
@@ -305,7 +305,7 @@ def _at_least(lowest: int):
 
 
 def add_parsers(sub) -> None:
-  """Adds the `step` subcommand to bench.py's subparsers."""
+  """Adds the `step` subcommand to the bench's subparsers (cli.py)."""
   s = sub.add_parser("step", help="time whole GRPO steps (peer workload) and the update's "
                      "roofline; medium: the update alone at sequence length 256")
   s.add_argument("--preset", choices=PRESET_NAMES, default="tiny")

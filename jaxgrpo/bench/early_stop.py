@@ -37,12 +37,12 @@ from jaxgrpo import data as data_lib
 from jaxgrpo import sharding as sharding_lib
 from jaxgrpo import train as train_lib
 from jaxgrpo import trainer, validation
+from jaxgrpo.bench import common
 
 
 def _setup(args):
   """The default config (the bench's validation sizes), one device, the shipped policy."""
-  from jaxgrpo import bench  # pylint: disable=g-import-not-at-top
-  config = bench.default_config()
+  config = common.default_config()
   g = config.grpo
   g.max_num_steps = args.max_steps
   g.val_num_generations_per_prompt = args.val_k
@@ -132,7 +132,7 @@ def _with_seed(config, seed):
 
 
 def add_parsers(sub) -> None:
-  """Adds the `early-stop` subcommand to bench.py's subparsers."""
+  """Adds the `early-stop` subcommand to the bench's subparsers (cli.py)."""
   e = sub.add_parser("early-stop", help="plain vs confidence-aware stop rule: how often each "
                      "stops while the large-sample accuracy is still below the threshold")
   e.add_argument("--runs", type=int, default=10, help="training runs (seeds 0..runs-1)")

@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jaxgrpo import bench  # noqa: E402
-from jaxgrpo import bench_step  # noqa: E402
-from jaxgrpo import grpo  # noqa: E402
-from jaxgrpo import model as model_lib  # noqa: E402
-from jaxgrpo import sampling  # noqa: E402
-from jaxgrpo import sharding as sharding_lib  # noqa: E402
+from jaxgrpo import grpo
+from jaxgrpo import model as model_lib
+from jaxgrpo import sampling
+from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.bench import step as bench_step
 
 SP = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
 
@@ -108,7 +104,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_parsers(sub) -> None:
-  """Adds the `memory` subcommand to bench.py's subparsers."""
+  """Adds the `memory` subcommand to the bench's subparsers (cli.py)."""
   m = sub.add_parser("memory", help="the compiled update's bytes per device (memory_analysis) "
                      "over batch x micro-batch x remat x chunk")
   m.add_argument("--preset", choices=bench_step.PRESET_NAMES, default="medium")

@@ -26,19 +26,19 @@ from jaxgrpo import data as data_lib
 from jaxgrpo import sharding as sharding_lib
 from jaxgrpo import train as train_lib
 from jaxgrpo import trainer
+from jaxgrpo.bench import common
 
 
 def run_backends(args) -> list[dict]:
-  from jaxgrpo import bench  # pylint: disable=g-import-not-at-top
   if importlib.util.find_spec("jetstream") is None:
     raise SystemExit("backends: needs the jetstream extra: pip install 'jaxgrpo[jetstream]'")
-  loadavg_start = bench._loadavg()  # pylint: disable=protected-access
+  loadavg_start = common.loadavg()
   devices = jax.devices()[:1]
   mesh = sharding_lib.make_mesh({"data": 1}, devices=devices)
   engines = {}
   for name, slots in (("native", 0), ("jetstream", 0), (f"jetstream_{args.slots}_slots",
                                                         args.slots)):
-    config = bench.default_config()
+    config = common.default_config()
     config.generation.backend = "native" if name == "native" else "jetstream"
     config.generation.max_concurrent_decodes = slots
     config = config_lib.validate(config, 1)
@@ -81,12 +81,12 @@ def run_backends(args) -> list[dict]:
         rounds=args.rounds, first_call_s=round(first[name], 3), median_s=round(med, 4),
         tokens_per_s=round(n_tokens / med, 1), time_vs_native=round(med / native, 2),
         same_tokens_as_native=True,
-        **bench._machine(devices, loadavg_start)))  # pylint: disable=protected-access
+        **common.machine(devices, loadavg_start)))  # pylint: disable=protected-access
   return out
 
 
 def add_parsers(sub) -> None:
-  """Adds the `backends` subcommand to bench.py's subparsers."""
+  """Adds the `backends` subcommand to the bench's subparsers (cli.py)."""
   b = sub.add_parser("backends", help="native sampler vs the JetStream adapter on the "
                      "default's training rollout (needs the jetstream extra)")
   b.add_argument("--rounds", type=int, default=5, help="timed rounds after the first call")

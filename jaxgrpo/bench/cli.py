@@ -1,0 +1,58 @@
+"""The command line of `python -m jaxgrpo.bench`: one subcommand per module of this package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from jaxgrpo import bench
+from jaxgrpo.bench import backends, common, early_stop, memory, prefill, sampler, step, validation
+
+SUBCOMMANDS = (sampler, validation, step, memory, early_stop, backends, prefill)
+
+
+def run_all(args) -> list[dict]:
+  """The `all` subcommand: sampler (every mode), step and prefill for --preset, then the
+  validation bench, each with its default settings."""
+  parser = build_parser()
+  results = []
+  for argv in (["sampler", "--preset", args.preset, "--mode", "all"],
+               ["step", "--preset", args.preset],
+               ["prefill", "--preset", args.preset],
+               ["validation"]):
+    sub_args = parser.parse_args(argv)
+    results.extend(sub_args.run(sub_args))
+  return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m jaxgrpo.bench", description=bench.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="bench", required=True)
+  for module in SUBCOMMANDS:
+    module.add_parsers(sub)
+  a = sub.add_parser("all", help="sampler, step and prefill for --preset, then validation")
+  a.add_argument("--preset", choices=sorted(common.PRESETS), default="tiny")
+  a.add_argument("--out", default=None, help="also append the JSON lines to this file")
+  a.set_defaults(run=run_all)
+  return parser
+
+
+def main(argv=None) -> list[dict]:
+  """Parses `argv`, runs the benchmark, prints (and optionally appends) one line per result."""
+  args = build_parser().parse_args(argv)
+  # Each subcommand has its own flags; a flag another subcommand lacks passes as its minimum.
+  for flag, lowest in (("reps", 1), ("new_tokens", 1), ("seeds", 2), ("max_val_samples", 1),
+                       ("prompts", 1), ("prompt_len", 1), ("samples", 1)):
+    if getattr(args, flag, lowest) < lowest:
+      raise SystemExit(f"--{flag}={getattr(args, flag)}: must be >= {lowest}")
+  results = args.run(args)
+  lines = [json.dumps(r) for r in results]
+  for line in lines:
+    print(line, flush=True)
+  if args.out:
+    with open(args.out, "a") as f:
+      f.writelines(line + "\n" for line in lines)
+  return results
+
+
