@@ -7,6 +7,8 @@ traffic, small or badly shaped ops). Three pieces:
   * `matmul_rate`: the denominator, measured in the process that reports the fraction.
   * `compiled_flops`: XLA's own count for a compiled executable without loops (the update).
   * `model_flops_per_token`: an analytic count, for loops XLA cannot count (decode, prefill).
+Decoding is bound by memory, not arithmetic: `memory_bandwidth` is its denominator, measured
+the same way (`python -m jaxgrpo.bench rollout`).
 """
 
 from __future__ import annotations
@@ -99,3 +101,26 @@ def model_flops_per_token(cfg: model_lib.ModelConfig, context_len: int) -> float
   weights = c.num_layers * per_layer + c.d_model * c.vocab_size
   attention = c.num_layers * 2 * 2 * c.num_heads * c.head_dim * context_len
   return float(2 * weights + attention)
+
+
+def memory_bandwidth(nbytes: int | None = None, reps: int = 5, device=None) -> dict:
+  """The measured rate at which one device reads memory: {"bytes_per_s", "nbytes", "ms"}.
+
+  A jitted sum over a float32 array of `nbytes` (default 1 GiB on an accelerator, 256 MiB
+  on a CPU: far beyond any cache), warmed up and timed `reps` times; the median is
+  reported. A sum reads every byte once and computes almost nothing, so it is the floor's
+  denominator for a decode step that must read the weights and the live K/V cache.
+  """
+  device = device or jax.devices()[0]
+  if nbytes is None:
+    nbytes = (256 if device.platform == "cpu" else 1024) * 2**20
+  x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+  total = jax.jit(jnp.sum)
+  total(x).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    total(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  med = statistics.median(times)
+  return dict(bytes_per_s=nbytes / med, nbytes=nbytes, ms=round(1e3 * med, 3))

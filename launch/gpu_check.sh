@@ -16,10 +16,14 @@
 #   eval_cold     python -m jaxgrpo.evaluate on its last checkpoint, k=8, empty compile cache
 #   eval_warm     the same again: the first call from the persistent compilation cache
 #   sampler       python -m jaxgrpo.bench sampler --preset small --mode all
+#   rollout       python -m jaxgrpo.bench rollout: the Qwen3-1.7B rollout, EOS off and
+#                 long-tailed, T=1 and top-k/top-p, against the 4.8 TB/s floor
 #   update        bench/update_at_scale.py: the Qwen3-1.7B update, scanned and unrolled,
 #                 XLA and cuDNN attention
 set -u
 export PYTHONUNBUFFERED=1
+# jaxgrpo.bench defaults to CPU unless told: on the GPU machine, the GPU.
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 L=$OUT/log.txt
@@ -46,10 +50,10 @@ part() {  # part NAME TIMEOUT_S COMMAND...: runs it, logs how it ended, collects
 
 if [ -n "${SMALL:-}" ]; then  # a dry run: every part, each cut to seconds on a CPU
   STEPS=--config.grpo.max_num_steps=4; UPDATE=(--small --rollouts 16 --configs 8:0:none:scan:xla)
-  SAMPLER=(--preset tiny --reps 1)
+  SAMPLER=(--preset tiny --reps 1); ROLLOUT=(--preset tiny --reps 1)
 else
   STEPS=; UPDATE=(--configs 32:128:save_dots:scan:xla,32:128:save_dots:scan:cudnn,32:128:save_dots:unrolled:cudnn --reps 2)
-  SAMPLER=(--preset small --mode all --reps 5)
+  SAMPLER=(--preset small --mode all --reps 5); ROLLOUT=(--bandwidth_gbs 4800 --reps 3)
 fi
 
 part versions 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1; python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"'
@@ -62,6 +66,7 @@ for name in eval_cold eval_warm; do
   cp "$W/$name/eval.json" "$OUT/$name.json" 2>/dev/null
 done
 part sampler 120 python3 -m jaxgrpo.bench sampler "${SAMPLER[@]}"
+part rollout 400 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}"
 part update 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py "${UPDATE[@]}"
 echo "=== done $(date +%T)" >>"$L"
 rm -rf "$W"

@@ -215,3 +215,41 @@ def test_memory_bench_prints_one_line_per_point_of_the_grid(tmp_path, capsys):
     assert r["bench"] == "memory" and r["temp_bytes"] > 0 and r["argument_bytes"] > 0
   assert len(capsys.readouterr().out.strip().splitlines()) == 4
   assert [json.loads(line) for line in out.read_text().splitlines()] == results
+
+
+def test_rollout_floor_and_end_ids_by_hand():
+  from jaxgrpo.bench import rollout  # pylint: disable=g-import-not-at-top
+  # Uniform policy over V = 1000: m ids end a row with probability m / V per token; half the
+  # rows end within 100 tokens when (1 - m/V)^100 = 1/2, m = 1000 (1 - 2^-0.01) = 6.9 -> 7.
+  assert rollout.end_ids(1000, 100) == tuple(range(993, 1000))
+  cfg = common.preset_config("tiny")  # 2 layers, 2 KV heads x 32, float32
+  kv = 2 * 2 * 2 * 32 * 4  # K and V, per layer, per head, per dim, 4 bytes
+  # Rows of 2 and 3 tokens after a 4-token prompt: (4 + 5) + (4 + 5 + 6) = 24 positions;
+  # the weights are read once per step of the longest row (3).
+  total, parts = rollout.floor_bytes(cfg, 1000, 4, [2, 3])
+  assert parts == dict(weight_bytes=1000, kv_bytes_per_position=kv, kv_positions_read=24.0)
+  assert total == 3 * 1000 + 24 * kv
+
+
+def test_rollout_bench_eos_off_and_long_tailed(capsys):
+  results = bench.main(["rollout", "--preset", "tiny", "--reps", "1", "--modes", "pure",
+                        "--new_tokens", "16", "--median_length", "4", "--bandwidth_gbs", "10"])
+  assert [(r["mode"], r["eos"]) for r in results] == [("pure", "off"), ("pure", "longtail")]
+  off, tail = results
+  assert off["lengths"] == dict(min=16, median=16.0, mean=16.0, max=16)
+  assert off["generated_tokens"] == 8 * 4 * 16 and off["workload"]["end_ids"] == 0
+  # Long-tailed: rows end early (median near 4), the longest can reach the cap.
+  assert tail["lengths"]["min"] < tail["lengths"]["median"] < 16
+  assert tail["workload"]["end_ids"] == rollout_end_ids(512, 4)
+  for r in results:
+    assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["median_s"], rel=0.01)
+    assert r["floor_s"] == pytest.approx(r["floor_bytes"] / 10e9, rel=0.01)
+    assert r["floor_fraction"] == pytest.approx(r["floor_s"] / r["median_s"], rel=0.02)
+    assert r["bandwidth_is"] == "given (--bandwidth_gbs)" and r["compilations"] == 1
+  assert tail["floor_bytes"] < off["floor_bytes"]  # finished rows need no reads
+  assert len(capsys.readouterr().out.strip().splitlines()) == 2
+
+
+def rollout_end_ids(vocab, median):
+  from jaxgrpo.bench import rollout  # pylint: disable=g-import-not-at-top
+  return len(rollout.end_ids(vocab, median))

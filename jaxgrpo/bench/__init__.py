@@ -1,5 +1,5 @@
 """Benchmarks, one JSON line per measurement:
-`python -m jaxgrpo.bench {sampler,step,validation,prefill,memory,early-stop,backends,all}
+`python -m jaxgrpo.bench {sampler,rollout,step,validation,prefill,memory,early-stop,backends,all}
 [--preset ...]`. One module per subcommand in this package; `common` holds what they share.
 
 Every line carries the machine (jax version, device, cores, load average before and after).

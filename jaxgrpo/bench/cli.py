@@ -6,9 +6,10 @@ import argparse
 import json
 
 from jaxgrpo import bench
-from jaxgrpo.bench import backends, common, early_stop, memory, prefill, sampler, step, validation
+from jaxgrpo.bench import backends, common, early_stop, memory, prefill, rollout, sampler, step
+from jaxgrpo.bench import validation
 
-SUBCOMMANDS = (sampler, validation, step, memory, early_stop, backends, prefill)
+SUBCOMMANDS = (sampler, rollout, validation, step, memory, early_stop, backends, prefill)
 
 
 def run_all(args) -> list[dict]:
