@@ -3,7 +3,7 @@
 On CPU, jaxgrpo compiles them at XLA backend optimisation level 2 instead of XLA's default
 3. Their heavy work is matmuls, which XLA's CPU backend hands to a library (YNNPACK) at any
 level, so the level only decides how hard LLVM optimises the elementwise loops around them.
-Measured on the bench presets (in-process A/B, BENCHMARKS.md, "First step"): the sampler
+Measured on the bench presets (in-process A/B, BENCHMARKS.md, "GRPO step"): the sampler
 compiles ~1 s faster (tiny 2.5-2.7 s instead of 3.6-3.8 s, small 2.6-3.0 s instead of
 3.8-4.1 s) and runs as fast (0.89-1.04x the time, within the machine's noise); the
 update's compile time moves by less than 0.3 s either way and it runs 0.97-1.04x as long.
