@@ -25,7 +25,13 @@ number of ops per token decides the speed (DESIGN.md; BENCHMARKS.md has the figu
     [B, H_kv, P, D], and the samples' own keys [B, H_kv, G, D, T] and values
     [B, H_kv, G, T, D]. The prompt's keys and values are held once per prompt and read by
     all G samples: a prompt is never copied G times;
-  * the softmax over [prompt | generated] keys is taken without concatenating them.
+  * the softmax over [prompt | generated] keys is taken without concatenating them;
+  * with `block` > 0 the generated keys are read a block of `block` slots at a time, only
+    up to the block holding the current token, with an online softmax (Milakov and
+    Gimelshein 2018; FlashAttention's rescaling): a step early in a long completion reads
+    a few blocks, not all max_new_tokens slots. The program keeps static shapes (a loop
+    with a dynamic trip count) and compiles once. 0 reads the whole cache and masks the
+    unfilled slots.
 
 tests/test_decode.py pins every variant (GQA, QK-norm, biases, untied head, Llama 3 RoPE,
 bfloat16) to `model.forward`.
@@ -119,15 +125,17 @@ def prepare(params, cfg: model_lib.ModelConfig, stacked: bool = False) -> Weight
 
 
 def init_cache(prompt_k, prompt_v, prompt_mask_BxP, cfg: model_lib.ModelConfig,
-               num_samples: int, max_new_tokens: int, stacked: bool = False) -> Cache:
+               num_samples: int, max_new_tokens: int, stacked: bool = False,
+               block: int = 0) -> Cache:
   """The cache after prefill: prefill's per-layer K/V, tuples of [B, H_kv, P, D].
 
   stacked: the prefill's K/V stacked, [num_layers, B, H_kv, P, D] (sampling.prefill with
   stacked_kv), and each field one array with a leading [num_layers] axis instead of a
-  tuple (for `prepare(stacked=True)`)."""
+  tuple (for `prepare(stacked=True)`). block: `step`'s key block; the generated slots are
+  rounded up to whole blocks (the extra slots are never written, never attended)."""
   dt = model_lib.DTYPES[cfg.dtype]
   b, hk, d = prompt_mask_BxP.shape[0], cfg.num_kv_heads, cfg.head_dim
-  g, t = num_samples, max_new_tokens
+  g, t = num_samples, gen_slots(max_new_tokens, block)
   bias = jnp.where(prompt_mask_BxP, 0.0, _NEG).astype(jnp.float32)[:, None, None]
   if stacked:
     num = cfg.num_layers
@@ -139,6 +147,16 @@ def init_cache(prompt_k, prompt_v, prompt_mask_BxP, cfg: model_lib.ModelConfig,
       prompt_v=tuple(v.astype(dt) for v in prompt_v), prompt_bias=bias,
       gen_k=tuple(jnp.zeros((b, hk, g, d, t), dt) for _ in prompt_k),
       gen_v=tuple(jnp.zeros((b, hk, g, t, d), dt) for _ in prompt_v))
+
+
+def gen_slots(max_new_tokens: int, block: int = 0) -> int:
+  """Generated-token slots in the cache: max_new_tokens, rounded up to whole key blocks."""
+  return -(-max_new_tokens // block) * block if block else max_new_tokens
+
+
+def blocks_read(i, block: int):
+  """Key blocks of generated slots a step at slot i reads: those up to the one holding i."""
+  return i // block + 1
 
 
 def _norm(x, scale, cfg: model_lib.ModelConfig, axis: int = 0):
@@ -176,13 +194,16 @@ def _write(buffer, new, i, axis: int):
   return jnp.where(slots == at, new, buffer)
 
 
-def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i):
+def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
+            block: int = 0):
   """Softmax over the prompt's and the samples' own keys, without concatenating them."""
   b, hk, g, r, d = q_BxKxGxRxD.shape
   f32 = jnp.float32
   s_prompt = jnp.einsum("bkmd,bkdp->bkmp", q_BxKxGxRxD.reshape(b, hk, g * r, d),
                         prompt_k, preferred_element_type=f32) + prompt_bias
   s_prompt = s_prompt.reshape(b, hk, g, r, -1)
+  if block and jnp.ndim(i) == 0:
+    return _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block)
   s_gen = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, layer_k, preferred_element_type=f32)
   slots, at = _at_slot(i, s_gen.shape, s_gen.ndim - 1)
   s_gen = jnp.where(slots <= at, s_gen, _NEG)
@@ -198,11 +219,44 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i):
   return (o / total).astype(dt)
 
 
-def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache):
+def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: int):
+  """_attend with the generated keys read block by block up to slot i (online softmax):
+  the running max m, sum l and output acc start from the prompt's keys, and each block
+  rescales them by exp(m_old - m_new)."""
+  b, hk, g, r, d = q_BxKxGxRxD.shape
+  f32, dt = jnp.float32, layer_v.dtype
+  m = jnp.max(s_prompt, axis=-1, keepdims=True)
+  e = jnp.exp(s_prompt - m)
+  l = jnp.sum(e, axis=-1, keepdims=True)
+  acc = jnp.einsum("bkmp,bkpd->bkmd", e.reshape(b, hk, g * r, -1).astype(dt), prompt_v,
+                   preferred_element_type=f32).reshape(b, hk, g, r, d)
+
+  def one_block(j, carry):
+    m, l, acc = carry
+    start = j * block
+    k_blk = jax.lax.dynamic_slice_in_dim(layer_k, start, block, axis=4)  # [b,hk,g,d,blk]
+    v_blk = jax.lax.dynamic_slice_in_dim(layer_v, start, block, axis=3)  # [b,hk,g,blk,d]
+    s = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, k_blk, preferred_element_type=f32)
+    s = jnp.where(start + jnp.arange(block) <= i, s, _NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    scale, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
+    l = l * scale + jnp.sum(p, axis=-1, keepdims=True)
+    acc = acc * scale + jnp.einsum("bkgrt,bkgtd->bkgrd", p.astype(dt), v_blk,
+                                   preferred_element_type=f32)
+    return m_new, l, acc
+
+  _, l, acc = jax.lax.fori_loop(0, blocks_read(i, block), one_block, (m, l, acc))
+  return (acc / l).astype(dt)
+
+
+def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache,
+         block: int = 0):
   """Logits [B, G, V] (float32) for the tokens fed at decode step i, and the cache with
   their keys and values written at slot i. All G samples of prompt b sit at
   positions_B[b] (prompt length + i - 1). i is a scalar (every row at the same step, the
-  sampler) or one step per row, i_B (the JetStream adapter's slots).
+  sampler) or one step per row, i_B (the JetStream adapter's slots). block > 0 (a scalar i
+  only; the cache made with the same block): read the generated keys a block at a time, up
+  to slot i's block (see the module docstring).
 
   Activations are feature-major, x [d_model, N] with N = B*G rows as columns, so every
   projection is weight @ activations: XLA's CPU matmul measured up to 3x faster with the
@@ -234,7 +288,7 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     v = v.transpose(2, 0, 3, 1)
     layer_k = _write(gen_k, k[..., None], i, axis=4)
     layer_v = _write(gen_v, v[:, :, :, None], i, axis=3)
-    o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, cache.prompt_bias, i)
+    o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, cache.prompt_bias, i, block)
     x = x + layer.out @ o.transpose(1, 3, 4, 0, 2).reshape(hk * r * d, b * g)
     xn = _norm(x, layer.mlp_norm, cfg)
     x = x + layer.down @ (jax.nn.silu(layer.gate @ xn) * (layer.up @ xn))

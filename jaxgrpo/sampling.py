@@ -207,7 +207,8 @@ def row_uniform(key, row_id, step, num_samples: int):
 def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
            cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
            mesh=None, share_prefix: bool = True,
-           scan_layers: bool | None = None, attention: str | None = None) -> Rollout:
+           scan_layers: bool | None = None, attention: str | None = None,
+           decode_block: int = 0) -> Rollout:
   """The pure sampler (jit it with `profile` static).
 
   eos_id: the id (or a tuple of ids: instruct models end a turn with any of several) that
@@ -222,7 +223,9 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
 
   scan_layers: the layers as one compiled loop body, in the prefill (model.Decoder) and the
   decode step (decode.step), or unrolled (fewest ops per token: CPU's default);
-  attention: the prefill's (model.Decoder).
+  attention: the prefill's (model.Decoder). decode_block: > 0 reads the samples' own keys
+  a block of that many slots at a time, up to the current token's (decode.step); 0 reads
+  every slot and masks the unfilled ones.
   """
   sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxP.shape[0]
@@ -240,7 +243,7 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
                                  scan_layers, attention, stacked_kv=stacked)
   prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
   weights = decode.prepare(params, cfg, stacked)
-  cache = decode.init_cache(ks, vs, prompt_mask_BxP, cfg, pg, t, stacked)
+  cache = decode.init_cache(ks, vs, prompt_mask_BxP, cfg, pg, t, stacked, decode_block)
   if mesh is not None:  # keep caches split by rows (and KV heads) through the loop
     # One sharding per field is a tree prefix: it applies to every layer's array.
     cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh, stacked))
@@ -282,7 +285,7 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
     i, token, done, cache, buffers = carry
     # The token fed at step i sits at position prompt_length + i - 1.
     logits, cache = decode.step(weights, cfg, token.reshape(pb, pg), prompt_len_B + i - 1, i - 1,
-                                cache)
+                                cache, decode_block)
     new, logp, raw = pick(logits, i, done)
     buffers = record(buffers, i, new, logp, raw, done)
     if stops is not None:
@@ -309,7 +312,8 @@ def left_pad(prompt_tokens_BxP, prompt_mask_BxP, width: int, pad_id: int):
 
 def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad_id, mesh,
                     on_trace=None, share_prefix: bool = True,
-                    scan_layers: bool | None = None, attention: str | None = None):
+                    scan_layers: bool | None = None, attention: str | None = None,
+                    decode_block: int = 0):
   """jit(sample) for one profile with explicit shardings: rows over the data axes."""
 
   def traced(params, tokens, mask, key, row_ids):
@@ -317,7 +321,7 @@ def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad
       on_trace()  # runs once per trace, i.e. once per compilation
     return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile, eos_id=eos_id,
                   pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
-                  scan_layers=scan_layers, attention=attention)
+                  scan_layers=scan_layers, attention=attention, decode_block=decode_block)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(
@@ -334,9 +338,10 @@ class RolloutEngine:
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles: Mapping[str, Profile], *,
                max_prompt_length: int, eos_id, pad_id: int, seed: int,
                share_prefix: bool = True, scan_layers: bool | None = None,
-               attention: str | None = None):
+               attention: str | None = None, decode_block: int = 0):
     """share_prefix=False prefills every sample's copy of its prompt (see `sample`); only
-    for measuring what prefix sharing buys. scan_layers, attention: the prefill's."""
+    for measuring what prefix sharing buys. scan_layers, attention: the prefill's;
+    decode_block: the decode step's key block (`sample`)."""
     names = tuple(profiles)
     if sorted(names) != sorted(PROFILE_NAMES):
       raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "
@@ -346,7 +351,7 @@ class RolloutEngine:
     self.compilations = {name: 0 for name in PROFILE_NAMES}
     self._calls = {name: 0 for name in PROFILE_NAMES}
     self._base_key = jax.random.key(seed)
-    self.scan_layers, self.attention = scan_layers, attention
+    self.scan_layers, self.attention, self.decode_block = scan_layers, attention, decode_block
     self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)
 
   def _build(self, *, eos_id, share_prefix: bool):
@@ -355,7 +360,7 @@ class RolloutEngine:
                                   pad_id=self.pad_id, mesh=self.mesh,
                                   on_trace=functools.partial(self._count, name),
                                   share_prefix=share_prefix, scan_layers=self.scan_layers,
-                                  attention=self.attention)
+                                  attention=self.attention, decode_block=self.decode_block)
             for name in PROFILE_NAMES}
 
   def _count(self, name):

@@ -125,6 +125,7 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
     return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
                                                      tokenizer=tokenizer, slots=slots, **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
+                                decode_block=gen.decode_block_size,
                                 attention=attention(c, mesh), **common)
 
 

@@ -377,7 +377,8 @@ def _programs(c, model_cfg, tokenizer, mesh, which):
     sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
                                        eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                                        mesh=mesh, scan_layers=engine.scan_layers,
-                                       attention=engine.attention)
+                                       attention=engine.attention,
+                                       decode_block=engine.decode_block)
     lowered = sampler.lower(state.params, sds((rows, p), jnp.int32), sds((rows, p), bool),
                             key, sds((rows,), jnp.int32))
     yield f"{name} sampler", lowered, resident

@@ -18,6 +18,8 @@
 #   sampler       python -m jaxgrpo.bench sampler --preset small --mode all
 #   rollout       python -m jaxgrpo.bench rollout: the Qwen3-1.7B rollout, EOS off and
 #                 long-tailed, T=1 and top-k/top-p, against the 4.8 TB/s floor
+#   rollout_blocks  the same at T=1 with generation.decode_block_size 128 (the decode step
+#                 reads the generated keys only up to the current block)
 #   update        bench/update_at_scale.py: the Qwen3-1.7B update, scanned and unrolled,
 #                 XLA and cuDNN attention
 set -u
@@ -67,6 +69,8 @@ for name in eval_cold eval_warm; do
 done
 part sampler 120 python3 -m jaxgrpo.bench sampler "${SAMPLER[@]}"
 part rollout 400 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}"
+part rollout_blocks 240 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}" --modes pure \
+  --decode_block 128
 part update 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py "${UPDATE[@]}"
 echo "=== done $(date +%T)" >>"$L"
 rm -rf "$W"

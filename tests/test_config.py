@@ -308,6 +308,19 @@ def test_jetstream_backend_runs_on_one_process(monkeypatch):
     config_lib.validate(c, num_devices=8)
 
 
+def test_decode_blocks_are_refused_with_the_jetstream_backend(monkeypatch):
+  c = _jetstream(monkeypatch, installed=True)
+  c.generation.decode_block_size = 64  # its slots read the whole cache: never silently ignored
+  with pytest.raises(config_lib.ConfigError, match="decode_block_size=64: .*allowed: 0 with "
+                     "generation.backend='jetstream'"):
+    config_lib.validate(c, num_devices=8)
+  c.generation.backend = "native"
+  assert config_lib.validate(c, num_devices=8).generation.decode_block_size == 64
+  c.generation.decode_block_size = -1
+  with pytest.raises(config_lib.ConfigError, match="decode_block_size=-1: allowed: an integer"):
+    config_lib.validate(c, num_devices=8)
+
+
 def test_slots_are_refused_with_the_native_backend():
   c = math_config()
   c.generation.max_concurrent_decodes = 8  # never silently ignored

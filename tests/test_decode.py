@@ -38,12 +38,14 @@ def _left_padded_prompts(rng, lengths, width, vocab):
   return tokens, mask
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stacked=False):
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stacked=False,
+                            block=0):
   """Decode-step logits (prefill, then one decode.step per continuation token) and the full
   forward logits over [left-padded prompt | continuation] for each of the G samples.
 
   stacked: the scanned layers' decode (one compiled block over stacked weights and caches).
+  block: the decode step's key block (0: the whole generated cache every step).
   One jit per config: a single compile instead of one per piece (CPU time is the budget).
   """
   b, p = prompt_BxP.shape
@@ -51,13 +53,13 @@ def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stack
   # Prefill once per prompt, then build the cache the way sampling.sample does.
   last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP, stacked,
                                         stacked_kv=stacked)
-  cache = decode.init_cache(ks, vs, mask_BxP, cfg, g, t, stacked)
+  cache = decode.init_cache(ks, vs, mask_BxP, cfg, g, t, stacked, block)
   weights = decode.prepare(params, cfg, stacked)
   prompt_len_B = jnp.sum(mask_BxP, axis=-1)
 
   def step(cache, i):
     logits_BxGxV, cache = decode.step(weights, cfg, cont_BxGxT[:, :, i], prompt_len_B + i, i,
-                                      cache)
+                                      cache, block)
     return cache, logits_BxGxV
 
   _, decoded_TxBxGxV = jax.lax.scan(step, cache, jnp.arange(t))
@@ -68,11 +70,14 @@ def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stack
   return last_BxV, decoded_TxBxGxV.transpose(1, 2, 0, 3), full
 
 
+@pytest.mark.parametrize("block", [0, 2], ids=["whole_cache", "blocks_of_2"])
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_decode_steps_match_the_full_forward(variant, stacked):
+def test_decode_steps_match_the_full_forward(variant, stacked, block):
   # Both decode steps (the layers unrolled over a tuple of weights, or scanned over stacked
-  # weights and caches, writing only each token's slot) against the full forward.
+  # weights and caches, writing only each token's slot) against the full forward; with
+  # blocks of 2 the 5 generated slots are 3 blocks (the last half empty), read one by one
+  # up to the current token's with an online softmax.
   cfg = VARIANTS[variant]
   params = random_params(cfg, seed=1, scale_noise=0.1)  # a dropped norm scale would show
   b, g, p, t = 3, 2, 7, 5
@@ -81,7 +86,7 @@ def test_decode_steps_match_the_full_forward(variant, stacked):
   prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
   cont_BxGxT = rng.integers(0, cfg.vocab_size, size=(b, g, t)).astype(np.int32)
   last_BxV, decoded_BxGxTxV, full = _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP,
-                                                            cont_BxGxT, stacked)
+                                                            cont_BxGxT, stacked, block)
   for j in range(g):  # the prefill's last logits predict the first continuation token
     np.testing.assert_allclose(last_BxV, full[:, j, p - 1], atol=1e-5)
   # decode step i feeds continuation token i at position len + i: full position p + i.
@@ -198,3 +203,41 @@ def test_decode_step_takes_one_step_per_row():
   # Token j of row b, fed at position length_b + j, predicts what the full pass predicts at
   # column p + j, whatever step the other rows are at.
   np.testing.assert_allclose(got, full[:, p:], atol=1e-5)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
+def test_blocked_decode_reads_only_the_blocks_up_to_the_current_token(stacked):
+  # Blocks of 4 over 12 generated slots. At step i every slot after i's block is poisoned
+  # with NaN: the blocked step never reads them (finite logits, equal to the clean cache's),
+  # while the whole-cache step reads every slot (0 x NaN = NaN). So the blocks read grow
+  # with i: 1 block for i < 4, 2 for i < 8, 3 after.
+  cfg = VARIANTS["gqa_tied"]
+  params = random_params(cfg, seed=3, scale_noise=0.1)
+  rng = np.random.default_rng(4)
+  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [5, 3], 5, cfg.vocab_size)
+  cont_BxGxT = rng.integers(0, cfg.vocab_size, size=(2, 2, 12)).astype(np.int32)
+  _, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP, stacked, stacked_kv=stacked)
+  weights = decode.prepare(params, cfg, stacked)
+  prompt_len_B = jnp.sum(mask_BxP, axis=-1)
+  # Slot axes: gen_k [..., D, T] (last), gen_v [..., T, D] (second to last).
+  poison = lambda x, start, axis: x.at[(Ellipsis, slice(start, None)) + (slice(None),) *
+                                       (-1 - axis)].set(jnp.nan)
+  for block in (4, 0):
+    cache = decode.init_cache(ks, vs, mask_BxP, cfg, 2, 12, stacked, block)
+    step = jax.jit(functools.partial(decode.step, weights, cfg, block=block))
+    for i in range(12):
+      tokens, positions = cont_BxGxT[:, :, i], prompt_len_B + i
+      clean, cache = step(tokens, positions, i, cache)
+      after = (decode.blocks_read(i, 4) * 4) if block else 12
+      assert decode.blocks_read(i, 4) == i // 4 + 1
+      if after < 12:
+        bad = cache._replace(
+            gen_k=jax.tree.map(lambda x: poison(x, after, -1), cache.gen_k),
+            gen_v=jax.tree.map(lambda x: poison(x, after, -2), cache.gen_v))
+        # Re-run step i on the poisoned cache (its own slot i is rewritten identically).
+        again, _ = step(tokens, positions, i, bad)
+        if block:
+          np.testing.assert_array_equal(np.asarray(again), np.asarray(clean))
+      if block == 0 and i < 8:
+        bad = cache._replace(gen_v=jax.tree.map(lambda x: poison(x, 8, -2), cache.gen_v))
+        assert np.isnan(np.asarray(step(tokens, positions, i, bad)[0])).any()

@@ -51,11 +51,11 @@ def _single_device_mesh():
 
 
 def _engine(mesh, train=TRAIN, val=VAL, *, max_prompt_length=6, eos_id=None, seed=0,
-            share_prefix=True, scan_layers=None):
+            share_prefix=True, scan_layers=None, decode_block=0):
   profiles = {"train": sampling.Profile(train, G, T), "val": sampling.Profile(val, G, T)}
   return sampling.RolloutEngine(CFG, mesh, profiles, max_prompt_length=max_prompt_length,
                                 eos_id=eos_id, pad_id=PAD, seed=seed, share_prefix=share_prefix,
-                                scan_layers=scan_layers)
+                                scan_layers=scan_layers, decode_block=decode_block)
 
 
 @pytest.fixture(scope="module")
@@ -384,17 +384,22 @@ def test_each_step_draws_its_own_uniform(warm_engine, params, prompts):
   assert all(len(set(row)) > 1 for row in want_NxT)  # each row's tokens change with the step
 
 
-@pytest.mark.parametrize("mesh_config, scan_layers", [
-    ({"data": 2, "fsdp": 2, "tensor": 2}, None), ({"data": 8}, None),
-    ({"data": 2, "fsdp": 2, "tensor": 2}, True)], ids=["2x2x2", "data8", "2x2x2-scanned"])
-def test_mesh_results_equal_single_device(engine, params, prompts, mesh_config, scan_layers):
-  # The single-device engine unrolls its layers (CPU's default); "scanned" samples with the
-  # layers scanned in the prefill and the decode step (stacked caches), on a (2, 2, 2) mesh:
-  # the same tokens and log-probs.
+@pytest.mark.parametrize("mesh_config, scan_layers, decode_block", [
+    ({"data": 2, "fsdp": 2, "tensor": 2}, None, 0), ({"data": 8}, None, 0),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, True, 0),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, None, 2),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, True, 3)],
+    ids=["2x2x2", "data8", "2x2x2-scanned", "2x2x2-blocks", "2x2x2-scanned-blocks"])
+def test_mesh_results_equal_single_device(engine, params, prompts, mesh_config, scan_layers,
+                                          decode_block):
+  # The single-device engine unrolls its layers (CPU's default) and reads the whole cache;
+  # "scanned" samples with the layers scanned in the prefill and the decode step (stacked
+  # caches), "blocks" reads the generated keys in blocks up to the current token's, on a
+  # (2, 2, 2) mesh: the same tokens and log-probs.
   key = engine.key("val", 5)
   expected = jax.device_get(engine.sample("val", params, *prompts, key=key))
   mesh = sharding.make_mesh(mesh_config)
-  sharded = _engine(mesh, scan_layers=scan_layers)
+  sharded = _engine(mesh, scan_layers=scan_layers, decode_block=decode_block)
   out = sharded.sample("val", sharding.shard_params(params, CFG, mesh), *prompts, key=key)
   assert len(out.tokens_NxT.sharding.device_set) == 8
   out = jax.device_get(out)
