@@ -70,12 +70,13 @@ def build_engine(workdir: str, step: int | None, *, max_concurrent_decodes: int,
 
 
 def _enable_cache(workdir: str) -> None:
-  """The run's compilation cache setting (a run from before the key: the per-user folder)."""
+  """The run's compilation cache setting (a run from before the key: the per-user folder).
+  An unreadable run folder is left for build_engine to report, after the flags' checks."""
   from jaxgrpo import compile_options, export  # pylint: disable=g-import-not-at-top
   try:
     setting = export.run_config(workdir).get("compilation_cache_dir", "auto")
-  except export.ExportError as e:
-    raise ServeError(str(e)) from None
+  except export.ExportError:
+    setting = "auto"
   compile_options.enable_cache(setting)
 
 
