@@ -4,6 +4,7 @@ timing and the repository's default config."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import time
@@ -102,3 +103,13 @@ def default_config():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
+
+
+def at_least(lowest: int):
+  """An argparse type: an integer >= lowest."""
+  def parse(text: str) -> int:
+    value = int(text)
+    if value < lowest:
+      raise argparse.ArgumentTypeError(f"{value}: must be >= {lowest}")
+    return value
+  return parse

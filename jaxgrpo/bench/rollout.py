@@ -156,15 +156,6 @@ def run_rollout(args) -> list[dict]:
   return results
 
 
-def _at_least(lowest: int):
-  def parse(text: str) -> int:
-    value = int(text)
-    if value < lowest:
-      raise argparse.ArgumentTypeError(f"{value}: must be >= {lowest}")
-    return value
-  return parse
-
-
 def _choices(allowed):
   def parse(text: str) -> tuple[str, ...]:
     names = tuple(x for x in text.split(",") if x)
@@ -188,9 +179,9 @@ def add_parsers(sub) -> None:
                  help="the device's memory bandwidth in GB/s (default: measured)")
   r.add_argument("--decode_block", type=int, default=0,
                  help="generation.decode_block_size: 0 reads the whole cache every step")
-  r.add_argument("--median_length", type=_at_least(1), default=None,
+  r.add_argument("--median_length", type=common.at_least(1), default=None,
                  help="eos=longtail's median completion length (default: the preset's)")
   for flag in ("prompts", "samples", "prompt_len", "new_tokens"):  # the preset's by default
-    r.add_argument(f"--{flag}", dest=f"rollout_{flag}", type=_at_least(1), default=None)
+    r.add_argument(f"--{flag}", dest=f"rollout_{flag}", type=common.at_least(1), default=None)
   r.add_argument("--out", default=None, help="also append the JSON lines to this file")
   r.set_defaults(run=run_rollout)

@@ -295,22 +295,13 @@ def run_step(args) -> list[dict]:
   return [run(args.preset, steps, new_tokens, prompts, args.step_forward_reps, scan)]
 
 
-def _at_least(lowest: int):
-  def parse(text: str) -> int:
-    value = int(text)
-    if value < lowest:
-      raise argparse.ArgumentTypeError(f"{value}: must be >= {lowest}")
-    return value
-  return parse
-
-
 def add_parsers(sub) -> None:
   """Adds the `step` subcommand to the bench's subparsers (cli.py)."""
   s = sub.add_parser("step", help="time whole GRPO steps (peer workload) and the update's "
                      "roofline; medium: the update alone at sequence length 256")
   s.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
   # Steps 2..N give the steady median, so at least two.
-  s.add_argument("--steps", type=_at_least(2), default=None,
+  s.add_argument("--steps", type=common.at_least(2), default=None,
                  help="steps, the first compiles (default 10; medium: updates, default 5)")
   s.add_argument("--out", default=None, help="also append the JSON line to this file")
   s.add_argument("--scan_layers", choices=("auto", "true", "false"), default="auto",
@@ -318,12 +309,12 @@ def add_parsers(sub) -> None:
                  "platform's default, unrolled on CPU); scanned runs report no update FLOPs")
   # Hidden, for tests. Own dests: bench.main compares a `new_tokens` attribute with 1, and
   # None (the preset's default) would not compare.
-  s.add_argument("--new_tokens", dest="step_new_tokens", type=_at_least(1), default=None,
+  s.add_argument("--new_tokens", dest="step_new_tokens", type=common.at_least(1), default=None,
                  help=argparse.SUPPRESS)
-  s.add_argument("--prompts", dest="step_prompts", type=_at_least(1), default=None,
+  s.add_argument("--prompts", dest="step_prompts", type=common.at_least(1), default=None,
                  help=argparse.SUPPRESS)
   # Timed policy forwards after the first; 0 skips the forward figure (tiny, small: a compile
   # less, for tests; medium still runs the one forward that gives the old log-probs).
-  s.add_argument("--forward_reps", dest="step_forward_reps", type=_at_least(0),
+  s.add_argument("--forward_reps", dest="step_forward_reps", type=common.at_least(0),
                  default=FORWARD_REPS, help=argparse.SUPPRESS)
   s.set_defaults(run=run_step)
