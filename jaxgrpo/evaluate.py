@@ -71,6 +71,7 @@ class Side:
   host_params: object  # a jaxgrpo checkpoint's weights; None: a run, an HF folder, random
   checkpoint: dict  # what was evaluated, as eval.json records it
   restore: tuple | None = None  # a run's (checkpoints folder, step)
+  run_config: dict | None = None  # a run's config.json, as the run validated with it
   val_batches: list = dataclasses.field(default_factory=list)
 
 
@@ -176,7 +177,7 @@ def _side(raw, spec, overrides) -> Side:
   label, kind, path, step = spec
   values = raw.to_dict()
   model = dict(values["model"])
-  restore = None
+  restore = run = None
   if kind == "run":
     run = export.run_config(path)
     directory, step = export.run_step(path, step)
@@ -202,7 +203,8 @@ def _side(raw, spec, overrides) -> Side:
   if restore:
     host_params = None  # the run's own weights come from its checkpoint, onto the mesh
     _check_run_checkpoint(*restore, model_cfg)
-  return Side(label, config, model_cfg, tokenizer, host_params, checkpoint, restore)
+  return Side(label, config, model_cfg, tokenizer, host_params, checkpoint, restore,
+              run.to_dict() if run is not None else None)
 
 
 _EXECUTION_KEYS = ("param_dtype", "dtype", "remat", "scan_layers", "attention")
@@ -275,7 +277,7 @@ def _out_dir(out: str | None, sides, comparing: bool) -> str:
 
 def _differences(side) -> list[str]:
   """Validation keys whose value here differs from what the run validated with."""
-  run = export.run_config(side.checkpoint["workdir"]).to_dict()
+  run = side.run_config
   here = side.config.to_dict()
   out = []
   for section in ("data", "rewards", "generation", "grpo"):

@@ -85,8 +85,7 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   profile = engine.profile("val")
   sp = profile.sampling
   return {"metrics": row, "_per_prompt": validator.per_prompt, "records": validator.records,
-          "num_prompts": int(row["num_prompts"]), "wall_time_s": wall,
-          "validation_s": row["wall_time_s"], "generated_tokens": tokens,
+          "num_prompts": int(row["num_prompts"]), "wall_time_s": wall, "generated_tokens": tokens,
           "tokens_per_s": tokens / max(row["wall_time_s"], 1e-9),
           "sampling": {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
                        "k": profile.num_samples, "max_new_tokens": profile.max_new_tokens,

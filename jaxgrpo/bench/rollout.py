@@ -33,9 +33,7 @@ them.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
-import sys
 import time
 
 import jax
@@ -45,6 +43,7 @@ from jaxgrpo import model as model_lib
 from jaxgrpo import roofline
 from jaxgrpo import sampling
 from jaxgrpo import sharding as sharding_lib
+from jaxgrpo import trainer
 from jaxgrpo.bench import common
 
 QWEN3_1_7B = dict(vocab_size=151936, d_model=2048, num_layers=28, num_heads=16,
@@ -86,8 +85,7 @@ def peak_memory(device) -> dict:
   stats = device.memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     return dict(peak_device_bytes=int(stats["peak_bytes_in_use"]))
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  return dict(peak_rss_mib=round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1))
+  return dict(peak_rss_mib=trainer.peak_rss_mib())
 
 
 def run_rollout(args) -> list[dict]:

@@ -40,7 +40,6 @@ backward (~2x) and the reference model's forward.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import time
 
@@ -52,6 +51,7 @@ from jaxgrpo import model as model_lib
 from jaxgrpo import roofline
 from jaxgrpo import sampling
 from jaxgrpo import sharding as sharding_lib
+from jaxgrpo import trainer
 from jaxgrpo.bench import common
 
 SEED = 0
@@ -174,8 +174,7 @@ class _Setup:
   def result(self, preset: str, loadavg_start, **fields) -> dict:
     return dict(bench="step", preset=preset, n_params=self.n_params, workload=self.workload,
                 scan_layers=self.scan_layers, **fields,
-                peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                   / 1024, 1),
+                peak_rss_mib=trainer.peak_rss_mib(),
                 **common.machine(self.devices, loadavg_start))  # pylint: disable=W0212
 
 
