@@ -61,6 +61,7 @@ def test_a_runs_checkpoint_evaluates_to_the_runs_validation_row(straight_run, tm
   assert len(ignored) == 1 and "--config.grpo.max_num_steps" in ignored[0]
   assert "--config.generation.temperature" not in ignored[0]
   assert f"/{doc['num_prompts']} prompts" in proc.stderr  # the progress line
+  assert "differs from the run's" not in proc.stderr  # the run's own validation settings
 
 
 @pytest.mark.slow
@@ -92,9 +93,14 @@ def test_a_checkpoint_compared_with_itself_differs_by_exactly_zero(straight_run,
   workdir, _ = straight_run
   step = checkpoint.step_dirs(os.path.join(workdir, "checkpoints"))[-1]
   out = tmp_path / "self"
+  # Another val_seed than the run's: both sides still draw alike, and the difference from
+  # what the run validated with is named once (not once per side).
   proc = run_evaluate(*cli.ARGS, f"--compare={workdir}:{step},{workdir}/checkpoints/{step}",
-                      f"--out={out}")
+                      "--config.grpo.val_seed=1", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  notes = [l for l in proc.stderr.splitlines() if "differs from the run's" in l]
+  assert notes == ["note: this evaluation's validation differs from the run's: "
+                   "grpo.val_seed=1 (the run validated with 0)"]
   doc = json.loads((out / "compare.json").read_text())
   for metric, groups in doc["metrics"].items():
     d = groups["all"]
