@@ -66,6 +66,11 @@ def get_config(arg=None):
       # up to the current token's (0: the whole cache every step; blocks measured 1.07-1.12x
       # slower on CPU, unmeasured on accelerators: see README "Fitting a real step").
       decode_block_size=0,
+      # native only: when the live rows fit in a batch half as large, decode them in one,
+      # up to this many times (0: every row is computed until the longest ends). The same
+      # rollout either way (tested). Off here: with 5 new tokens there is little to compact,
+      # and each stage adds a decode loop to compile.
+      compact_stages=0,
       val_temperature=config_dict.placeholder(float),
       val_top_p=config_dict.placeholder(float),
       val_top_k=config_dict.placeholder(int)))

@@ -128,6 +128,7 @@ SCHEMA: dict[str, Any] = {
         "temperature": _num(0, lo_open=True), "top_p": _num(0, 1, lo_open=True),
         "top_k": _int(0), "max_new_tokens": _int(1), "backend": _choice(*BACKEND_LIMITS),
         "max_concurrent_decodes": _int(0), "decode_block_size": _int(0),
+        "compact_stages": _int(0),
         # None follows the training value (resolved by `validate`); 0 is greedy.
         "val_temperature": _optional(_num(0)), "val_top_p": _optional(_num(0, 1, lo_open=True)),
         "val_top_k": _optional(_int(0))},
@@ -406,6 +407,10 @@ def _check_backend(gen, rows: int):
     _fail("generation.decode_block_size", gen.decode_block_size,
           "0 with generation.backend='jetstream' (its slots decode at their own steps and "
           "read the whole cache); or generation.backend='native'")
+  if gen.compact_stages:
+    _fail("generation.compact_stages", gen.compact_stages,
+          "0 with generation.backend='jetstream' (it refills finished slots instead); or "
+          "generation.backend='native'")
   if importlib.util.find_spec("jetstream") is None:
     _fail("generation.backend", gen.backend, "'native', or 'jetstream' after "
           "pip install 'jaxgrpo[jetstream]' (google-jetstream is not installed)")

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxgrpo import compile_options
+from jaxgrpo import distribution
 from jaxgrpo import microbatch
 from jaxgrpo import model as model_lib
 from jaxgrpo import sampling
@@ -221,7 +222,7 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   else:
     logits_BxGxTxV = model_lib.score_groups(*args, remat=remat, scan_layers=scan_layers,
                                             attention=attention)
-    out = tuple(sampling.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
+    out = tuple(distribution.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
                 for p in sps)
   return out if isinstance(sp, tuple) else out[0]
 

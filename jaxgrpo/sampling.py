@@ -7,65 +7,37 @@ distribution (the on-policy guard), and validation gets its own, typically near-
 
 One call: prefill the B distinct prompts once ([B, P], never [B*G, P]), then decode G samples
 per prompt in a `lax.while_loop` that stops when every row has emitted EOS or after
-`max_new_tokens`. Rows come out prompt-major (row b*G + g), so `rewards.reshape(B, G)` groups
+`max_new_tokens` (with `compact_stages`, the live rows move into smaller batches on the way:
+compaction.py). Rows come out prompt-major (row b*G + g), so `rewards.reshape(B, G)` groups
 them. Per token it returns the log-probability under the profile's distribution (after
 temperature and truncation; 0 for greedy), which is π_old of the trainer's importance ratios
 (the distribution the token was drawn from), and under the raw model (temperature 1, no
 truncation), a diagnostic the trainer does not use.
 
-Token choice uses one uniform draw per row and step and an inverse-CDF pick, and greedy uses
-max + min-index: both measured far cheaper on CPU than `jax.random.categorical` / `argmax`.
+Tokens are drawn by distribution.py (truncation, the inverse-CDF pick, greedy).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo import compaction
 from jaxgrpo import compile_options
 from jaxgrpo import decode
+from jaxgrpo import distribution
 from jaxgrpo import model as model_lib
 from jaxgrpo import sharding as sharding_lib
 
 PROFILE_NAMES = ("train", "val")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """How one token is drawn. Every field is explicit: nothing falls back to a model default.
-
-  temperature: 0 means greedy; logits are divided by it before top-k / top-p.
-  top_p: nucleus mass in (0, 1]; 1 keeps everything.
-  top_k: keep the k most likely tokens; 0 means off.
-  """
-
-  temperature: float
-  top_p: float
-  top_k: int
-
-  def __post_init__(self):
-    if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-      raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0")
-    if self.temperature < 0:
-      raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 means greedy)")
-    if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-      raise ValueError(f"top_p={self.top_p!r}: must be a number in (0, 1]")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p}: must be in (0, 1] (1 disables nucleus sampling)")
-    if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
-      raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0")
-    if self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 means off)")
-
-  @property
-  def greedy(self) -> bool:
-    return self.temperature == 0
+# The profile's draw settings live with the distribution they define; re-exported here,
+# where profiles are made.
+SamplingParams = distribution.SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,83 +66,6 @@ class Rollout(NamedTuple):
   mask_NxT: jax.Array       # True on generated tokens, EOS included
   lengths_N: jax.Array      # number of generated tokens, EOS included
   truncated_N: jax.Array    # True when the row hit max_new_tokens without EOS
-
-
-def _min_index_argmax(x):
-  """argmax over the last axis, lowest index on ties (max + min-index: cheaper than argmax)."""
-  top = jnp.max(x, axis=-1, keepdims=True)
-  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
-  return jnp.min(jnp.where(x == top, idx, x.shape[-1]), axis=-1)
-
-
-def candidate_logprobs(logits, sp: SamplingParams):
-  """The profile's distribution as (candidate log-probs [..., K], candidate token ids [..., K]).
-
-  Temperature first, then top-k, then top-p: top-p keeps the smallest prefix of the sorted
-  candidates whose mass reaches p (a token is kept when the mass strictly before it is < p).
-  Excluded candidates get -inf. Without truncation the candidates are the whole vocabulary.
-  """
-  vocab = logits.shape[-1]
-  scaled = logits / sp.temperature
-  if sp.top_k > 0 and sp.top_k < vocab:
-    cand, ids = jax.lax.top_k(scaled, sp.top_k)
-  elif sp.top_p < 1:
-    cand, ids = jax.lax.top_k(scaled, vocab)  # a full descending sort
-  else:
-    cand = scaled
-    ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
-  if sp.top_p < 1:
-    probs = jax.nn.softmax(cand, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    cand = jnp.where(mass_before < sp.top_p, cand, -jnp.inf)
-  return jax.nn.log_softmax(cand, axis=-1), ids.astype(jnp.int32)
-
-
-def _last_positive(x):
-  """Index of the last entry > 0 along the last axis (0 if none)."""
-  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
-  return jnp.max(jnp.where(x > 0, idx, 0), axis=-1)
-
-
-def inverse_cdf_pick(probs, uniform):
-  """The index i with cdf[i-1] <= u * total < cdf[i], for unnormalised probs [..., K].
-
-  Two levels, so no cumulative sum runs over all K entries: XLA's CPU cumsum cost grows much
-  faster than K (210 us per step for 32 x 512, 80% of the whole draw). Blocks of ~sqrt(K)
-  entries: pick a block by its cumulative mass, then the entry inside it. A pick is always
-  an entry with positive probability, even when float rounding leaves u * total at the edge.
-  """
-  k = probs.shape[-1]
-  width = int(math.ceil(math.sqrt(k)))
-  blocks = -(-k // width)
-  lead = probs.shape[:-1]
-  p = jnp.pad(probs, [(0, 0)] * len(lead) + [(0, blocks * width - k)])
-  p = p.reshape(*lead, blocks, width)
-  mass = p.sum(axis=-1)                                  # [..., blocks]
-  cdf = jnp.cumsum(mass, axis=-1)
-  target = uniform * cdf[..., -1]
-  j = jnp.minimum(jnp.sum(cdf <= target[..., None], axis=-1), _last_positive(mass))
-  inside = jnp.take_along_axis(p, j[..., None, None], axis=-2)[..., 0, :]  # [..., width]
-  before = jnp.take_along_axis(cdf - mass, j[..., None], axis=-1)[..., 0]
-  inner = jnp.cumsum(inside, axis=-1)
-  i = jnp.minimum(jnp.sum(inner <= (target - before)[..., None], axis=-1),
-                  _last_positive(inside))
-  return (j * width + i).astype(jnp.int32)
-
-
-def draw(logits, uniform, sp: SamplingParams):
-  """One token per row: (token, profile log-prob, raw log-prob). uniform in [0, 1)."""
-  raw = jax.nn.log_softmax(logits, axis=-1)
-  if sp.greedy:
-    token = _min_index_argmax(logits)
-    logp = jnp.zeros(token.shape, jnp.float32)  # a point mass
-  else:
-    cand_logp, ids = candidate_logprobs(logits, sp)
-    pick = inverse_cdf_pick(jnp.exp(cand_logp), uniform)
-    token = jnp.take_along_axis(ids, pick[..., None], axis=-1)[..., 0]
-    logp = jnp.take_along_axis(cand_logp, pick[..., None], axis=-1)[..., 0]
-  raw_logp = jnp.take_along_axis(raw, token[..., None], axis=-1)[..., 0]
-  return token, logp, raw_logp
 
 
 def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
@@ -208,7 +103,7 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
            cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
            mesh=None, share_prefix: bool = True,
            scan_layers: bool | None = None, attention: str | None = None,
-           decode_block: int = 0) -> Rollout:
+           decode_block: int = 0, compact_stages: int = 0) -> Rollout:
   """The pure sampler (jit it with `profile` static).
 
   eos_id: the id (or a tuple of ids: instruct models end a turn with any of several) that
@@ -225,7 +120,9 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   decode step (decode.step), or unrolled (fewest ops per token: CPU's default);
   attention: the prefill's (model.Decoder). decode_block: > 0 reads the samples' own keys
   a block of that many slots at a time, up to the current token's (decode.step); 0 reads
-  every slot and masks the unfilled ones.
+  every slot and masks the unfilled ones. compact_stages: > 0 moves the live rows into a batch
+  half as large whenever they fit, up to that many times (compaction.py: the same rollout,
+  without computing rows that ended); 0 computes every row until the longest ends.
   """
   sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxP.shape[0]
@@ -256,7 +153,7 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
 
   def pick(logits_BxGxV, i, done_BxG):
     u = None if u_TxBxG is None else jax.lax.dynamic_index_in_dim(u_TxBxG, i, keepdims=False)
-    token, logp, raw = draw(logits_BxGxV.reshape(b, g, -1), u, sp)
+    token, logp, raw = distribution.draw(logits_BxGxV.reshape(b, g, -1), u, sp)
     token = jnp.where(done_BxG, pad_id, token)
     zero = jnp.zeros_like(logp)
     return token, jnp.where(done_BxG, zero, logp), jnp.where(done_BxG, zero, raw)
@@ -277,9 +174,14 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   is_stop = lambda t: jnp.any(t[..., None] == stops, axis=-1)
   done = done0 | is_stop(token) if stops is not None else done0
 
+  groups = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
+  sizes = compaction.bucket_sizes(b * g // groups, compact_stages)
+
   def cond(carry):
     i, _, done, _, _ = carry
-    return (i < t) & ~jnp.all(done)
+    go = (i < t) & ~jnp.all(done)
+    # Compacting: the first stage ends once the live rows fit in the next bucket.
+    return go if len(sizes) == 1 else go & (compaction.max_live(done, groups) > sizes[1])
 
   def body(carry):
     i, token, done, cache, buffers = carry
@@ -292,11 +194,24 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
       done = done | is_stop(new)
     return i + 1, new, done, cache, buffers
 
-  _, _, done, _, buffers = jax.lax.while_loop(
+  i, token, done, cache, buffers = jax.lax.while_loop(
       cond, body, (jnp.int32(1), token, done, cache, buffers))
-  tokens, logps, raws, masks = (x.reshape(b * g, t) for x in buffers)
+  if len(sizes) == 1:
+    tokens, logps, raws, masks = (x.reshape(b * g, t) for x in buffers)
+    truncated = ~done.reshape(b * g)
+  else:
+    ctx = compaction.Context(
+        weights=weights, cfg=cfg, draw=lambda logits, u: distribution.draw(logits, u, sp),
+        is_stop=None if stops is None else is_stop, pad_id=pad_id, samples=pg, groups=groups,
+        sizes=sizes, max_new_tokens=t, block=decode_block, stacked=stacked, mesh=mesh,
+        u_TxDxn=None if u_TxBxG is None else u_TxBxG.reshape(t, groups, -1),
+        prompt_len_Dxn=jnp.repeat(prompt_len_B, pg).reshape(groups, -1))
+    tokens, logps, raws, masks = compaction.finish(i, token, done, cache, buffers, ctx)
+    # Rows that ran through the last step without ending there (the final `done` is split
+    # over the stages' slots; the buffers hold every row).
+    truncated = masks[:, -1] & ~is_stop(tokens[:, -1]) if stops is not None else masks[:, -1]
   lengths = jnp.sum(masks, axis=-1).astype(jnp.int32)
-  return Rollout(tokens, logps, raws, masks, lengths, ~done.reshape(b * g))
+  return Rollout(tokens, logps, raws, masks, lengths, truncated)
 
 
 def left_pad(prompt_tokens_BxP, prompt_mask_BxP, width: int, pad_id: int):
@@ -313,7 +228,7 @@ def left_pad(prompt_tokens_BxP, prompt_mask_BxP, width: int, pad_id: int):
 def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad_id, mesh,
                     on_trace=None, share_prefix: bool = True,
                     scan_layers: bool | None = None, attention: str | None = None,
-                    decode_block: int = 0):
+                    decode_block: int = 0, compact_stages: int = 0):
   """jit(sample) for one profile with explicit shardings: rows over the data axes."""
 
   def traced(params, tokens, mask, key, row_ids):
@@ -321,7 +236,8 @@ def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad
       on_trace()  # runs once per trace, i.e. once per compilation
     return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile, eos_id=eos_id,
                   pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
-                  scan_layers=scan_layers, attention=attention, decode_block=decode_block)
+                  scan_layers=scan_layers, attention=attention, decode_block=decode_block,
+                  compact_stages=compact_stages)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(
@@ -338,10 +254,12 @@ class RolloutEngine:
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles: Mapping[str, Profile], *,
                max_prompt_length: int, eos_id, pad_id: int, seed: int,
                share_prefix: bool = True, scan_layers: bool | None = None,
-               attention: str | None = None, decode_block: int = 0):
+               attention: str | None = None, decode_block: int = 0,
+               compact_stages: int = 0):
     """share_prefix=False prefills every sample's copy of its prompt (see `sample`); only
     for measuring what prefix sharing buys. scan_layers, attention: the prefill's;
-    decode_block: the decode step's key block (`sample`)."""
+    decode_block: the decode step's key block; compact_stages: how many times the live rows
+    may move into a batch half as large (`sample`)."""
     names = tuple(profiles)
     if sorted(names) != sorted(PROFILE_NAMES):
       raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "
@@ -352,6 +270,7 @@ class RolloutEngine:
     self._calls = {name: 0 for name in PROFILE_NAMES}
     self._base_key = jax.random.key(seed)
     self.scan_layers, self.attention, self.decode_block = scan_layers, attention, decode_block
+    self.compact_stages = compact_stages
     self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)
 
   def _build(self, *, eos_id, share_prefix: bool):
@@ -360,7 +279,8 @@ class RolloutEngine:
                                   pad_id=self.pad_id, mesh=self.mesh,
                                   on_trace=functools.partial(self._count, name),
                                   share_prefix=share_prefix, scan_layers=self.scan_layers,
-                                  attention=self.attention, decode_block=self.decode_block)
+                                  attention=self.attention, decode_block=self.decode_block,
+                                  compact_stages=self.compact_stages)
             for name in PROFILE_NAMES}
 
   def _count(self, name):
@@ -416,26 +336,3 @@ class RolloutEngine:
                                                      (tokens_BxP, mask_BxP, row_ids_B))
     return self._samplers[name](params, tokens, mask, sharding_lib.replicate_key(self.mesh, key),
                                 row_ids_B)
-
-
-# log(1e-30): the log-prob given to a token that fell outside a truncated profile's
-# candidate set after an update. Finite, so ratios and gradients stay finite (its ratio is
-# ~0 and its gradient vanishes), where -inf would give NaN.
-_OUTSIDE_LOGP = -69.0
-
-
-def token_logprobs(logits, tokens, sp: SamplingParams):
-  """log p(token) under the profile's distribution, differentiable in the logits.
-
-  The trainer's ratios use this on teacher-forced logits, and the sampler produced the
-  same quantity at sampling time, so the first of mu updates starts at ratio 1.
-  """
-  if sp.greedy:
-    raise ValueError("a greedy profile (temperature 0) has no usable log-probs for training")
-  if sp.top_k == 0 and sp.top_p == 1:
-    logp = jax.nn.log_softmax(logits / sp.temperature, axis=-1)
-    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-  cand_logp, ids = candidate_logprobs(logits, sp)
-  hit = (ids == tokens[..., None]) & jnp.isfinite(cand_logp)
-  picked = jnp.sum(jnp.where(hit, cand_logp, 0.0), axis=-1)
-  return jnp.where(jnp.any(hit, axis=-1), picked, _OUTSIDE_LOGP)

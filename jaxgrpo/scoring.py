@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxgrpo import activations
 from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
+from jaxgrpo import distribution
 
 
 def chunked_logprobs(hidden_NxTxD, head_DxV, tokens_NxT, sps, chunk: int):
@@ -42,7 +42,7 @@ def chunked_logprobs(hidden_NxTxD, head_DxV, tokens_NxT, sps, chunk: int):
   def one(head, hidden_NxKxD, tokens_NxK):
     logits = model_lib.dense(hidden_NxKxD, head).astype(jnp.float32)
     logits = activations.constrain(logits, "batch", None, "act_vocab")
-    return tuple(sampling.token_logprobs(logits, tokens_NxK, sp) for sp in sps)
+    return tuple(distribution.token_logprobs(logits, tokens_NxK, sp) for sp in sps)
 
   outs = jax.lax.map(lambda xs: one(head_DxV, *xs), (hidden_CxNxKxD, tokens_CxNxK))
   return tuple(o.transpose(1, 0, 2).reshape(n, count * chunk)[:, :t] for o in outs)

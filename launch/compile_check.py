@@ -378,7 +378,8 @@ def _programs(c, model_cfg, tokenizer, mesh, which):
                                        eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                                        mesh=mesh, scan_layers=engine.scan_layers,
                                        attention=engine.attention,
-                                       decode_block=engine.decode_block)
+                                       decode_block=engine.decode_block,
+                                       compact_stages=engine.compact_stages)
     lowered = sampler.lower(state.params, sds((rows, p), jnp.int32), sds((rows, p), bool),
                             key, sds((rows,), jnp.int32))
     yield f"{name} sampler", lowered, resident

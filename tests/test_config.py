@@ -321,6 +321,19 @@ def test_decode_blocks_are_refused_with_the_jetstream_backend(monkeypatch):
     config_lib.validate(c, num_devices=8)
 
 
+def test_compaction_is_refused_with_the_jetstream_backend(monkeypatch):
+  c = _jetstream(monkeypatch, installed=True)
+  c.generation.compact_stages = 2  # it refills its slots instead: never silently ignored
+  with pytest.raises(config_lib.ConfigError, match="compact_stages=2: .*allowed: 0 with "
+                     "generation.backend='jetstream'"):
+    config_lib.validate(c, num_devices=8)
+  c.generation.backend = "native"
+  assert config_lib.validate(c, num_devices=8).generation.compact_stages == 2
+  c.generation.compact_stages = -1
+  with pytest.raises(config_lib.ConfigError, match="compact_stages=-1: allowed: an integer"):
+    config_lib.validate(c, num_devices=8)
+
+
 def test_slots_are_refused_with_the_native_backend():
   c = math_config()
   c.generation.max_concurrent_decodes = 8  # never silently ignored

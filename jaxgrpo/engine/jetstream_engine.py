@@ -22,7 +22,7 @@ What each member of JetStream's vocabulary (also MaxText's offline engine's) is 
       (prompt length), step, pending logits, and the tokens and log-probs drawn so far.
 
 Slots sit at different steps (continuous batching), so decode.step gets one step per slot.
-Tokens are drawn as the native sampler draws them (sampling.draw, with the uniform of the same
+Tokens are drawn as the native sampler draws them (distribution.draw, with the uniform of the same
 (key, row id, token index, sample)), so a slot given the native sampler's key and row id draws
 the native sampler's tokens, greedy or not, up to float rounding: this backend changes how
 rollouts are scheduled, not what they are. Sampling settings are therefore all honoured and
@@ -58,6 +58,7 @@ for _h in [h for h in _root.handlers if h not in _handlers]:
 
 from jaxgrpo import compile_options
 from jaxgrpo import decode
+from jaxgrpo import distribution
 from jaxgrpo import model as model_lib
 from jaxgrpo import sampling
 from jaxgrpo import sharding as sharding_lib
@@ -342,7 +343,7 @@ class Engine(engine_api.Engine):
     if not sp.greedy:  # the native sampler's uniform for (row id, token index)[sample]
       u_S = jax.vmap(lambda r, s, j: sampling.row_uniform(state.key, r, j, g)[s])(
           state.row_id_S, state.sample_S, i)
-    token, logp, raw = sampling.draw(state.logits_SxV, u_S, sp)
+    token, logp, raw = distribution.draw(state.logits_SxV, u_S, sp)
     token = jnp.where(live, token, self.pad_id)
     col = jnp.minimum(i, t - 1)
     rows = jnp.arange(self._slots)
