@@ -20,6 +20,8 @@
 #                 long-tailed, T=1 and top-k/top-p, against the 4.8 TB/s floor
 #   rollout_blocks  the same at T=1 with generation.decode_block_size 128 (the decode step
 #                 reads the generated keys only up to the current block)
+#   rollout_compact  rollout_blocks with generation.compact_stages 3 (live rows move into
+#                 smaller batches): against rollout_blocks, what compaction buys
 #   update        bench/update_at_scale.py: the Qwen3-1.7B update, scanned and unrolled,
 #                 XLA and cuDNN attention
 set -u
@@ -71,6 +73,8 @@ part sampler 120 python3 -m jaxgrpo.bench sampler "${SAMPLER[@]}"
 part rollout 400 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}"
 part rollout_blocks 240 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}" --modes pure \
   --decode_block 128
+part rollout_compact 240 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}" --modes pure \
+  --decode_block 128 --compact_stages 3
 part update 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py "${UPDATE[@]}"
 echo "=== done $(date +%T)" >>"$L"
 rm -rf "$W"

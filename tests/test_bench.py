@@ -250,6 +250,19 @@ def test_rollout_bench_eos_off_and_long_tailed(capsys):
   assert len(capsys.readouterr().out.strip().splitlines()) == 2
 
 
+def test_rollout_bench_compacts_to_the_same_lengths():
+  # --compact_stages (generation.compact_stages): the same fixed key draws the same rows, so
+  # the long-tailed lengths and token count equal those without compaction.
+  args = ["rollout", "--preset", "tiny", "--reps", "1", "--modes", "pure", "--eos", "longtail",
+          "--new_tokens", "16", "--median_length", "4", "--bandwidth_gbs", "10"]
+  (plain,) = bench.main(args)
+  (compacted,) = bench.main(args + ["--compact_stages", "2"])
+  assert (plain["compact_stages"], compacted["compact_stages"]) == (0, 2)
+  assert compacted["lengths"] == plain["lengths"]
+  assert compacted["generated_tokens"] == plain["generated_tokens"]
+  assert compacted["compilations"] == 1
+
+
 def rollout_end_ids(vocab, median):
   from jaxgrpo.bench import rollout  # pylint: disable=g-import-not-at-top
   return len(rollout.end_ids(vocab, median))

@@ -120,7 +120,8 @@ def run_rollout(args) -> list[dict]:
                   "val": sampling.Profile(MODES[mode], 1, new_tokens)}  # required, never run
       engine = sampling.RolloutEngine(cfg, mesh, profiles, max_prompt_length=prompt_len,
                                       eos_id=workloads[eos], pad_id=PAD, seed=0,
-                                      decode_block=args.decode_block)
+                                      decode_block=args.decode_block,
+                                      compact_stages=args.compact_stages)
 
       def call():
         out = engine.sample("train", params, tokens, mask, key=key)
@@ -133,7 +134,7 @@ def run_rollout(args) -> list[dict]:
       generated = int(lengths.sum())
       results.append(dict(
           bench="rollout", preset=args.preset, mode=mode, eos=eos,
-          decode_block=args.decode_block,
+          decode_block=args.decode_block, compact_stages=args.compact_stages,
           sampling=dict(temperature=MODES[mode].temperature, top_p=MODES[mode].top_p,
                         top_k=MODES[mode].top_k),
           workload=dict(prompts=prompts, samples=samples, rows=prompts * samples,
@@ -177,6 +178,8 @@ def add_parsers(sub) -> None:
                  help="the device's memory bandwidth in GB/s (default: measured)")
   r.add_argument("--decode_block", type=int, default=0,
                  help="generation.decode_block_size: 0 reads the whole cache every step")
+  r.add_argument("--compact_stages", type=common.at_least(0), default=0,
+                 help="generation.compact_stages: 0 computes every row until the longest ends")
   r.add_argument("--median_length", type=common.at_least(1), default=None,
                  help="eos=longtail's median completion length (default: the preset's)")
   for flag in ("prompts", "samples", "prompt_len", "new_tokens"):  # the preset's by default
