@@ -33,3 +33,22 @@ def random_params(cfg, seed, scale_noise=0.0):
     return np.asarray(value, np.float32)
 
   return model.stack_layers(jax.tree_util.tree_map_with_path(draw, shapes))
+
+
+def peaked_params(cfg, seed=0):
+  """random_params with the final norm scale 25 rather than 1: with the tied head's small
+  embedding the logits would be near-uniform (std ~0.1), where greedy ties and top-p
+  boundaries are fragile (and end ids are rarely drawn); this gives logits with std ~3."""
+  p = random_params(cfg, seed)
+  p["final_norm"]["scale"] = p["final_norm"]["scale"] * 25.0
+  return p
+
+
+def left_padded_prompts(vocab_size, pad_id):
+  """8 prompts left-padded (with pad_id) to width 6; real lengths 1..6. (tokens, mask)."""
+  rng = np.random.default_rng(0)
+  lengths = np.array([6, 3, 5, 1, 4, 6, 2, 5])
+  width = 6
+  mask = np.arange(width)[None, :] >= width - lengths[:, None]
+  tokens = np.where(mask, rng.integers(1, vocab_size, size=(8, width)), pad_id)
+  return tokens.astype(np.int32), mask

@@ -19,7 +19,7 @@ from jaxgrpo import compaction
 from jaxgrpo import model
 from jaxgrpo import sampling
 from jaxgrpo import sharding
-from numpy_params import random_params  # tests/numpy_params.py
+from numpy_params import left_padded_prompts, peaked_params  # tests/numpy_params.py
 
 SP = sampling.SamplingParams
 # GQA (4 query heads over 2 KV heads) and QK-norm, as Qwen3.
@@ -38,21 +38,12 @@ MODES = {"greedy": SP(0.0, 1.0, 0), "t1": SP(1.0, 1.0, 0), "t07_topk5_topp09": S
 
 @pytest.fixture(scope="module")
 def params():
-  """Random parameters with the final norm scaled 25x: logits with std ~3, so the tiny
-  model's distributions are peaked enough for EOS to be drawn (tests/test_sampling.py)."""
-  p = random_params(CFG, 0)
-  p["final_norm"]["scale"] = p["final_norm"]["scale"] * 25.0
-  return p
+  return peaked_params(CFG)  # logits with std ~3 (tests/numpy_params.py)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-  """8 prompts left-padded to width 6, real lengths 1..6."""
-  rng = np.random.default_rng(0)
-  lengths = np.array([6, 3, 5, 1, 4, 6, 2, 5])
-  mask = np.arange(6)[None, :] >= 6 - lengths[:, None]
-  tokens = np.where(mask, rng.integers(1, CFG.vocab_size, size=(B, 6)), PAD)
-  return tokens.astype(np.int32), mask
+  return left_padded_prompts(CFG.vocab_size, PAD)  # 8 prompts, real lengths 1..6 of width 6
 
 
 def _engine(mesh, sp, *, compact_stages=0, eos_id=EOS, **kwargs):

@@ -12,7 +12,7 @@ from jaxgrpo import distribution
 from jaxgrpo import model
 from jaxgrpo import sampling
 from jaxgrpo import sharding
-from numpy_params import random_params  # tests/numpy_params.py
+from numpy_params import left_padded_prompts, peaked_params  # tests/numpy_params.py
 
 SP = sampling.SamplingParams
 CFG = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -28,23 +28,12 @@ _forward = jax.jit(model.forward, static_argnums=1)
 
 @pytest.fixture(scope="module")
 def params():
-  """Random parameters (tests/numpy_params.py), final norm scale 25 rather than 1: with
-  the tied head's small embedding the logits would be near-uniform (std ~0.1), where greedy
-  ties and top-p boundaries are fragile; this gives logits with std ~3."""
-  p = random_params(CFG, 0)
-  p["final_norm"]["scale"] = p["final_norm"]["scale"] * 25.0
-  return p
+  return peaked_params(CFG)  # logits with std ~3 (tests/numpy_params.py)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-  """8 prompts left-padded (with PAD) to width 6; real lengths 1..6."""
-  rng = np.random.default_rng(0)
-  lengths = np.array([6, 3, 5, 1, 4, 6, 2, 5])
-  width = 6
-  mask = np.arange(width)[None, :] >= width - lengths[:, None]
-  tokens = np.where(mask, rng.integers(1, CFG.vocab_size, size=(8, width)), PAD)
-  return tokens.astype(np.int32), mask
+  return left_padded_prompts(CFG.vocab_size, PAD)  # 8 prompts, real lengths 1..6 of width 6
 
 
 def _single_device_mesh():
