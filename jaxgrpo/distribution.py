@@ -57,27 +57,75 @@ def _min_index_argmax(x):
   return jnp.min(jnp.where(x == top, idx, x.shape[-1]), axis=-1)
 
 
+# Top-p without top-k over a vocabulary larger than this looks for the nucleus among the
+# this many most likely tokens first, and sorts the whole vocabulary only when a row's
+# nucleus is larger (measured on CPU, 32 rows x 151,936: top-1024 22 ms, full sort 1,040 ms).
+NUCLEUS_CANDIDATES = 1024
+
+
 def candidate_logprobs(logits, sp: SamplingParams):
   """The profile's distribution as (candidate log-probs [..., K], candidate token ids [..., K]).
 
   Temperature first, then top-k, then top-p: top-p keeps the smallest prefix of the sorted
-  candidates whose mass reaches p (a token is kept when the mass strictly before it is < p).
-  Excluded candidates get -inf. Without truncation the candidates are the whole vocabulary.
+  candidates whose mass reaches p (a token is kept when the mass strictly before it is < p;
+  equal logits sort by token id, as `lax.top_k` orders them). Excluded candidates get -inf.
+  Without truncation the candidates are the whole vocabulary, in vocabulary order; so are
+  they for top-p alone over more than NUCLEUS_CANDIDATES tokens (`_nucleus_mask`: the same
+  kept set, without sorting the vocabulary when the nucleus is among the top candidates).
   """
   vocab = logits.shape[-1]
   scaled = logits / sp.temperature
+  every_id = lambda: jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
   if sp.top_k > 0 and sp.top_k < vocab:
     cand, ids = jax.lax.top_k(scaled, sp.top_k)
+  elif sp.top_p < 1 and vocab > NUCLEUS_CANDIDATES:
+    kept = _nucleus_mask(jax.lax.stop_gradient(scaled), sp.top_p)
+    return jax.nn.log_softmax(jnp.where(kept, scaled, -jnp.inf), axis=-1), every_id()
   elif sp.top_p < 1:
     cand, ids = jax.lax.top_k(scaled, vocab)  # a full descending sort
   else:
-    cand = scaled
-    ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)
+    cand, ids = scaled, every_id()
   if sp.top_p < 1:
     probs = jax.nn.softmax(cand, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     cand = jnp.where(mass_before < sp.top_p, cand, -jnp.inf)
   return jax.nn.log_softmax(cand, axis=-1), ids.astype(jnp.int32)
+
+
+def _nucleus_mask(scaled, top_p: float):
+  """The tokens top-p keeps, as a mask [..., V] in vocabulary order.
+
+  The sorted rule keeps a prefix of the tokens sorted by (logit descending, id ascending);
+  its last kept token, of logit tau and id i*, marks the set: logit > tau, or logit == tau
+  and id <= i*. That last token is found among the top NUCLEUS_CANDIDATES (one `lax.top_k`)
+  for every row whose candidates hold mass >= p; only if some row's do not is the whole
+  vocabulary sorted, and then only for those rows' answers. The probabilities are exp(logit
+  - logsumexp over the vocabulary) in both cases, so a row's set does not depend on the other
+  rows. Against the sorted method over the whole vocabulary the kept set is the same except
+  where the mass before a token is within float rounding of p (the normaliser is summed in
+  another order); tests/test_distribution.py compares them, ties included.
+  """
+  lead, vocab = scaled.shape[:-1], scaled.shape[-1]
+  flat = scaled.reshape(-1, vocab)
+  lse = jax.nn.logsumexp(flat, axis=-1, keepdims=True)
+
+  def last_kept(cand, ids):
+    probs = jnp.exp(cand - lse)
+    kept = jnp.cumsum(probs, axis=-1) - probs < top_p  # a prefix, never empty
+    j = jnp.sum(kept, axis=-1, keepdims=True) - 1
+    return (jnp.take_along_axis(cand, j, axis=-1), jnp.take_along_axis(ids, j, axis=-1),
+            jnp.sum(probs, axis=-1, keepdims=True) >= top_p)
+
+  tau, last, covered = last_kept(*jax.lax.top_k(flat, NUCLEUS_CANDIDATES))
+
+  def sort_all(_):
+    tau_all, last_all, _ = last_kept(*jax.lax.top_k(flat, vocab))
+    return jnp.where(covered, tau, tau_all), jnp.where(covered, last, last_all)
+
+  tau, last = jax.lax.cond(jnp.all(covered), lambda _: (tau, last), sort_all, None)
+  ids = jnp.arange(vocab, dtype=jnp.int32)
+  kept = (flat > tau) | ((flat == tau) & (ids <= last))
+  return kept.reshape(*lead, vocab)
 
 
 def _last_positive(x):

@@ -22,6 +22,8 @@
 #                 reads the generated keys only up to the current block)
 #   rollout_compact  rollout_blocks with generation.compact_stages 3 (live rows move into
 #                 smaller batches): against rollout_blocks, what compaction buys
+#   truncation    python -m jaxgrpo.bench truncation: one step's draw over 151,936 tokens for
+#                 256 rows, per mode (top-k, top-p, both) against plain sampling
 #   update        bench/update_at_scale.py: the Qwen3-1.7B update, scanned and unrolled,
 #                 XLA and cuDNN attention
 set -u
@@ -54,10 +56,11 @@ part() {  # part NAME TIMEOUT_S COMMAND...: runs it, logs how it ended, collects
 
 if [ -n "${SMALL:-}" ]; then  # a dry run: every part, each cut to seconds on a CPU
   STEPS=--config.grpo.max_num_steps=4; UPDATE=(--small --rollouts 16 --configs 8:0:none:scan:xla)
-  SAMPLER=(--preset tiny --reps 1); ROLLOUT=(--preset tiny --reps 1)
+  SAMPLER=(--preset tiny --reps 1); ROLLOUT=(--preset tiny --reps 1); TRUNC=(--rows 8 --reps 1)
 else
   STEPS=; UPDATE=(--configs 32:128:save_dots:scan:xla,32:128:save_dots:scan:cudnn,32:128:save_dots:unrolled:cudnn --reps 2)
   SAMPLER=(--preset small --mode all --reps 5); ROLLOUT=(--bandwidth_gbs 4800 --reps 3)
+  TRUNC=(--reps 10)
 fi
 
 part versions 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1; python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"'
@@ -75,6 +78,7 @@ part rollout_blocks 240 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}" --modes
   --decode_block 128
 part rollout_compact 240 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}" --modes pure \
   --decode_block 128 --compact_stages 3
+part truncation 120 python3 -m jaxgrpo.bench truncation "${TRUNC[@]}"
 part update 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py "${UPDATE[@]}"
 echo "=== done $(date +%T)" >>"$L"
 rm -rf "$W"

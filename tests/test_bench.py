@@ -263,6 +263,19 @@ def test_rollout_bench_compacts_to_the_same_lengths():
   assert compacted["compilations"] == 1
 
 
+def test_truncation_bench_times_each_mode_against_pure():
+  # 4 rows of 2048 tokens, one near-flat: its top-p 0.95 nucleus is most of the vocabulary
+  # (more than the 1024 candidates), the peaked rows' a few tokens.
+  results = bench.main(["truncation", "--rows", "4", "--vocab", "2048", "--flat_rows", "1",
+                        "--reps", "2"])
+  assert [r["mode"] for r in results] == ["pure", "topk50_topp095", "topk50", "topp095"]
+  for r in results:
+    assert len(r["all_ms"]) == 2 and r["median_ms"] > 0 and r["first_call_s"] > 0
+    assert r["vs_pure"] == pytest.approx(r["median_ms"] / results[0]["median_ms"], rel=0.01)
+  nucleus = results[0]["nucleus_095_tokens"]
+  assert nucleus["min"] < 100 and nucleus["max"] > 1024
+
+
 def rollout_end_ids(vocab, median):
   from jaxgrpo.bench import rollout  # pylint: disable=g-import-not-at-top
   return len(rollout.end_ids(vocab, median))

@@ -135,3 +135,90 @@ def test_inverse_cdf_pick_two_levels_is_exact():
   # token with positive probability, never a zero-probability or padded slot.
   edge = distribution.inverse_cdf_pick(probs[None], jnp.array([1.0 - 2.0**-24]))
   assert int(edge[0]) == 8
+
+
+# ------------------------------------------------- top-p alone over a large vocabulary
+
+
+def _sorted_kept(logits, top_p):
+  """The rule by a full sort (the method below NUCLEUS_CANDIDATES): a boolean mask [N, V]."""
+  cand, ids = jax.lax.top_k(jnp.asarray(logits), logits.shape[-1])
+  probs = jax.nn.softmax(cand, axis=-1)
+  keep = jnp.cumsum(probs, axis=-1) - probs < top_p
+  mask = np.zeros(logits.shape, bool)
+  np.put_along_axis(mask, np.asarray(ids), np.asarray(keep), axis=-1)
+  return mask
+
+
+def _nucleus(logits, top_p):
+  logp, ids = distribution.candidate_logprobs(jnp.asarray(logits), SP(1.0, top_p, 0))
+  np.testing.assert_array_equal(ids, np.broadcast_to(np.arange(logits.shape[-1]), ids.shape))
+  return np.asarray(logp)
+
+
+def test_nucleus_ties_keep_the_lower_ids_first():
+  # V = 2048 > NUCLEUS_CANDIDATES. Token 5 has logit 10, tokens 100, 200, 300, 400 tie at 8,
+  # the rest -30 (mass ~1e-14). p(5) = 1 / (1 + 4 e^-2) = 0.6488 and each tied token
+  # q = 0.0878; sorted by id the ties have mass before 0.6488, 0.7366, 0.8244, 0.9122, so
+  # top-p 0.8 keeps ids 100 and 200 of the four, renormalised: 0.6488 / 0.8244 = 0.787 and
+  # 0.0878 / 0.8244 = 0.1065 each.
+  assert distribution.NUCLEUS_CANDIDATES < 2048
+  logits = np.full((1, 2048), -30.0, np.float32)
+  logits[0, 5], logits[0, [100, 200, 300, 400]] = 10.0, 8.0
+  logp = _nucleus(logits, 0.8)
+  assert set(np.flatnonzero(np.isfinite(logp[0]))) == {5, 100, 200}
+  np.testing.assert_allclose(np.exp(logp[0, [5, 100, 200]]), [0.787, 0.1065, 0.1065], atol=1e-3)
+  np.testing.assert_array_equal(np.isfinite(logp), _sorted_kept(logits, 0.8))
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95])
+def test_nucleus_keeps_the_sorted_set(top_p):
+  # Peaked rows (nucleus inside the top 1024), the same rows rounded to bfloat16 (many equal
+  # logits, so the id order of ties decides), and one near-flat row whose nucleus is larger
+  # than the candidates (the whole vocabulary is sorted for it): every row keeps the set the
+  # full sort keeps, with the same renormalised probabilities.
+  rng = np.random.default_rng(0)
+  peaked = (rng.standard_normal((4, 4096)) * 4).astype(np.float32)
+  ties = np.asarray(jnp.asarray(peaked, jnp.bfloat16).astype(jnp.float32))
+  flat = (rng.standard_normal((1, 4096)) * 0.01).astype(np.float32)
+  logits = np.concatenate([peaked, ties, flat])
+  logp = _nucleus(logits, top_p)
+  kept = _sorted_kept(logits, top_p)
+  np.testing.assert_array_equal(np.isfinite(logp), kept)
+  assert kept[-1].sum() > distribution.NUCLEUS_CANDIDATES  # the flat row needed the sort
+  ref = jax.nn.log_softmax(jnp.where(kept, logits, -jnp.inf), axis=-1)
+  np.testing.assert_allclose(np.where(kept, logp, 0), np.where(kept, ref, 0), atol=1e-5)
+  # A row's set does not depend on the rows beside it: alone (no sort), the same values.
+  np.testing.assert_array_equal(_nucleus(peaked, top_p), logp[:4])
+
+
+def test_nucleus_draw_and_trainer_logprobs_agree():
+  # The tie example: a grid of uniforms draws ids 5, 100, 200 in proportion 0.787 / 0.1065 /
+  # 0.1065 (vocabulary order), and the trainer's log-prob of each drawn token is the draw's;
+  # a token outside the nucleus gets the finite floor.
+  logits = np.full((2000, 2048), -30.0, np.float32)
+  logits[:, 5], logits[:, [100, 200, 300, 400]] = 10.0, 8.0
+  u = (np.arange(2000) + 0.5) / 2000
+  sp = SP(1.0, 0.8, 0)
+  token, logp, _ = jax.jit(distribution.draw, static_argnums=2)(logits, u, sp)
+  freq = np.bincount(np.asarray(token), minlength=2048)[[5, 100, 200]] / 2000
+  np.testing.assert_allclose(freq, [0.787, 0.1065, 0.1065], atol=2e-3)
+  trainer = distribution.token_logprobs(jnp.asarray(logits), token, sp)
+  np.testing.assert_allclose(trainer, logp, atol=1e-6)
+  outside = distribution.token_logprobs(jnp.asarray(logits[:1]), jnp.array([300]), sp)
+  assert float(outside[0]) == distribution._OUTSIDE_LOGP  # pylint: disable=protected-access
+
+
+def test_nucleus_logprobs_differentiate_like_the_masked_softmax():
+  # The kept set is a constant of the logits' values; the gradient of log p(token) is the
+  # masked softmax's: one-hot(token) - p over the kept tokens (p/T at temperature T = 0.5).
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray((rng.standard_normal((3, 2048)) * 4).astype(np.float32))
+  tokens = jnp.argmax(logits, axis=-1)
+  sp = SP(0.5, 0.9, 0)
+  grad = jax.jit(jax.grad(lambda x: distribution.token_logprobs(x, tokens, sp).sum()))(logits)
+  kept = _sorted_kept(np.asarray(logits) / 0.5, 0.9)
+  want = jax.grad(lambda x: jnp.take_along_axis(
+      jax.nn.log_softmax(jnp.where(kept, x / 0.5, -jnp.inf), axis=-1), tokens[:, None],
+      axis=-1).sum())(logits)
+  np.testing.assert_allclose(grad, want, atol=1e-5)

@@ -7,9 +7,10 @@ import json
 
 from jaxgrpo import bench
 from jaxgrpo.bench import backends, common, early_stop, memory, prefill, rollout, sampler, step
-from jaxgrpo.bench import validation
+from jaxgrpo.bench import truncation, validation
 
-SUBCOMMANDS = (sampler, rollout, validation, step, memory, early_stop, backends, prefill)
+SUBCOMMANDS = (sampler, rollout, truncation, validation, step, memory, early_stop, backends,
+               prefill)
 
 
 def run_all(args) -> list[dict]:

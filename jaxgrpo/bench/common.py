@@ -113,3 +113,15 @@ def at_least(lowest: int):
       raise argparse.ArgumentTypeError(f"{value}: must be >= {lowest}")
     return value
   return parse
+
+
+def choices(allowed):
+  """An argparse type: a comma-separated list of names from `allowed`, as a tuple."""
+  def parse(text: str) -> tuple[str, ...]:
+    names = tuple(x for x in text.split(",") if x)
+    bad = [x for x in names if x not in allowed]
+    if bad or not names:
+      raise argparse.ArgumentTypeError(f"{text!r}: allowed: a comma-separated list of "
+                                       f"{', '.join(allowed)}")
+    return names
+  return parse

@@ -32,7 +32,6 @@ them.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -155,24 +154,13 @@ def run_rollout(args) -> list[dict]:
   return results
 
 
-def _choices(allowed):
-  def parse(text: str) -> tuple[str, ...]:
-    names = tuple(x for x in text.split(",") if x)
-    bad = [x for x in names if x not in allowed]
-    if bad or not names:
-      raise argparse.ArgumentTypeError(f"{text!r}: allowed: a comma-separated list of "
-                                       f"{', '.join(allowed)}")
-    return names
-  return parse
-
-
 def add_parsers(sub) -> None:
   r = sub.add_parser("rollout", help="a GRPO rollout at a real model's shape (Qwen3-1.7B by "
                      "default), EOS off and long-tailed, against the bandwidth floor")
   r.add_argument("--preset", choices=list(PRESETS), default="qwen3-1.7b",
                  help="qwen3-1.7b (an accelerator's), or small / tiny for a CPU")
-  r.add_argument("--modes", type=_choices(list(MODES)), default=tuple(MODES))
-  r.add_argument("--eos", type=_choices(["off", "longtail"]), default=("off", "longtail"))
+  r.add_argument("--modes", type=common.choices(list(MODES)), default=tuple(MODES))
+  r.add_argument("--eos", type=common.choices(["off", "longtail"]), default=("off", "longtail"))
   r.add_argument("--reps", type=int, default=3, help="timed calls after the first")
   r.add_argument("--bandwidth_gbs", type=float, default=None,
                  help="the device's memory bandwidth in GB/s (default: measured)")
