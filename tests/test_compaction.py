@@ -31,9 +31,8 @@ B, G, T = 8, 4, 24
 # different steps (and a few run to T): checked by the stage records below.
 EOS = (43, 19)
 STAGES = 2  # buckets of 32, 16, 8 rows on one device
-# The sampling modes: greedy, plain, temperature with top-k and top-p, and top-k alone.
-MODES = {"greedy": SP(0.0, 1.0, 0), "t1": SP(1.0, 1.0, 0), "t07_topk5_topp09": SP(0.7, 0.9, 5),
-         "topk3": SP(1.0, 1.0, 3)}
+# The sampling modes: greedy, plain, and temperature with top-k and top-p.
+MODES = {"greedy": SP(0.0, 1.0, 0), "t1": SP(1.0, 1.0, 0), "t07_topk5_topp09": SP(0.7, 0.9, 5)}
 
 
 @pytest.fixture(scope="module")
@@ -164,15 +163,6 @@ def test_compaction_on_a_mesh_equals_one_device(params, prompts, reference, stag
   sizes = compaction.bucket_sizes(B * G // groups, STAGES)
   assert stage_record == _expected_stages(out.lengths_N, groups, sizes, T)
   assert _decoding(stage_record, out.lengths_N, T)  # compacted rows were decoded
-
-
-def test_unshared_prefill_compacts_the_same(params, prompts, reference, stage_record):
-  # share_prefix=False: the first stage holds B * G prompts with one sample each.
-  expected = reference("t1")
-  engine = _engine(_one_device(), MODES["t1"], compact_stages=STAGES, share_prefix=False)
-  out = jax.device_get(engine.sample("train", params, *prompts, key=jax.random.key(KEY)))
-  _assert_same_rollout(out, expected)
-  assert _decoding(stage_record, out.lengths_N, T)
 
 
 def test_without_end_ids_nothing_compacts(params, prompts, reference, stage_record):
