@@ -66,9 +66,9 @@ class Context(NamedTuple):
 
   weights: decode.Weights
   cfg: model_lib.ModelConfig
-  draw: Callable        # (logits [D, M, V], u [D, M] or None) -> (token, logp, raw)
+  draw: Callable        # (logits [D, M, V], u [D, M] or None, done [D, M]) -> (token,
+                        # logp, raw), pad and zeros where done
   is_stop: Callable | None
-  pad_id: int
   samples: int          # G of the first stage's layout
   groups: int           # D
   sizes: tuple          # bucket_sizes(...)
@@ -168,10 +168,7 @@ def _loop(stage: Stage, buffers, ctx: Context, next_size: int | None):
     if ctx.u_TxDxn is not None:
       u_Dxn = jax.lax.dynamic_index_in_dim(ctx.u_TxDxn, s.i, keepdims=False)
       u = jnp.take_along_axis(u_Dxn, s.rows_DxM, axis=1)
-    token, logp, raw = ctx.draw(logits.reshape(d, m, -1), u)
-    token = jnp.where(s.done_DxM, ctx.pad_id, token)
-    zero = jnp.zeros_like(logp)
-    logp, raw = jnp.where(s.done_DxM, zero, logp), jnp.where(s.done_DxM, zero, raw)
+    token, logp, raw = ctx.draw(logits.reshape(d, m, -1), u, s.done_DxM)
     buffers = _scatter(buffers, s.rows_DxM, s.i, (token, logp, raw, ~s.done_DxM))
     done = s.done_DxM | ctx.is_stop(token) if ctx.is_stop is not None else s.done_DxM
     return s._replace(i=s.i + 1, token_DxM=token, done_DxM=done, cache=cache), buffers

@@ -151,12 +151,17 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   u_TxBxG = None if sp.greedy else jax.vmap(
       lambda i: row_uniforms(key, row_ids_B, i, g))(jnp.arange(t, dtype=jnp.int32))
 
+  def draw_live(logits, u, done):
+    """The draw, with pad and zero log-probs for rows that already ended (also used by the
+    compacted stages, over their slots)."""
+    token, logp, raw = distribution.draw(logits, u, sp)
+    zero = jnp.zeros_like(logp)
+    return (jnp.where(done, pad_id, token), jnp.where(done, zero, logp),
+            jnp.where(done, zero, raw))
+
   def pick(logits_BxGxV, i, done_BxG):
     u = None if u_TxBxG is None else jax.lax.dynamic_index_in_dim(u_TxBxG, i, keepdims=False)
-    token, logp, raw = distribution.draw(logits_BxGxV.reshape(b, g, -1), u, sp)
-    token = jnp.where(done_BxG, pad_id, token)
-    zero = jnp.zeros_like(logp)
-    return token, jnp.where(done_BxG, zero, logp), jnp.where(done_BxG, zero, raw)
+    return draw_live(logits_BxGxV.reshape(b, g, -1), u, done_BxG)
 
   def record(state, i, token, logp, raw, done_BxG):
     tokens, logps, raws, masks = state
@@ -201,8 +206,8 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
     truncated = ~done.reshape(b * g)
   else:
     ctx = compaction.Context(
-        weights=weights, cfg=cfg, draw=lambda logits, u: distribution.draw(logits, u, sp),
-        is_stop=None if stops is None else is_stop, pad_id=pad_id, samples=pg, groups=groups,
+        weights=weights, cfg=cfg, draw=draw_live,
+        is_stop=None if stops is None else is_stop, samples=pg, groups=groups,
         sizes=sizes, max_new_tokens=t, block=decode_block, stacked=stacked, mesh=mesh,
         u_TxDxn=None if u_TxBxG is None else u_TxBxG.reshape(t, groups, -1),
         prompt_len_Dxn=jnp.repeat(prompt_len_B, pg).reshape(groups, -1))
