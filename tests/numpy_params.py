@@ -1,4 +1,4 @@
-"""Random model parameters drawn with numpy, for tests.
+"""Random model parameters drawn with numpy, and a float comparison at scale, for tests.
 
 Compiling jax's initialiser costs 10-15 s of CPU here (a threefry graph per tensor), which
 tests that only need *some* parameters should not pay; `model.init_params` itself is tested
@@ -52,3 +52,19 @@ def left_padded_prompts(vocab_size, pad_id):
   mask = np.arange(width)[None, :] >= width - lengths[:, None]
   tokens = np.where(mask, rng.integers(1, vocab_size, size=(8, width)), pad_id)
   return tokens.astype(np.int32), mask
+
+
+def assert_close_at_scale(got, want, rtol, scale_tol, err_msg=""):
+  """got == want elementwise to rtol, or to scale_tol x want's largest magnitude.
+
+  Two float32 computations of one quantity in another order (chunked or micro-batched against
+  whole) differ by rounding relative to the magnitudes summed, not to each result: an entry
+  that cancels down to 1e-2 in a gradient of magnitude 50 carries the 50's rounding. A fixed
+  atol passed on one CPU and failed on another (a 4.8e-6 gap at 0.013, 1e-7 of the scale),
+  where XLA's kernels sum in another order. A real defect (a dropped chunk, a wrong scale)
+  moves entries by a large fraction of the scale.
+  """
+  want = np.asarray(want)
+  scale = float(np.max(np.abs(want))) if want.size else 0.0
+  np.testing.assert_allclose(np.asarray(got), want, rtol=rtol, atol=scale_tol * scale,
+                             err_msg=err_msg)
