@@ -202,18 +202,18 @@ def test_early_stop_bench_reads_both_rules_off_one_trajectory(capsys):
 
 
 def test_memory_bench_prints_one_line_per_point_of_the_grid(tmp_path, capsys):
-  # 2 prompts x 2 rollouts: micro-batches 0 (whole) and 2 are both valid, 4 is not (it is
-  # the whole batch) and is skipped. Compiler facts only: nothing runs.
+  # 2 prompts x 2 rollouts: micro-batch 2 is valid, 4 is not (it is the whole batch) and is
+  # skipped; each valid one with and without chunks. Compiler facts only: nothing runs.
   out = tmp_path / "memory.jsonl"
   results = bench.main(["memory", "--preset", "tiny", "--vocab", "512", "--batch_prompts", "2",
                         "--generations", "2", "--prompt_len", "8", "--new_tokens", "8",
-                        "--micro_batch_sizes", "0,2,4", "--remat", "none", "--chunks", "0,4",
+                        "--micro_batch_sizes", "2,4", "--remat", "none", "--chunks", "0,4",
                         "--out", str(out)])
   assert [(r["micro_batch_size"], r["logprob_chunk_size"]) for r in results] == [
-      (0, None), (0, 4), (2, None), (2, 4)]
+      (2, None), (2, 4)]
   for r in results:
     assert r["bench"] == "memory" and r["temp_bytes"] > 0 and r["argument_bytes"] > 0
-  assert len(capsys.readouterr().out.strip().splitlines()) == 4
+  assert len(capsys.readouterr().out.strip().splitlines()) == 2
   assert [json.loads(line) for line in out.read_text().splitlines()] == results
 
 

@@ -159,16 +159,16 @@ FLAT_VALUES = (0.1, 0.3, 0.7, 0.9, 1.1, 1e-3, 1e3, 0.0, 1.0, -0.3)
 def test_equal_rewards_give_exactly_zero_advantage_for_every_group_size(scale_rewards):
   # Before the flat-group rule, eight rewards of 0.1 left a centred value and a std of ~1e-8
   # whose quotient was -0.9354 for every row (0.3 and 0.7: +0.9354; G=16 at 0.7: +0.968).
-  # Each batch holds three flat groups of different values, so "batch" scaling has a
-  # non-zero batch std to divide by: the flat groups must still get exactly 0.
+  # Each batch holds 30 flat groups, every value next to another one, so "batch" scaling
+  # has a non-zero batch std to divide by: the flat groups must still get exactly 0. (One
+  # batch per group size: eagerly, every new shape compiles each op again.)
   jitted = jax.jit(grpo.group_advantages, static_argnums=(1, 2))
+  values = [(v, FLAT_VALUES[(i + 1) % len(FLAT_VALUES)], v) for i, v in enumerate(FLAT_VALUES)]
   for g in range(2, 17):
-    for i, value in enumerate(FLAT_VALUES):
-      other = FLAT_VALUES[(i + 1) % len(FLAT_VALUES)]
-      rewards = np.repeat(np.float32([value, other, value]), g)
-      for fn in (grpo.group_advantages, jitted):
-        adv = np.asarray(fn(jnp.asarray(rewards), g, scale_rewards))
-        assert np.all(adv == 0.0), (g, value, scale_rewards, adv)
+    rewards = np.repeat(np.float32(values).ravel(), g)
+    for fn in (grpo.group_advantages, jitted):
+      adv = np.asarray(fn(jnp.asarray(rewards), g, scale_rewards)).reshape(len(values), 3, g)
+      assert np.all(adv == 0.0), (g, scale_rewards, np.argwhere(adv != 0)[:3])
 
 
 def test_flat_groups_on_host_rewards_tests_equality_not_std():

@@ -237,11 +237,12 @@ def test_remat_keeps_less_for_the_backward():
   # The compiled update's temporary bytes (memory_analysis): remat "full" keeps only each
   # layer's input for the backward pass, "save_dots" its projections' outputs too. XLA's
   # CPU scheduler runs much of the recomputation early, so on CPU the saving is small
-  # (measured 93 -> 85 MiB here; a plain 8-layer MLP under jax.checkpoint saved nothing);
+  # (2 layers: measured 51.4 -> 47.1 / 47.7 MiB here, 4 layers 93 -> 85; a plain 8-layer MLP
+  # under jax.checkpoint saved nothing);
   # what matters is that the update compiles with it and holds less, not how much.
   from jaxgrpo import sharding  # pylint: disable=g-import-not-at-top
   from jaxgrpo.bench import memory as bench_memory  # pylint: disable=g-import-not-at-top
-  cfg = model.ModelConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4,
+  cfg = model.ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=16, mlp_dim=256)
   mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
   temp = {remat: bench_memory.update_memory(cfg, mesh, prompts=8, generations=4, prompt_len=16,
@@ -290,7 +291,8 @@ def test_scanned_layers_equal_unrolled_ones(variant):
   jax.tree.map(close, (ks_s, vs_s), (ks_u, vs_u))
   batch = _score_batch(cfg, np.random.default_rng(2))
   grad = jax.jit(jax.value_and_grad(_score_loss), static_argnums=(1, 3, 4))
-  for remat in ("none", "full"):
+  # Remat wraps the layer the same way for every variant, so one variant checks it.
+  for remat in ("none", "full") if variant == "gqa_tied" else ("none",):
     (loss_s, g_s), (loss_u, g_u) = (grad(params, cfg, batch, s, remat) for s in (True, False))
     close(loss_s, loss_u)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
