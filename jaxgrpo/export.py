@@ -5,6 +5,8 @@ tokenizer files) that transformers and vLLM load. The architecture and tokenizer
 the run's own config.json and the checkpoint it started from; a run that started from a
 Hugging Face folder keeps that folder's config keys, chat template and generation config.
 Without --step the newest checkpoint is exported. Bad input is one line and exit status 2.
+
+`save_hf` writes the folder from parameters (hf.py reads such folders, with the same name map).
 """
 
 from __future__ import annotations
@@ -12,11 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import ml_collections
+import numpy as np
+import safetensors.numpy
 
 from jaxgrpo import checkpoint, hf
+from jaxgrpo import model as model_lib
+from jaxgrpo.tokenizer import Tokenizer
 
 
 _ARCH_KEYS = ("qkv_bias", "rope_scaling_factor", "rope_low_freq_factor",
@@ -75,8 +82,79 @@ def export(workdir: str, out: str, step: int | None = None) -> tuple[int, list[s
   """Exports checkpoint `step` (default: the newest) of `workdir` to `out`."""
   config, cfg, tokenizer, params, step = load_run(workdir, step)
   source = config.model.get("hf_checkpoint") or config.model.get("checkpoint") or None
-  written = hf.save_hf(out, cfg, params, tokenizer, source=source)
+  written = save_hf(out, cfg, params, tokenizer, source=source)
   return step, written
+
+
+def hf_architecture(cfg: model_lib.ModelConfig) -> str:
+  """The transformers class that computes what this ModelConfig computes."""
+  if cfg.qk_norm and not cfg.qkv_bias:
+    return "Qwen3ForCausalLM"
+  if cfg.qkv_bias and not cfg.qk_norm:
+    return "Qwen2ForCausalLM"
+  if not cfg.qkv_bias and not cfg.qk_norm:
+    return "LlamaForCausalLM"
+  raise hf.PretrainedError("no Hugging Face architecture has both q/k norms and q/k/v biases")
+
+
+def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
+            source: str | None = None) -> list[str]:
+  """Writes a Hugging Face folder transformers and vLLM load: config.json, model.safetensors,
+  tokenizer files. `source` (the folder the run started from) lends its config.json keys,
+  tokenizer_config.json (chat template) and generation_config.json, which are copied as
+  they were. Returns the files written."""
+  os.makedirs(out, exist_ok=True)
+  source = hf.resolve(source) if source else None
+  hf_cfg = {}
+  if source and hf.is_hf_folder(source):
+    with open(os.path.join(source, hf.HF_CONFIG)) as f:
+      hf_cfg = json.load(f)
+  arch = hf_architecture(cfg)
+  hf_cfg.update({
+      "architectures": [arch], "model_type": {"Qwen3ForCausalLM": "qwen3",
+                                              "Qwen2ForCausalLM": "qwen2"}.get(arch, "llama"),
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+      "intermediate_size": cfg.mlp_dim, "rope_theta": cfg.rope_theta,
+      "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+      "hidden_act": "silu", "torch_dtype": cfg.param_dtype})
+  hf_cfg.setdefault("max_position_embeddings", 32768)
+  if arch == "LlamaForCausalLM":
+    hf_cfg.setdefault("attention_bias", False)
+    hf_cfg.setdefault("mlp_bias", False)
+  if cfg.rope_scaling_factor:
+    hf_cfg["rope_scaling"] = {
+        "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+        "low_freq_factor": cfg.rope_low_freq_factor,
+        "high_freq_factor": cfg.rope_high_freq_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_positions}
+  hf_cfg.setdefault("eos_token_id", tokenizer.eos_id)
+  if tokenizer.bos_id is not None:
+    hf_cfg.setdefault("bos_token_id", tokenizer.bos_id)
+  with open(os.path.join(out, hf.HF_CONFIG), "w") as f:
+    json.dump(hf_cfg, f, indent=2)
+  flat = hf.flatten(params)
+  tensors = {theirs: np.ascontiguousarray(hf.to_hf(flat[ours], how))
+             for ours, (theirs, how) in hf.hf_names(cfg).items()}
+  safetensors.numpy.save_file(tensors, os.path.join(out, hf.HF_WEIGHTS),
+                              metadata={"format": "pt"})
+  written = [hf.HF_CONFIG, hf.HF_WEIGHTS]
+  copied = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "generation_config.json")
+  for name in copied if source and hf.is_hf_folder(source) else ():
+    if os.path.isfile(os.path.join(source, name)):
+      shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+      written.append(name)
+  if "tokenizer.json" not in written:  # jaxgrpo's own format: write what transformers reads
+    written += tokenizer.save(out)
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+      json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
+                 "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+                 "bos_token": tokenizer.bos_token}, f, indent=2)
+    written.append("tokenizer_config.json")
+  hf.follow_umask(out, written)
+  return written
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 
 import flax.linen as nn
 import jax
@@ -45,7 +44,7 @@ def _name(path) -> str:
   return "/".join(str(getattr(k, "key", k)) for k in path)
 
 
-def _flatten(params) -> dict[str, np.ndarray]:
+def flatten(params) -> dict[str, np.ndarray]:
   """Host copies named as on disk: each layer's tensors apart (`layer_3/attn/q`), whatever
   the in-memory layout (stacked under `layers`, see model.stack_layers)."""
   if "layers" in params:
@@ -70,8 +69,8 @@ def save_pretrained(path: str, cfg: model_lib.ModelConfig, params, tokenizer: To
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, MODEL_FILE), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
-  safetensors.numpy.save_file(_flatten(params), os.path.join(path, WEIGHTS_FILE))
-  _follow_umask(path, [MODEL_FILE, WEIGHTS_FILE, *tokenizer.save(path)])
+  safetensors.numpy.save_file(flatten(params), os.path.join(path, WEIGHTS_FILE))
+  follow_umask(path, [MODEL_FILE, WEIGHTS_FILE, *tokenizer.save(path)])
 
 
 def inspect_pretrained(path: str, need_weights: bool = True):
@@ -104,7 +103,7 @@ def load_pretrained(path: str):
   weights_file = os.path.join(resolve(path), WEIGHTS_FILE)
   params = _unflatten(safetensors.numpy.load_file(weights_file))
   expected = _expected_shapes(cfg)
-  got = {k: v.shape for k, v in _flatten(params).items()}
+  got = {k: v.shape for k, v in flatten(params).items()}
   if set(expected) != set(got):
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
     raise PretrainedError(f"{weights_file}: parameter names do not match {MODEL_FILE} "
@@ -124,7 +123,7 @@ def _flatten_shapes(abstract) -> dict[str, tuple]:
           for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(abstract))}
 
 
-# ----------------------------------------------------------- Hugging Face model folders
+# ------------------- Hugging Face model folders (read here; export.save_hf writes them)
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -189,7 +188,7 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
     raise PretrainedError(f"{path}: {e}") from None
 
 
-def _hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
+def hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
   """Our tensor name -> (Hugging Face tensor name, how to convert it)."""
   names = {"embedding": ("model.embed_tokens.weight", "same"),
            "final_norm/scale": ("model.norm.weight", "same")}
@@ -225,7 +224,7 @@ def _from_hf(x: np.ndarray, how: str, shape: tuple) -> np.ndarray:
   return x.T.reshape(shape)
 
 
-def _to_hf(x: np.ndarray, how: str) -> np.ndarray:
+def to_hf(x: np.ndarray, how: str) -> np.ndarray:
   if how == "same":
     return x
   if how == "heads":  # [H, Dh] -> [H*Dh]
@@ -270,7 +269,7 @@ def inspect_hf(path: str, *, dtype: str = "float32", need_weights: bool = True):
   if not need_weights:
     return cfg, tokenizer
   files, expected = _weight_files(folder), _expected_shapes(cfg)
-  for ours, (theirs, how) in _hf_names(cfg).items():
+  for ours, (theirs, how) in hf_names(cfg).items():
     if theirs not in files:
       raise PretrainedError(f"{folder}: tensor {theirs} is missing from the safetensors files")
     if not os.path.isfile(files[theirs]):
@@ -298,7 +297,7 @@ def _expected_shapes(cfg) -> dict[str, tuple]:
 
 
 def _hf_shape(shape: tuple, how: str) -> tuple:
-  return tuple(_to_hf(np.empty(shape, np.int8), how).shape)
+  return tuple(to_hf(np.empty(shape, np.int8), how).shape)
 
 
 def _read_tensor(file: str, name: str) -> np.ndarray:
@@ -327,7 +326,7 @@ def load_hf(path: str, *, dtype: str = "float32", mesh=None):
     shardings = {_name(p): s for p, s in jax.tree_util.tree_leaves_with_path(
         sharding_lib.param_shardings(cfg, mesh))}
   np_dtype = np.dtype(model_lib.DTYPES[dtype])
-  names = _hf_names(cfg)
+  names = hf_names(cfg)
 
   def read(ours):
     theirs, how = names[ours]
@@ -391,77 +390,7 @@ def _tokenizer_config(folder: str) -> dict:
     raise PretrainedError(f"{path}: cannot read ({e})") from None
 
 
-def hf_architecture(cfg: model_lib.ModelConfig) -> str:
-  """The transformers class that computes what this ModelConfig computes."""
-  if cfg.qk_norm and not cfg.qkv_bias:
-    return "Qwen3ForCausalLM"
-  if cfg.qkv_bias and not cfg.qk_norm:
-    return "Qwen2ForCausalLM"
-  if not cfg.qkv_bias and not cfg.qk_norm:
-    return "LlamaForCausalLM"
-  raise PretrainedError("no Hugging Face architecture has both q/k norms and q/k/v biases")
-
-
-def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
-            source: str | None = None) -> list[str]:
-  """Writes a Hugging Face folder transformers and vLLM load: config.json, model.safetensors,
-  tokenizer files. `source` (the folder the run started from) lends its config.json keys,
-  tokenizer_config.json (chat template) and generation_config.json, which are copied as
-  they were. Returns the files written."""
-  os.makedirs(out, exist_ok=True)
-  source = resolve(source) if source else None
-  hf_cfg = {}
-  if source and is_hf_folder(source):
-    with open(os.path.join(source, HF_CONFIG)) as f:
-      hf_cfg = json.load(f)
-  arch = hf_architecture(cfg)
-  hf_cfg.update({
-      "architectures": [arch], "model_type": {"Qwen3ForCausalLM": "qwen3",
-                                              "Qwen2ForCausalLM": "qwen2"}.get(arch, "llama"),
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.mlp_dim, "rope_theta": cfg.rope_theta,
-      "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-      "hidden_act": "silu", "torch_dtype": cfg.param_dtype})
-  hf_cfg.setdefault("max_position_embeddings", 32768)
-  if arch == "LlamaForCausalLM":
-    hf_cfg.setdefault("attention_bias", False)
-    hf_cfg.setdefault("mlp_bias", False)
-  if cfg.rope_scaling_factor:
-    hf_cfg["rope_scaling"] = {
-        "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-        "low_freq_factor": cfg.rope_low_freq_factor,
-        "high_freq_factor": cfg.rope_high_freq_factor,
-        "original_max_position_embeddings": cfg.rope_original_max_positions}
-  hf_cfg.setdefault("eos_token_id", tokenizer.eos_id)
-  if tokenizer.bos_id is not None:
-    hf_cfg.setdefault("bos_token_id", tokenizer.bos_id)
-  with open(os.path.join(out, HF_CONFIG), "w") as f:
-    json.dump(hf_cfg, f, indent=2)
-  flat = _flatten(params)
-  tensors = {theirs: np.ascontiguousarray(_to_hf(flat[ours], how))
-             for ours, (theirs, how) in _hf_names(cfg).items()}
-  safetensors.numpy.save_file(tensors, os.path.join(out, HF_WEIGHTS), metadata={"format": "pt"})
-  written = [HF_CONFIG, HF_WEIGHTS]
-  copied = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-            "generation_config.json")
-  for name in copied if source and is_hf_folder(source) else ():
-    if os.path.isfile(os.path.join(source, name)):
-      shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
-      written.append(name)
-  if "tokenizer.json" not in written:  # jaxgrpo's own format: write what transformers reads
-    written += tokenizer.save(out)
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-      json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
-                 "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
-                 "bos_token": tokenizer.bos_token}, f, indent=2)
-    written.append("tokenizer_config.json")
-  _follow_umask(out, written)
-  return written
-
-
-def _follow_umask(folder: str, names) -> None:
+def follow_umask(folder: str, names) -> None:
   """Gives every written file the mode the umask makes of a new file (0644 under 022).
   safetensors writes its file 0600, so a serving user other than the exporter could read
   the config but not the weights."""
