@@ -203,7 +203,6 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
       cond, body, (jnp.int32(1), token, done, cache, buffers))
   if len(sizes) == 1:
     tokens, logps, raws, masks = (x.reshape(b * g, t) for x in buffers)
-    truncated = ~done.reshape(b * g)
   else:
     ctx = compaction.Context(
         weights=weights, cfg=cfg, draw=draw_live,
@@ -212,9 +211,10 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
         u_TxDxn=None if u_TxBxG is None else u_TxBxG.reshape(t, groups, -1),
         prompt_len_Dxn=jnp.repeat(prompt_len_B, pg).reshape(groups, -1))
     tokens, logps, raws, masks = compaction.finish(i, token, done, cache, buffers, ctx)
-    # Rows that ran through the last step without ending there (the final `done` is split
-    # over the stages' slots; the buffers hold every row).
-    truncated = masks[:, -1] & ~is_stop(tokens[:, -1]) if stops is not None else masks[:, -1]
+  # Truncated: rows that ran through the last step without ending there. Read off the buffers,
+  # which hold every row whatever stage it ended in (a compacted run's final `done` covers
+  # only the last stage's slots).
+  truncated = masks[:, -1] & ~is_stop(tokens[:, -1]) if stops is not None else masks[:, -1]
   lengths = jnp.sum(masks, axis=-1).astype(jnp.int32)
   return Rollout(tokens, logps, raws, masks, lengths, truncated)
 
