@@ -3,6 +3,8 @@
 #
 #   OUT=/tmp/gpu_check bash launch/gpu_check.sh            # on the GPU machine, repo root
 #   OUT=/tmp/gpu_check SMALL=1 JAX_PLATFORMS=cpu bash launch/gpu_check.sh   # dry run on CPU
+#   PARTS="versions default_run" bash launch/gpu_check.sh  # only these parts (a lease is short)
+#   BANDWIDTH_GBS=3350 ...                                  # the card's nominal HBM figure
 #
 # Each part has its own timeout, so one that hangs or runs out of memory does not take the
 # rest with it; log.txt says how each ended (rc, seconds) and results.jsonl collects every
@@ -42,9 +44,11 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 
+PARTS=${PARTS:-all}
 part() {  # part NAME TIMEOUT_S COMMAND...: runs it, logs how it ended, collects JSON lines
   local name=$1 t=$2 s rc
   shift 2
+  case " $PARTS " in *" all "*|*" $name "*) ;; *) return 0 ;; esac
   echo "=== $name $(date +%T)" >>"$L"
   s=$(date +%s)
   timeout -k 5 "$t" "$@" >"$OUT/$name.out" 2>&1
@@ -59,7 +63,7 @@ if [ -n "${SMALL:-}" ]; then  # a dry run: every part, each cut to seconds on a 
   SAMPLER=(--preset tiny --reps 1); ROLLOUT=(--preset tiny --reps 1); TRUNC=(--rows 8 --reps 1)
 else
   STEPS=; UPDATE=(--configs 32:128:save_dots:scan:xla,32:128:save_dots:scan:cudnn,32:128:save_dots:unrolled:cudnn --reps 2)
-  SAMPLER=(--preset small --mode all --reps 5); ROLLOUT=(--bandwidth_gbs 4800 --reps 3)
+  SAMPLER=(--preset small --mode all --reps 5); ROLLOUT=(--bandwidth_gbs "${BANDWIDTH_GBS:-4800}" --reps 3)
   TRUNC=(--reps 10)
 fi
 
