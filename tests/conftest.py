@@ -1,14 +1,15 @@
-"""Test setup: 8 fake CPU devices, set before jax is first imported, and one persistent
-compilation cache for the session (this process and every CLI subprocess it starts), so a
-computation compiled by one test is loaded from disk by the next that needs it."""
+"""Test setup: 8 fake CPU devices and LLVM optimisation level 0 (cli.FAST_COMPILE says why),
+set before jax is first imported, and one persistent compilation cache for the session
+(this process and every CLI subprocess it starts), so a computation compiled by one test is
+loaded from disk by the next that needs it."""
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+import cli  # tests/cli.py: imports nothing of jax
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cli.xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache = tempfile.mkdtemp(prefix="jaxgrpo-test-jit-cache-")
@@ -27,6 +28,5 @@ def straight_run(tmp_path_factory):
 
   The smoke test reads its outputs and the fault tests compare interrupted runs with it.
   """
-  import cli  # tests/cli.py  # pylint: disable=g-import-not-at-top
   workdir = tmp_path_factory.mktemp("straight")
   return workdir, cli.run_train(*cli.ARGS, workdir=workdir)

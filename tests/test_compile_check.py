@@ -45,7 +45,11 @@ def check_fixture():
 
   def run(*args):
     return subprocess.run([python, SCRIPT, *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                          cwd=ROOT, timeout=600,
+                          # Not the session's LLVM level (tests/cli.py): TPU programs are
+                          # compiled as a user's are.
+                          env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                   XLA_FLAGS="--xla_force_host_platform_device_count=8"))
   return run
 
 

@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 def _one_process(workdir, *args):
   proc = cli.run_train(*ARGS, *args, workdir=workdir,
-                       XLA_FLAGS="--xla_force_host_platform_device_count=4")
+                       XLA_FLAGS=cli.xla_flags(4))
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc
 
@@ -47,7 +47,7 @@ def _two_processes(workdir, *args):
       cli.command(*ARGS, *args, f"--coordinator_address=127.0.0.1:{port}",
                   "--num_processes=2", f"--process_id={i}", workdir=workdir),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cli.ROOT,
-      env=cli.env(XLA_FLAGS="--xla_force_host_platform_device_count=2")) for i in range(2)]
+      env=cli.env(XLA_FLAGS=cli.xla_flags(2))) for i in range(2)]
   outs = []
   for p in procs:
     try:
@@ -128,7 +128,7 @@ def test_evaluate_on_two_processes_gives_the_runs_validation(runs, tmp_path):
        "--step=2", f"--out={out}", f"--coordinator_address=127.0.0.1:{port}",
        "--num_processes=2", f"--process_id={i}"],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cli.ROOT,
-      env=cli.env(XLA_FLAGS="--xla_force_host_platform_device_count=2")) for i in range(2)]
+      env=cli.env(XLA_FLAGS=cli.xla_flags(2))) for i in range(2)]
   outs = [p.communicate(timeout=600) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
