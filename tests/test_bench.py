@@ -31,6 +31,7 @@ def test_presets_have_the_peer_sizes():
   assert cfg.qk_norm and cfg.tie_embeddings and cfg.rope_theta == 1e4
 
 
+@pytest.mark.slow
 def test_sampler_bench_prints_and_appends_one_json_line(tmp_path, capsys):
   out = tmp_path / "bench.jsonl"
   results = bench.main(["sampler", "--preset", "tiny", "--reps", "1", "--new_tokens", "4",
@@ -55,6 +56,7 @@ def test_bad_arguments_exit(argv):
     bench.main(argv)
 
 
+@pytest.mark.slow
 def test_validation_bench_reports_each_k_and_the_summary(tmp_path, capsys):
   # 64 prompts fit the config's one validation batch of 128; 3 seeds give a nonzero spread.
   out = tmp_path / "bench.jsonl"
@@ -124,6 +126,7 @@ def test_sampler_bench_reports_its_roofline_fraction(monkeypatch):
   assert r["roofline_fraction"] == pytest.approx(r["flops_per_s"] / 1e11, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_prefill_bench_times_shared_and_unshared_rollouts(monkeypatch, capsys):
   monkeypatch.setattr(roofline, "matmul_rate", lambda: {"flops_per_s": 1e11})
   # Every call still runs; the clock is replaced so the figures are known. In call order:
@@ -181,6 +184,7 @@ def test_bad_prefill_and_all_arguments_exit(argv):
     bench.main(argv)
 
 
+@pytest.mark.slow
 def test_early_stop_bench_reads_both_rules_off_one_trajectory(capsys):
   # Two tiny runs of 2 steps, validated after each: a threshold of 0 is reached by every
   # accuracy and every lower bound at the first validation (the bound of 100 prompts at
@@ -201,6 +205,7 @@ def test_early_stop_bench_reads_both_rules_off_one_trajectory(capsys):
   assert len(capsys.readouterr().out.strip().splitlines()) == 2 + 3  # progress + JSON
 
 
+@pytest.mark.slow
 def test_memory_bench_prints_one_line_per_point_of_the_grid(tmp_path, capsys):
   # 2 prompts x 2 rollouts: micro-batch 2 is valid, 4 is not (it is the whole batch) and is
   # skipped; each valid one with and without chunks. Compiler facts only: nothing runs.
@@ -231,6 +236,7 @@ def test_rollout_floor_and_end_ids_by_hand():
   assert total == 3 * 1000 + 24 * kv
 
 
+@pytest.mark.slow
 def test_rollout_bench_eos_off_and_long_tailed(capsys):
   # With one compaction stage (generation.compact_stages; tests/test_compaction.py shows the
   # rollout is the same): the lengths below are the uncompacted sampler's too.
@@ -254,6 +260,7 @@ def test_rollout_bench_eos_off_and_long_tailed(capsys):
   assert len(capsys.readouterr().out.strip().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_truncation_bench_times_each_mode_against_pure():
   # 4 rows of 2048 tokens, one near-flat: its top-p 0.95 nucleus is most of the vocabulary
   # (more than the 1024 candidates), the peaked rows' a few tokens.

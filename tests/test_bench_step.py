@@ -82,6 +82,7 @@ def test_bad_step_arguments_exit(argv):
     _parse(argv)
 
 
+@pytest.mark.slow
 def test_step_bench_tiny(monkeypatch):
   real = roofline.matmul_rate
   monkeypatch.setattr(roofline, "matmul_rate", lambda: real(n=256, reps=1))  # speed only

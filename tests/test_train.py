@@ -207,6 +207,7 @@ def test_pod_flags_are_refused_at_startup(tmp_path):
   _assert_all_refused(tmp_path, POD_REFUSED)
 
 
+@pytest.mark.slow
 def test_train_never_imports_jetstream_or_tensorflow(tmp_path):
   # The jetstream extra pulls TensorFlow (~2 GB; ~6 s and ~700 MiB resident to import): importing
   # jaxgrpo.train and running the default config must not even try to import it. The
