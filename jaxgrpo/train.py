@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import re
 import string
@@ -37,6 +38,11 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the r
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's id, 0..num_processes-1")
 
 USER_ERRORS = (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
+
+
+class NothingToTrain(Exception):
+  """The workdir's run already ended where this command would end it: its message is the one
+  line to print, the exit status 0, and no file is touched."""
 
 
 @dataclasses.dataclass
@@ -148,6 +154,7 @@ def prepare(argv) -> Setup:
         "(on a pod, mount the bucket with GCS FUSE, e.g. xpk storage attach --type=gcsfuse, "
         "and pass the mount path, so every host writes to the same folder)")
   resume = _resume_point(config, workdir, model_cfg, train_batches)
+  _check_trains_something(config, workdir, resume)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
     _write_config(workdir, config_lib.to_json(config))
@@ -282,6 +289,53 @@ def _resume_point(config, workdir: str, model_cfg, train_batches):
   return directory, step
 
 
+def _check_trains_something(config, workdir: str, resume) -> None:
+  """A rerun of a run that already ended must not rewrite its results (summary.json, the
+  plots, config.json) with those of a process that trains nothing.
+
+  Resuming this workdir's own checkpoints at step S (the newest): max_num_steps < S is a
+  config error (the run is past it); max_num_steps == S with a summary.json for step S, or
+  an early stop that the logged validation at S still triggers, raises NothingToTrain.
+  """
+  from jaxgrpo import checkpoint, metrics  # pylint: disable=g-import-not-at-top
+  own = os.path.join(workdir, checkpoint.DIR_NAME)
+  if resume is None or resume[0] != own or resume[1] is not None:
+    return  # a fresh run, another run's checkpoints, or a chosen step: it trains from there
+  saved = max(checkpoint.step_dirs(own))
+  g = config.grpo
+  if g.max_num_steps < saved:
+    raise config_lib.ConfigError(
+        f"config.grpo.max_num_steps={g.max_num_steps}: the run in {workdir} is already at "
+        f"step {saved} (its newest checkpoint); allowed: {saved} or more to continue it, or "
+        "another --workdir")
+  try:
+    with open(os.path.join(workdir, metrics.SUMMARY_NAME)) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return  # no summary of that step yet (killed after saving it): finishing writes it
+  if summary.get("steps") != saved:
+    return
+  if g.max_num_steps == saved:
+    raise NothingToTrain(
+        f"{workdir} already finished at step {saved}; --config.grpo.max_num_steps=N (N > "
+        f"{saved}) to train further, or another --workdir")
+  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  logged = [r for r in (metrics.read_metrics(os.path.join(workdir, metrics.JSONL_NAME))
+                        if os.path.exists(os.path.join(workdir, metrics.JSONL_NAME)) else [])
+            if r.get("split") == "val" and r.get("step") == saved]
+  try:
+    stops = summary.get("stopped_early") and logged and validation.stop_message(
+        logged[-1], g.stop_at_validation_metric, g.stop_at_validation_threshold, saved,
+        g.stop_at_validation_confidence)
+  except KeyError:  # a stop metric that step did not report: the trainer's own check says so
+    stops = False
+  if stops:
+    raise NothingToTrain(
+        f"{workdir} already stopped early at step {saved} ({g.stop_at_validation_metric} "
+        "reached its threshold); change grpo.stop_at_validation_threshold to train further, "
+        "or another --workdir")
+
+
 def _write_config(workdir: str, text: str) -> None:
   """config.json of this run; a different one from an earlier run in the same workdir is
   kept as config.<n>.json, never overwritten."""
@@ -383,6 +437,11 @@ def main(argv=None) -> int:
   except USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except NothingToTrain as e:
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_index() == 0:
+      print(e, flush=True)
+    return 0
   from jaxgrpo import compile_options, trainer  # the device side: jax compiles from here on
   compile_options.enable_cache(setup.config.compilation_cache_dir)
   return trainer.run(setup)

@@ -350,3 +350,38 @@ def test_a_resumed_run_says_how_many_steps_it_trained_and_from_where(straight_ru
   assert re.search(r"^done: 2 steps in \S+ \(resumed from step 6\) \|", proc.stderr, re.M)
   summary = json.load(open(tmp_path / "w" / "summary.json"))
   assert (summary["steps"], summary["steps_this_run"], summary["resumed_step"]) == (8, 2, 6)
+
+
+def _hashes(folder):
+  """relative path -> sha256 of every file under `folder`."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  out = {}
+  for root, _, files in os.walk(folder):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+@pytest.mark.slow
+def test_rerunning_a_finished_run_touches_nothing(straight_run, tmp_path):
+  # The same command again on a finished run used to rewrite summary.json with a process
+  # that trained nothing ("checkpoint": null, wall time 0.4 s, every compile count 0) and
+  # move config.json aside. Now: one line, exit 0, every file byte-identical, no compile.
+  workdir, run = straight_run
+  assert run.returncode == 0, run.stderr[-2000:]
+  shutil.copytree(workdir, tmp_path / "w")
+  before = _hashes(tmp_path / "w")
+  proc = run_train(*ARGS, workdir=tmp_path / "w")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip().splitlines() == [
+      f"{tmp_path / 'w'} already finished at step 8; --config.grpo.max_num_steps=N (N > 8) "
+      "to train further, or another --workdir"]
+  assert "Compiling" not in proc.stderr
+  assert _hashes(tmp_path / "w") == before
+  # A max_num_steps below the saved step is a config error, and touches nothing either.
+  proc = run_train(*ARGS, "--config.grpo.max_num_steps=4", workdir=tmp_path / "w")
+  assert_clean_error(proc, "config.grpo.max_num_steps=4", "already at step 8",
+                     "8 or more to continue it")
+  assert _hashes(tmp_path / "w") == before
