@@ -12,7 +12,8 @@ the newest one, and a resume starts from it.
 Test hooks, for the fault tests; each does nothing when unset:
   * JAXGRPO_TEST_NAN_AT_STEP=N makes step N's rewards NaN (so its loss and gradients are NaN);
   * JAXGRPO_TEST_SIGTERM_AT_STEP=N makes the process send itself SIGTERM during step N, so a
-    preemption test stops at a known step instead of racing the run to its end.
+    preemption test stops at a known step instead of racing the run to its end (N = 0:
+    during start-up, after the step-0 validation, before any checkpoint).
 """
 
 from __future__ import annotations

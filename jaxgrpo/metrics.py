@@ -163,7 +163,8 @@ class MetricsWriter:
       is_primary: False on every host but process 0 of a pod: then nothing is written anywhere.
       resumed_step: the step a resumed run continues from. Rows logged after it by the
         interrupted run (steps it will redo) are dropped from `metrics.jsonl` first, and
-        TensorBoard purges its events after it, so no step appears twice.
+        TensorBoard purges its events after it, so no step appears twice. -1: a fresh start
+        over an interrupted start's logs (every row goes).
     """
     self.workdir = workdir
     self.total_steps = total_steps

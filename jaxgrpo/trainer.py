@@ -200,16 +200,25 @@ def run(setup) -> int:
   if setup.resume:
     start, state, resumed_from = _resume(setup, checkpoints, state)
   log = c.logging
+  prompts_log = os.path.join(setup.workdir, PROMPTS_LOG)
+  if not resumed_from and primary:
+    # A fresh start in a workdir that an interrupted start (stopped before its first
+    # checkpoint) left logs in: this run redoes every step from 0, so their rows go first,
+    # as a resume drops the rows after its checkpoint (else step 0's validation is logged
+    # twice). A workdir with checkpoints never gets here: it resumes, or is refused.
+    metrics.truncate_jsonl(prompts_log, 0)
   writer = metrics.MetricsWriter(setup.workdir, tensorboard=log.tensorboard, plots=log.plots,
                                  console=log.console, total_steps=g.max_num_steps,
-                                 is_primary=primary, resumed_step=start if resumed_from else None)
+                                 is_primary=primary, resumed_step=start if resumed_from else
+                                 (-1 if os.path.exists(os.path.join(setup.workdir,
+                                                                    metrics.JSONL_NAME))
+                                  else None))
   validator = validation.Validator(
       engine, setup.val_batches, setup.tokenizer, c.rewards.to_dict(),
       threshold=g.val_pass_threshold, seed=g.val_seed, mesh=engine.mesh,
       samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None,
       sources=setup.val_sources, stop_metric=g.stop_at_validation_metric,
       confidence=g.stop_at_validation_confidence)
-  prompts_log = os.path.join(setup.workdir, PROMPTS_LOG)
   val_history, saved, stop, fault, step = {}, {}, None, None, start
 
   def validate(step):
@@ -232,6 +241,7 @@ def run(setup) -> int:
   with faults.Preemption() as preemption:
     if start == 0 and g.val_at_start:
       stop = stop_rule(validate(0), 0)
+      faults.maybe_inject_sigterm(0)  # test hook: a signal during start-up, before step 1
     elif start > 0:  # the validation logged at the resumed step decides as it did then
       stop = _logged_stop(setup.workdir, start, stop_rule)
     # A signal may reach one host only: every host must see it at the same step (or the

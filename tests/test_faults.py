@@ -113,6 +113,21 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_start_interrupted_before_its_first_checkpoint_reruns_without_duplicate_rows(
+    reference, tmp_path):
+  # A signal during start-up (the hook at step 0: after the step-0 validation, before step
+  # 1) ends the run with no checkpoint but a logged step-0 validation. The same command
+  # again starts afresh; it used to log step 0's validation a second time.
+  proc = run_train(*ARGS, workdir=tmp_path, **{faults.SIGTERM_STEP_ENV: "0"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert checkpoint.step_dirs(str(tmp_path / "checkpoints")) == []
+  assert [k for k in rows(tmp_path)] == [("val", 0)]
+  rerun = run_train(*ARGS, workdir=tmp_path)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert_same_run(tmp_path, reference)  # rows() fails on a (split, step) logged twice
+
+
+@pytest.mark.slow
 def test_truncated_latest_checkpoint_is_skipped(reference, tmp_path):
   workdir = tmp_path / "run"
   shutil.copytree(reference, workdir)
