@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -155,9 +156,15 @@ def prepare(argv) -> Setup:
         "and pass the mount path, so every host writes to the same folder)")
   resume = _resume_point(config, workdir, model_cfg, train_batches)
   _check_trains_something(config, workdir, resume)
+  text = config_lib.to_json(config)
+  resumed_at, changes = _config_changes(config, workdir, resume, text)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
-    _write_config(workdir, config_lib.to_json(config))
+    kept = _write_config(workdir, text, resumed_at)
+    if changes:
+      print(f"resuming {workdir} at step {resumed_at} with {len(changes)} changed "
+            f"key{'s' * (len(changes) > 1)}: {', '.join(changes)} (the earlier config is "
+            f"kept as {kept})", flush=True)
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
                resume, data.val_sources)
 
@@ -336,20 +343,67 @@ def _check_trains_something(config, workdir: str, resume) -> None:
         "or another --workdir")
 
 
-def _write_config(workdir: str, text: str) -> None:
-  """config.json of this run; a different one from an earlier run in the same workdir is
-  kept as config.<n>.json, never overwritten."""
+# Keys a resumed run cannot change: each group's G rollouts are what its advantages compare,
+# and the data iterator and checkpoints were built for them. (The architecture is checked
+# against the checkpoint itself, in _resume_point; the mesh may change: orbax reshards.)
+FIXED_ON_RESUME = ("grpo.num_generations_per_prompt",)
+
+
+def _flat(tree, prefix=""):
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def _config_changes(config, workdir: str, resume, text: str):
+  """(the step resumed at, ['key old -> new', ...]) for a resume of this workdir's own run
+  whose config.json differs; (None, []) otherwise. A key of FIXED_ON_RESUME that changed is
+  a ConfigError."""
+  from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
+  own = os.path.join(workdir, checkpoint.DIR_NAME)
   path = os.path.join(workdir, "config.json")
+  if resume is None or resume[0] != own or not os.path.exists(path):
+    return None, []
+  step = resume[1] if resume[1] is not None else max(checkpoint.step_dirs(own))
+  try:
+    with open(path) as f:
+      old = _flat(json.load(f))
+  except (OSError, ValueError):
+    return step, []  # unreadable: kept aside by _write_config, nothing to compare
+  new = _flat(json.loads(text))
+  changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+  for key in FIXED_ON_RESUME:
+    if key in changed:
+      raise config_lib.ConfigError(
+          f"config.{key}={new.get(key)!r}: the run in {workdir} (step {step}) was trained with "
+          f"{old.get(key)!r}, which a resume cannot change; allowed: {old.get(key)!r}, or "
+          "another --workdir")
+  fmt = lambda v: json.dumps(v) if v is not None else "None"
+  return step, [f"{k} {fmt(old.get(k))} -> {fmt(new.get(k))}" for k in changed]
+
+
+def _write_config(workdir: str, text: str, resumed_at: int | None = None) -> str | None:
+  """config.json of this run. A different one already there is kept, never overwritten:
+  as config.until_step_<S>.json when this process resumes that run at step S (it trained
+  the steps up to S), else as config.<n>.json. Returns the kept file's path, or None."""
+  path = os.path.join(workdir, "config.json")
+  kept = None
   if os.path.exists(path):
     with open(path) as f:
       old = f.read()
     if old != text:
-      n = 1
-      while os.path.exists(os.path.join(workdir, f"config.{n}.json")):
-        n += 1
-      os.replace(path, os.path.join(workdir, f"config.{n}.json"))
+      stem = f"config.until_step_{resumed_at}" if resumed_at is not None else "config"
+      names = itertools.chain([f"{stem}.json"] if resumed_at is not None else [],
+                              (f"{stem}.{n}.json" for n in itertools.count(1)))
+      kept = next(p for p in (os.path.join(workdir, n) for n in names) if not os.path.exists(p))
+      os.replace(path, kept)
   with open(path, "w") as f:
     f.write(text)
+  return kept
 
 
 def _flag_error(e: Exception, argv) -> str:

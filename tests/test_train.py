@@ -385,3 +385,31 @@ def test_rerunning_a_finished_run_touches_nothing(straight_run, tmp_path):
   assert_clean_error(proc, "config.grpo.max_num_steps=4", "already at step 8",
                      "8 or more to continue it")
   assert _hashes(tmp_path / "w") == before
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_changed_config_says_what_changed_and_keeps_the_old_one(straight_run,
+                                                                              tmp_path):
+  # It used to print only "resuming from ... at step 8" and rename config.json to
+  # config.1.json without a word.
+  workdir, run = straight_run
+  assert run.returncode == 0, run.stderr[-2000:]
+  shutil.copytree(workdir, tmp_path / "w")
+  w = tmp_path / "w"
+  original = (w / "config.json").read_text()
+  lr = json.loads(original)["optim"]["learning_rate"]
+  # G cannot change on resume: one line naming the key, nothing touched.
+  before = _hashes(w)
+  proc = run_train(*ARGS, "--config.grpo.max_num_steps=10",
+                   "--config.grpo.num_generations_per_prompt=2", workdir=w)
+  assert_clean_error(proc, "config.grpo.num_generations_per_prompt=2", "which a resume "
+                     "cannot change", f"allowed: {json.loads(original)['grpo']['num_generations_per_prompt']}")
+  assert _hashes(w) == before
+  proc = run_train(*ARGS, "--config.grpo.max_num_steps=10", "--config.optim.learning_rate=0.001",
+                   workdir=w)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert (f"resuming {w} at step 8 with 2 changed keys: grpo.max_num_steps 8 -> 10, "
+          f"optim.learning_rate {json.dumps(lr)} -> 0.001 (the earlier config is kept as "
+          f"{w}/config.until_step_8.json)") in proc.stdout.splitlines()
+  assert (w / "config.until_step_8.json").read_text() == original
+  assert json.loads((w / "config.json").read_text())["optim"]["learning_rate"] == 0.001
