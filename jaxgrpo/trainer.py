@@ -220,6 +220,7 @@ def run(setup) -> int:
       sources=setup.val_sources, stop_metric=g.stop_at_validation_metric,
       confidence=g.stop_at_validation_confidence)
   val_history, saved, stop, fault, step = {}, {}, None, None, start
+  previous_summary = _read_summary(setup.workdir) if resumed_from else None
 
   def validate(step):
     result = validator(state.params, step)
@@ -288,6 +289,7 @@ def run(setup) -> int:
                  peak_rss_mib=peak_rss_mib(), resumed_from=resumed_from,
                  resumed_step=start if resumed_from else None, steps_this_run=step - start,
                  preempted=preemption.name or None)
+  summary["history"] = _history(previous_summary, start, step, summary)
   summary.update(_best(logged, ck.best_metric, kept))
   if fault:
     last_good = max(saved) if saved else None
@@ -389,6 +391,41 @@ def _summary(val, g, stop, step, saved) -> dict:
   return summary
 
 
+def _read_summary(workdir) -> dict | None:
+  try:
+    with open(os.path.join(workdir, metrics.SUMMARY_NAME)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _history(previous, start: int, step: int, summary) -> list[dict]:
+  """Which steps each process of the run trained, oldest first: the previous summary's
+  history (or, from a summary written before histories, its own process) cut at `start`,
+  where this process resumed, then this process. Steps before `start` that no summary covers
+  (a process killed before writing one) get an entry that says so."""
+  earlier = []
+  if previous:
+    earlier = previous.get("history") or [{
+        "first_step": (previous.get("resumed_step") or 0) + 1,
+        "last_step": previous.get("steps", 0), "wall_time_s": previous.get("wall_time_s"),
+        "resumed_from": previous.get("resumed_from"), "preempted": previous.get("preempted")}]
+  kept = []
+  for entry in earlier:
+    if entry["first_step"] > start:
+      continue  # every step it trained is trained again now
+    if entry["last_step"] > start:
+      entry = {**entry, "last_step": start, "redone_after": start}
+    kept.append(entry)
+  covered = max((e["last_step"] for e in kept), default=0)
+  if covered < start:
+    kept.append({"first_step": covered + 1, "last_step": start, "wall_time_s": None,
+                 "note": "trained by a process that left no summary (killed)"})
+  return kept + [{"first_step": start + 1, "last_step": step,
+                  "wall_time_s": summary["wall_time_s"], "resumed_from": summary["resumed_from"],
+                  "preempted": summary["preempted"]}]
+
+
 def _summary_line(summary, workdir, preempted="") -> str:
   verb = ("stopped early after" if summary["stopped_early"] else
           f"preempted ({preempted}) after" if preempted else "finished")
@@ -399,7 +436,9 @@ def _summary_line(summary, workdir, preempted="") -> str:
   if summary.get("resumed_step") is not None:
     line += f" (resumed from step {summary['resumed_step']}, now at step {summary['steps']})"
   if "final_val_accuracy" in summary:
-    line += (f"; val accuracy {summary['initial_val_accuracy']:.3f} -> "
+    # The validations span the whole run: a resumed process says so, not as its own gain.
+    whose = "the run's " if summary.get("resumed_step") is not None else ""
+    line += (f"; {whose}val accuracy {summary['initial_val_accuracy']:.3f} -> "
              f"{summary['final_val_accuracy']:.3f} ({summary['val_accuracy_gain']:+.3f})")
   if summary["checkpoint"]:
     line += f"; checkpoint {summary['checkpoint']}"

@@ -91,6 +91,10 @@ def test_sigkill_then_resume_is_exact(reference, tmp_path):
   start = int(resumed.stdout.split("at step ")[1].split()[0])
   assert 4 <= start <= done, (start, done)  # the newest complete checkpoint, >= the one seen
   assert_same_run(tmp_path, reference)
+  # The killed process wrote no summary: the history says who trained its steps.
+  history = json.load(open(tmp_path / "summary.json"))["history"]
+  assert [(h["first_step"], h["last_step"]) for h in history] == [(1, start), (start + 1, 8)]
+  assert "left no summary" in history[0]["note"]
 
 
 @pytest.mark.slow

@@ -344,12 +344,19 @@ def test_a_resumed_run_says_how_many_steps_it_trained_and_from_where(straight_ru
   proc = run_train(*ARGS, workdir=tmp_path / "w")
   assert proc.returncode == 0, proc.stderr[-3000:]
   last = proc.stdout.strip().splitlines()[-1]
-  assert re.match(r"finished 2 steps in \d+s \(resumed from step 6, now at step 8\); val "
-                  r"accuracy ", last), last
+  # The validations span the whole run, and the line says so.
+  assert re.match(r"finished 2 steps in \d+s \(resumed from step 6, now at step 8\); the "
+                  r"run's val accuracy ", last), last
   # The progress console's own last line (on stderr) counts the same way.
   assert re.search(r"^done: 2 steps in \S+ \(resumed from step 6\) \|", proc.stderr, re.M)
   summary = json.load(open(tmp_path / "w" / "summary.json"))
   assert (summary["steps"], summary["steps_this_run"], summary["resumed_step"]) == (8, 2, 6)
+  # Which steps each process trained: the straight run's 1-8 cut at 6 (7 and 8 redone), then
+  # this process's 7-8.
+  history = [(h["first_step"], h["last_step"]) for h in summary["history"]]
+  assert history == [(1, 6), (7, 8)], summary["history"]
+  assert summary["history"][0]["redone_after"] == 6
+  assert summary["history"][1]["resumed_from"].endswith(os.path.join("checkpoints", "6"))
 
 
 def _hashes(folder):
