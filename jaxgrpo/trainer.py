@@ -237,9 +237,11 @@ def run(setup) -> int:
     meta = {"step": step, "reason": reason, "seed": c.seed, "time": time.time(),
             "data": setup.train_batches.get_state(),
             "model": dataclasses.asdict(setup.model_cfg), "layout": model_lib.PARAM_LAYOUT}
-    saved[step] = checkpoints.save(step, state, meta, result)
+    with preemption.busy(f"saving checkpoint {step}"):
+      saved[step] = checkpoints.save(step, state, meta, result)
 
-  with faults.Preemption() as preemption:
+  preemption = faults.Preemption()
+  with preemption:
     if start == 0 and g.val_at_start:
       stop = stop_rule(validate(0), 0)
       faults.maybe_inject_sigterm(0)  # test hook: a signal during start-up, before step 1
@@ -278,9 +280,23 @@ def run(setup) -> int:
       print(stop, flush=True)
     if fault is None and step > start and step not in saved:  # a signal between two checks
       save(step, "preempted" if preempted else "end", val_history.get(step))
-    checkpoints.wait()  # every pending write, also on a second signal's way out
+    with preemption.busy(f"saving checkpoint {max(saved) if saved else step}"):
+      checkpoints.wait()  # every pending write, also on a second signal's way out
     kept = checkpoints.steps()
     checkpoints.close()
+  # Until the summary is written a second signal waits for it too (it used to end in a
+  # KeyboardInterrupt traceback here); the handlers are the run's until it returns.
+  with preemption, preemption.busy("writing the run's summary"):
+    return _finish(setup, preemption, update, engine, checkpoints, kept, writer, val_history,
+                   saved, stop, fault, step, start, resumed_from, previous_summary, t_start)
+
+
+def _finish(setup, preemption, update, engine, checkpoints, kept, writer, val_history, saved,
+            stop, fault, step, start, resumed_from, previous_summary, t_start) -> int:
+  """summary.json, plots and the final line; the exit status (0, 1 on a numerical fault,
+  128 + a second signal's number when one waited for a save or this summary)."""
+  c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
+  log, primary = c.logging, jax.process_index() == 0
   logged = _logged_val(setup.workdir)  # read once for the summary and the best checkpoint
   summary = _summary(logged, g, stop, step, saved.get(step))
   compilations = {"update": update.compilations,
@@ -307,7 +323,9 @@ def run(setup) -> int:
       print(message, file=sys.stderr, flush=True)
     else:
       print(_summary_line(summary, setup.workdir, preemption.name), flush=True)
-  return 1 if fault else 0
+  if fault:
+    return 1
+  return preemption.exit_status or 0
 
 
 PROMPTS_LOG = "train_prompts.jsonl"  # per step: the training rows it sampled (resume checks)

@@ -132,6 +132,24 @@ def test_a_start_interrupted_before_its_first_checkpoint_reruns_without_duplicat
 
 
 @pytest.mark.slow
+def test_a_second_signal_while_saving_waits_for_the_save_then_exits_130(reference, tmp_path):
+  # SIGTERM during step 3 (the first signal), then SIGINT as the preemption save starts
+  # (faults.py's busy hook; a Ctrl-C sent from here would race the save). It used to exit at
+  # once, or with a KeyboardInterrupt traceback once the handlers were gone.
+  proc = run_train(*ARGS, workdir=tmp_path, **{faults.SIGTERM_STEP_ENV: "3",
+                                               faults.SIGINT_BUSY_ENV: "1"})
+  assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+  assert "received SIGINT again: saving checkpoint 3, please wait" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert checkpoint.step_dirs(str(tmp_path / "checkpoints")) == [2, 3]
+  summary = json.load(open(tmp_path / "summary.json"))  # written in full before the exit
+  assert (summary["steps"], summary["preempted"]) == (3, "SIGTERM")
+  resumed = run_train(*ARGS, workdir=tmp_path)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert_same_run(tmp_path, reference)
+
+
+@pytest.mark.slow
 def test_truncated_latest_checkpoint_is_skipped(reference, tmp_path):
   workdir = tmp_path / "run"
   shutil.copytree(reference, workdir)
@@ -209,6 +227,27 @@ def test_preemption_flag_then_immediate_exit():
   with faults.Preemption():
     assert signal.getsignal(signal.SIGINT) != before
   assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_a_second_signal_in_a_busy_section_waits_for_it():
+  # In a child process: SIGTERM sets the flag; SIGINT inside busy() says what it waits for
+  # and is remembered (exit status 130 for the caller); outside busy() one exits at once.
+  script = textwrap.dedent("""
+      import os, signal
+      from jaxgrpo import faults
+      with faults.Preemption() as p:
+        os.kill(os.getpid(), signal.SIGTERM)
+        with p.busy("saving checkpoint 7"):
+          os.kill(os.getpid(), signal.SIGINT)
+          print("saved", p.exit_status, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        print("not reached", flush=True)
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=60)
+  assert proc.stdout.split() == ["saved", str(128 + signal.SIGINT)]
+  assert "received SIGINT again: saving checkpoint 7, please wait" in proc.stderr
+  assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
