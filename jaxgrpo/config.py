@@ -20,8 +20,12 @@ from typing import Any, Callable
 
 import ml_collections
 
-from jaxgrpo import grpo as grpo_names
 from jaxgrpo import rewards
+
+# The loss options (grpo.py implements them; the docstring there says what each means).
+SCALE_REWARDS = ("group", "batch", "none")
+KL_TYPES = ("k1", "k3")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 class ConfigError(ValueError):
@@ -134,11 +138,11 @@ SCHEMA: dict[str, Any] = {
         "val_top_k": _optional(_int(0))},
     "grpo": {
         "num_prompts_per_step": _int(1), "num_generations_per_prompt": _int(2),
-        "num_iterations": _int(1), "beta": _num(0), "kl_type": _choice(*grpo_names.KL_TYPES),
+        "num_iterations": _int(1), "beta": _num(0), "kl_type": _choice(*KL_TYPES),
         "epsilon": _num(0, 1, lo_open=True, hi_open=True),
         "epsilon_high": _num(0, lo_open=True),
-        "loss_agg": _choice(*grpo_names.LOSS_AGGS),
-        "scale_rewards": _choice(*grpo_names.SCALE_REWARDS),
+        "loss_agg": _choice(*LOSS_AGGS),
+        "scale_rewards": _choice(*SCALE_REWARDS),
         "mask_truncated_completions": _bool,
         # How the update is computed (the same result): rollouts per forward and backward
         # pass (0: the whole batch), completion positions per output projection (None: all).

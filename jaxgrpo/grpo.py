@@ -61,10 +61,9 @@ from jaxgrpo import model as model_lib
 from jaxgrpo import sampling
 from jaxgrpo import scoring
 from jaxgrpo import sharding as sharding_lib
-
-SCALE_REWARDS = ("group", "batch", "none")
-KL_TYPES = ("k1", "k3")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# The loss options' names are defined with the config keys that choose them, so that a config
+# error answers before jax loads.
+from jaxgrpo.config import KL_TYPES, LOSS_AGGS, SCALE_REWARDS
 
 
 @dataclasses.dataclass(frozen=True)

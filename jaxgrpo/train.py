@@ -24,10 +24,10 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
+# Light imports only (no jax, grain or flax): the start-up line is printed before jax loads,
+# and flag errors answer without it. Functions import the data and model modules they use.
 from jaxgrpo import config as config_lib
-from jaxgrpo import data as data_lib
 from jaxgrpo import distributed
-from jaxgrpo import hf
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py[:arg]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the run writes (default: ./runs/<time>).")
@@ -38,7 +38,16 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the run")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's id, 0..num_processes-1")
 
-USER_ERRORS = (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
+def user_errors() -> tuple:
+  """The exceptions that are the user's input's fault: one line, exit status 2."""
+  from jaxgrpo import data as data_lib, hf  # pylint: disable=g-import-not-at-top
+  return (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
+
+
+def __getattr__(name):  # train.USER_ERRORS, for the other commands, without importing jax here
+  if name == "USER_ERRORS":
+    return user_errors()
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class NothingToTrain(Exception):
@@ -59,9 +68,10 @@ class Setup:
   val_sources: list = dataclasses.field(default_factory=list)  # names, [] for one source
 
 
-def parse_config(argv):
+def parse_config(argv, announce=None):
   """The config file with its command-line overrides (not yet validated); joins the other
-  processes of a multi-host run first. Raises ConfigError."""
+  processes of a multi-host run first. Raises ConfigError. `announce(raw config)`, if given,
+  runs once the flags are read, before jax is imported."""
   saved_argv, sys.argv = sys.argv, list(argv)  # config_flags finds overrides in sys.argv
   try:
     flags.FLAGS(argv)
@@ -73,6 +83,8 @@ def parse_config(argv):
     sys.argv = saved_argv
   if _CONFIG.value is None:
     raise config_lib.ConfigError("--config is required, e.g. --config=configs/math.py")
+  if announce is not None:
+    announce(_CONFIG.value)
   try:  # before any other JAX call, so every later call sees the whole pod
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:
@@ -90,6 +102,7 @@ class Data:
 
 def load_data(config, tokenizer) -> Data:
   """The training and validation rows (max_val_samples applied), checked on the host."""
+  from jaxgrpo import data as data_lib, hf  # pylint: disable=g-import-not-at-top
   train_rows, val_rows = data_lib.make_sources(config.data)
   if config.grpo.max_val_samples:  # the first rows of each source: a mixture keeps every part
     kept, counts = [], collections.Counter()
@@ -130,6 +143,7 @@ def _per_process(config, key: str) -> int:
 
 def validation_batches(config, tokenizer, data: Data) -> list:
   """This process's validation batches (every process holds a slice of each)."""
+  from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
   return data_lib.validation_batches(data.val_rows, tokenizer,
                                      _per_process(config, "val_batch_size"),
                                      config.data.max_prompt_length, template=data.template)
@@ -137,9 +151,18 @@ def validation_batches(config, tokenizer, data: Data) -> list:
 
 def prepare(argv) -> Setup:
   """Host-side: everything that can be wrong with the user's input is found here."""
-  raw = parse_config(argv)
+  default = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))  # flags are parsed below
+  raw = parse_config(argv, announce=lambda raw: _startup_line(raw, _WORKDIR.value or default))
+  workdir = _WORKDIR.value or default
   import jax  # imported here so that flag errors answer fast; no compilation happens below
+  from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.validate(raw, jax.device_count())
+  if jax.process_index() == 0:
+    m = config.mesh
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].platform} in "
+          f"{jax.process_count()} process{'es' * (jax.process_count() > 1)}; mesh data={m.data} "
+          f"fsdp={m.fsdp} tensor={m.tensor}" + (f" dcn_data={m.dcn_data}" if m.dcn_data > 1
+                                                else ""), file=sys.stderr, flush=True)
   model_cfg, host_params, tokenizer = _load_policy(config)
   data = load_data(config, tokenizer)
   _per_process(config, "num_prompts_per_step")
@@ -148,7 +171,6 @@ def prepare(argv) -> Setup:
       data.train_rows, tokenizer, config.grpo.num_prompts_per_step,
       config.data.max_prompt_length, template=data.template, seed=config.seed)
   val_batches = validation_batches(config, tokenizer, data)
-  workdir = _WORKDIR.value or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
   if "://" in workdir:  # logs and plots are written with plain file I/O
     raise config_lib.ConfigError(
         f"--workdir={workdir}: a URL is not supported; allowed: a local or mounted path "
@@ -183,6 +205,7 @@ def check_encodable(tokenizer, template, train_rows, val_rows, model: str) -> st
   not and their first unknown characters. Raises a DataError when none encodes: the model
   would train on <unk> tokens and learn nothing from the text.
   """
+  from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
   if tokenizer.unk_id is None:
     return None
   stride = max(1, -(-len(train_rows) // UNKNOWN_SAMPLE))  # ceil: at most UNKNOWN_SAMPLE rows
@@ -243,6 +266,7 @@ def _check_source_metrics(config, sources) -> None:
 
 def _resume_point(config, workdir: str, model_cfg, train_batches):
   """Where the run resumes from, checked on the host: (folder, step or None) or None."""
+  from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxgrpo import model as model_lib  # pylint: disable=g-import-not-at-top
   want = config.checkpoint.resume
@@ -294,6 +318,25 @@ def _resume_point(config, workdir: str, model_cfg, train_batches):
                                    f"{e}") from None
     break
   return directory, step
+
+
+def _startup_line(raw, workdir: str) -> None:
+  """What this run is, on stderr, within a second of the command (before jax loads): the
+  workdir, the config file and preset, the steps. Process 0 only (a rehearsal's others are
+  told by --process_id; on a pod every host prints it to its own log)."""
+  if _PROCESS_ID.value:
+    return
+  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  preset = ""
+  if ":" in path:
+    path, preset = path.split(":", 1)
+    preset = f", preset {preset}"
+  try:
+    steps = f"{raw.grpo.max_num_steps} steps"
+  except (AttributeError, KeyError):
+    steps = "steps unknown"
+  print(f"jaxgrpo.train: workdir {workdir} | config {path}{preset} | {steps}",
+        file=sys.stderr, flush=True)
 
 
 def _check_trains_something(config, workdir: str, resume) -> None:
@@ -430,6 +473,7 @@ def _load_policy(config):
   A Hugging Face folder's weights are not read here: trainer.build streams them straight
   onto their shardings (host params None); their names and shapes are checked now.
   """
+  from jaxgrpo import hf  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxgrpo import model as model_lib
@@ -488,14 +532,16 @@ def main(argv=None) -> int:
     return 0
   try:
     setup = prepare(argv)
-  except USER_ERRORS as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
   except NothingToTrain as e:
     import jax  # pylint: disable=g-import-not-at-top
     if jax.process_index() == 0:
       print(e, flush=True)
     return 0
+  except Exception as e:  # pylint: disable=broad-except
+    if not isinstance(e, user_errors()):
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   from jaxgrpo import compile_options, trainer  # the device side: jax compiles from here on
   compile_options.enable_cache(setup.config.compilation_cache_dir)
   return trainer.run(setup)

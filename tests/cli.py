@@ -65,6 +65,9 @@ def start_train(*args, workdir, **extra_env):
                           stderr=subprocess.PIPE, text=True, env=env(**extra_env), cwd=ROOT)
 
 
+STARTUP = ("jaxgrpo.train: workdir ", "devices: ")
+
+
 def assert_clean_error(proc, *fragments):
   """Exit status 2, one stderr line holding every fragment, no traceback, nothing compiled."""
   err = proc.stderr.strip()
@@ -75,6 +78,9 @@ def assert_clean_error(proc, *fragments):
   # nothing); what must never appear before the error is a compilation.
   assert not any("Compiling" in l or "compil" in l.lower() for l in lines), lines
   lines = [l for l in lines if "Finished tracing" not in l]
+  # The trainer's start-up lines (what the run is, then its devices) come before any check
+  # that needs them; the error is the one line after them.
+  lines = [l for l in lines if not l.startswith(STARTUP)]
   assert len(lines) == 1, lines
   for fragment in fragments:
     assert fragment in lines[0], lines[0]

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -420,3 +421,30 @@ def test_a_resume_with_a_changed_config_says_what_changed_and_keeps_the_old_one(
           f"{w}/config.until_step_8.json)") in proc.stdout.splitlines()
   assert (w / "config.until_step_8.json").read_text() == original
   assert json.loads((w / "config.json").read_text())["optim"]["learning_rate"] == 0.001
+
+
+def test_the_startup_line_comes_before_jax_loads(tmp_path):
+  # It used to print nothing for the first ~8 s, and a default ./runs/<time> workdir was
+  # named only by the last line. The line says what the run is before jax is imported (an
+  # import hook marks that moment on stderr), then the devices once jax is up; here a value
+  # that validation refuses (it needs the device count) ends the run after both.
+  script = textwrap.dedent(f"""
+      import sys
+      class Mark:
+        def find_spec(self, name, path=None, target=None):
+          if name == "jax" and "jax" not in sys.modules:
+            print("JAX IMPORTED", file=sys.stderr, flush=True)
+          return None
+      sys.meta_path.insert(0, Mark())
+      from jaxgrpo import train
+      sys.exit(train.main(["train", "--config={MATH}:smoke", "--workdir={tmp_path / 'w'}",
+                           "--config.grpo.num_generations_per_prompt=1"]))
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env=env(), cwd=ROOT, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = [l for l in proc.stderr.splitlines() if l.strip() and "Finished tracing" not in l]
+  assert lines[0] == (f"jaxgrpo.train: workdir {tmp_path / 'w'} | config {MATH}, preset smoke"
+                      " | 3 steps"), lines
+  assert lines[1] == "JAX IMPORTED", lines
+  assert lines[-1].startswith("error: config.grpo.num_generations_per_prompt=1"), lines
