@@ -538,7 +538,8 @@ def main(argv=None) -> int:
       print(e, flush=True)
     return 0
   except Exception as e:  # pylint: disable=broad-except
-    if not isinstance(e, user_errors()):
+    # A flag or config error is answered without importing the data and model modules.
+    if not isinstance(e, config_lib.ConfigError) and not isinstance(e, user_errors()):
       raise
     print(f"error: {e}", file=sys.stderr)
     return 2

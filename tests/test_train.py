@@ -448,3 +448,18 @@ def test_the_startup_line_comes_before_jax_loads(tmp_path):
                       " | 3 steps"), lines
   assert lines[1] == "JAX IMPORTED", lines
   assert lines[-1].startswith("error: config.grpo.num_generations_per_prompt=1"), lines
+
+
+def test_a_flag_error_answers_without_importing_jax():
+  # jaxgrpo.config used to import grpo (and so jax, optax, flax) for three tuples of names,
+  # and the error path imported the data and model modules: 1.4 s for an unknown key.
+  script = textwrap.dedent(f"""
+      import sys
+      from jaxgrpo import train
+      rc = train.main(["train", "--config={MATH}", "--config.grpo.nonexistent=1"])
+      print("RC", rc, "JAX", "jax" in sys.modules, "GRAIN", "grain" in sys.modules)
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env=env(), cwd=ROOT, timeout=120)
+  assert proc.stdout.split() == ["RC", "2", "JAX", "False", "GRAIN", "False"], proc.stderr
+  assert proc.stderr.strip() == "error: config.grpo.nonexistent: unknown key"
