@@ -160,8 +160,10 @@ class Checkpoints:
         broken.append((step, e))
         continue
       for bad, error in broken:
-        warnings.warn(f"checkpoint {self.path(bad)} is unreadable ({type(error).__name__}: "
-                      f"{str(error).splitlines()[0][:200]}); resuming from {self.path(step)}",
+        # The library's own text (orbax's item lists, tensorstore's source locations) says
+        # nothing a user can act on: the error's type is kept, for a bug report.
+        warnings.warn(f"checkpoint {self.path(bad)} is unreadable (a missing or damaged "
+                      f"file: {type(error).__name__}); resuming from {self.path(step)}",
                       stacklevel=2)
       return step, state, meta
     if broken:

@@ -20,6 +20,7 @@ import re
 import string
 import sys
 import time
+import warnings
 
 from absl import flags
 from ml_collections import config_flags
@@ -457,7 +458,16 @@ def _flag_error(e: Exception, argv) -> str:
     flag = next((a.split("=")[0][2:] for a in argv if a.startswith("--config.")
                  and key in a.split("=")[0].split(".")), f"config.{key}")
     hint = re.search(r'Did you mean "(\w+)"', text)
-    return f"{flag}: unknown key" + (f" (did you mean {hint.group(1)}?)" if hint else "")
+    line = f"{flag}: unknown key" + (f" (did you mean {hint.group(1)}?)" if hint else "")
+    if flag.startswith("config.rewards."):  # a weight for a reward that is not registered
+      from jaxgrpo import rewards  # pylint: disable=g-import-not-at-top
+      line += f"; registered rewards: {', '.join(sorted(rewards.REGISTRY))}"
+    return line
+  boolean = re.search(r"Non-boolean argument to boolean flag', '([^']*)'", text)
+  if boolean:  # absl's message is a tuple: ('Non-boolean argument to boolean flag', 'maybe')
+    flag = next((a.split("=")[0][2:] for a in argv if a.startswith("--config.")
+                 and a.split("=", 1)[-1] == boolean.group(1)), "a boolean flag")
+    return (f"{flag}={boolean.group(1)}: allowed: true or false (also True/False, t/f, 1/0)")
   missing = re.search(r"\[Errno \d+\] ([^\n]*)", text)
   if isinstance(e, OSError) and missing:
     return f"--config: cannot load the config file: {missing.group(1)}"
@@ -520,8 +530,22 @@ def check_architecture(config, cfg) -> None:
 _PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"
 
 
+def _one_line_warnings() -> None:
+  """jaxgrpo's own warnings as `warning: <message>`, one line (Python's default adds the
+  file, line number, category and a line of source); other libraries' keep their format."""
+  default, package = warnings.showwarning, os.path.dirname(os.path.abspath(__file__))
+
+  def show(message, category, filename, lineno, file=None, line=None):
+    if os.path.abspath(filename).startswith(package + os.sep):
+      print(f"warning: {message}", file=file or sys.stderr, flush=True)
+    else:
+      default(message, category, filename, lineno, file, line)
+  warnings.showwarning = show
+
+
 def main(argv=None) -> int:
   argv = sys.argv if argv is None else argv
+  _one_line_warnings()
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
     print(__doc__.strip() + "\n\nFlags:\n  --config=FILE[:ARG]  run config file, e.g. "
           "configs/math.py or configs/math.py:smoke\n  --config.KEY=VALUE   override any "

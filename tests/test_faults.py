@@ -158,6 +158,10 @@ def test_truncated_latest_checkpoint_is_skipped(reference, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   warning = [l for l in proc.stderr.splitlines() if "is unreadable" in l]
   assert warning and f"{workdir}/checkpoints/8" in warning[0]
+  # One line of ours: no Python warning header, no source line, no orbax item list.
+  assert warning[0].startswith(f"warning: checkpoint {workdir}/checkpoints/8 is unreadable "
+                               "(a missing or damaged file: "), warning[0]
+  assert "UserWarning" not in proc.stderr and "Available items" not in proc.stderr
   assert f"resuming from {workdir}/checkpoints/6" in warning[0]
   assert "at step 6" in proc.stdout
   # The broken checkpoint was moved aside, not deleted, and steps 7.. were redone once.

@@ -463,3 +463,15 @@ def test_a_flag_error_answers_without_importing_jax():
                         env=env(), cwd=ROOT, timeout=120)
   assert proc.stdout.split() == ["RC", "2", "JAX", "False", "GRAIN", "False"], proc.stderr
   assert proc.stderr.strip() == "error: config.grpo.nonexistent: unknown key"
+
+
+def test_a_bad_boolean_and_an_unregistered_reward_are_sentences(tmp_path):
+  # They used to print absl's tuple ('Non-boolean argument to boolean flag', 'maybe') and a
+  # bare "unknown key" that did not say which rewards exist.
+  proc = run_train(f"--config={MATH}:smoke", "--config.logging.plots=maybe",
+                   workdir=tmp_path / "a")
+  assert_clean_error(proc, "config.logging.plots=maybe: allowed: true or false")
+  assert "(" not in proc.stderr.split("allowed")[0]
+  proc = run_train(f"--config={MATH}:smoke", "--config.rewards.foo=1", workdir=tmp_path / "b")
+  assert_clean_error(proc, "config.rewards.foo: unknown key",
+                     "registered rewards: exact_match, format, math")
