@@ -20,7 +20,8 @@ or a Hugging Face model folder.
 --metrics picks the rows of the printed table and the verdict lines (default: accuracy, each
 pass@j and maj@k); `pass@4/gsm8k` names one source. The files hold every metric.
 
-Writes into --out (default: <workdir>/eval/step_<N>-<time>, else ./eval/<time>):
+Writes into --out (default: <workdir>/eval/step_<N>-<time>; a comparison <workdir>/eval/compare-<time>
+under its second side's run, else its first's; sides that are no run: runs/eval/...):
   eval.json       every metric with its stderr and per source, the checkpoint, the sampling
                   profile, wall time, tokens/s and the resolved config
   samples.jsonl   per prompt: its k completions, rewards and extracted answers
@@ -268,11 +269,17 @@ def _out_dir(out: str | None, sides, comparing: bool) -> str:
         raise config_lib.ConfigError(f"--out={out}: already holds {name} from an earlier "
                                      "evaluation; allowed: a new or empty folder")
     return out
+  # Beside what was evaluated: a run's results under its workdir (a comparison under its
+  # second side's run, else its first's), never the current folder (it used to write
+  # ./eval/, often the repository's root); sides that are no run go under runs/ (ignored).
   stamp = time.strftime("%Y%m%d-%H%M%S")
-  side = sides[0]
-  if side.restore and not comparing:
-    return os.path.join(side.checkpoint["workdir"], "eval", f"step_{side.restore[1]}-{stamp}")
-  return os.path.join("eval", f"compare-{stamp}" if comparing else stamp)
+  runs = [s for s in sides if s.restore]
+  if not comparing and runs:
+    return os.path.join(runs[0].checkpoint["workdir"], "eval",
+                        f"step_{runs[0].restore[1]}-{stamp}")
+  if comparing and runs:
+    return os.path.join(runs[-1].checkpoint["workdir"], "eval", f"compare-{stamp}")
+  return os.path.join("runs", "eval", f"compare-{stamp}" if comparing else stamp)
 
 
 def _differences(side) -> list[str]:

@@ -7,6 +7,7 @@ k=2, validation and a checkpoint every 2 steps) and evaluate with the same ARGS.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -194,3 +195,35 @@ def test_a_checkpoint_of_per_layer_parameters_is_refused_in_one_line(tmp_path):
   proc = run_evaluate(f"--config={cli.MATH}:smoke", f"--workdir={run}")
   cli.assert_clean_error(proc, f"{run}/checkpoints/3", "per-layer parameters",
                          "python -m jaxgrpo.export")
+
+
+def test_results_go_beside_what_was_evaluated_not_into_the_current_folder(tmp_path):
+  # `--compare` used to write ./eval/ into the current folder (the repository's root).
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import evaluate  # pylint: disable=g-import-not-at-top
+  run = lambda w, step: types.SimpleNamespace(restore=(f"{w}/checkpoints", step),
+                                              checkpoint={"workdir": str(w)})
+  base = types.SimpleNamespace(restore=None, checkpoint={})
+  a, b = tmp_path / "a", tmp_path / "b"
+  assert re.fullmatch(rf"{a}/eval/step_300-\d{{8}}-\d{{6}}",
+                      evaluate._out_dir(None, [run(a, 300)], comparing=False))
+  assert re.fullmatch(rf"{b}/eval/compare-\d{{8}}-\d{{6}}",
+                      evaluate._out_dir(None, [run(a, 300), run(b, 400)], comparing=True))
+  assert re.fullmatch(rf"{a}/eval/compare-\d{{8}}-\d{{6}}",
+                      evaluate._out_dir(None, [run(a, 300), base], comparing=True))
+  assert re.fullmatch(r"runs/eval/compare-\d{8}-\d{6}",
+                      evaluate._out_dir(None, [base, base], comparing=True))
+
+
+def test_the_readmes_evaluate_examples_name_checkpoints_a_default_run_keeps():
+  # The README's `--step=200` named a checkpoint that a default run does not keep.
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("math_config", cli.MATH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  saved = range(c.checkpoint.save_period, c.grpo.max_num_steps + 1, c.checkpoint.save_period)
+  kept = set(list(saved)[-c.checkpoint.max_to_keep:]) | {c.grpo.max_num_steps}
+  readme = open(os.path.join(cli.ROOT, "README.md")).read()
+  named = [int(n) for n in re.findall(r"runs/arith(?::|\S* --step=)(\d+)", readme)]
+  assert named and set(named) <= kept, (named, sorted(kept))
