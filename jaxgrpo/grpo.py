@@ -15,10 +15,16 @@ Where jaxgrpo deviates from the paper, on purpose:
     exactly) gets advantage 0 exactly in every mode: it carries no signal. Testing `std > 0`
     after the subtraction is not enough: float32 cannot store 0.1, so eight rewards of 0.1
     leave centred values and a std of ~1e-8 whose quotient is ±0.94 for every row.
-  * Near-flat groups: the divisor is max(std, 1e-4 * max|r|), max|r| over the rows the std
-    is taken over (the group, or the batch). Rewards that differ by float rounding
-    (~1e-7 relative) then get advantages of a few 1e-3 at most, never O(1), while any
-    difference above 1e-4 of the rewards' magnitude gets the textbook advantage exactly.
+  * Near-flat groups: the divisor is max(std, 16 ulp), ulp = float32's epsilon (2^-23) x
+    max|r| over the rows the std is taken over (the group, or the batch): the floor is what
+    it guards against, float32 rounding of rewards that size. Rewards that differ by n
+    ulps get advantages of about n/16 at most, never O(1) from rounding alone; a group
+    whose std exceeds 16 ulps gets the textbook advantage exactly. The differences are
+    taken from the group's first reward before anything else (r_i - r_0 is exact for
+    rewards within a factor of 2 of each other, Sterbenz), so adding a constant to every
+    reward leaves the advantages as they were until the constant makes the differences
+    themselves rounding-level: a 1e-3 bonus among 16 rewards keeps its textbook 3.75 at
+    offsets 0, 10 and 100 (the floor 1e-4 x max|r| used before gave 0.094 at 100).
     (TRL adds 1e-4 to the std instead: an absolute floor that also shrinks every real
     advantage slightly and does not scale with the rewards.)
   * Asymmetric clipping: ratios are clipped to [1 - epsilon, 1 + epsilon_high] (DAPO, Yu et
@@ -93,8 +99,9 @@ class TrainState(NamedTuple):
   opt_state: Any
 
 
-# A group's std counts as this fraction of its largest |reward| at least (see the docstring).
-STD_FLOOR = 1e-4
+# A group's std counts as this many float32 ulps of its largest |reward| at least (see the
+# docstring): the rounding the floor guards against, with room for the mean's own.
+STD_FLOOR_ULPS = 16
 
 
 def flat_groups(rewards_BxG):
@@ -109,23 +116,27 @@ def flat_groups(rewards_BxG):
 def group_advantages(rewards_N, group_size: int, scale_rewards: str):
   """Â_i = (r_i - mean_group(r)) / std, rewards reshaped to (B, G) on device (rows b*G+g).
 
-  Flat groups get exactly 0; the divisor is max(std, STD_FLOOR * max|r|) (module docstring).
+  Flat groups get exactly 0; the divisor is max(std, STD_FLOOR_ULPS ulps of max|r|) (module
+  docstring). Means and stds are taken of differences from a reference reward (the group's
+  first; the batch's first for the batch std), exact for nearby rewards, so a constant
+  added to every reward does not change them.
   """
   rewards_BxG = rewards_N.reshape(-1, group_size).astype(jnp.float32)
   flat_Bx1 = flat_groups(rewards_BxG)[:, None]
+  diffs_BxG = rewards_BxG - rewards_BxG[:, :1]
   centered_BxG = jnp.where(
-      flat_Bx1, 0.0, rewards_BxG - rewards_BxG.mean(axis=1, keepdims=True))
+      flat_Bx1, 0.0, diffs_BxG - diffs_BxG.mean(axis=1, keepdims=True))
   if scale_rewards == "group":
-    std = jnp.std(rewards_BxG, axis=1, keepdims=True, ddof=1)
+    std = jnp.std(diffs_BxG, axis=1, keepdims=True, ddof=1)
     magnitude = jnp.max(jnp.abs(rewards_BxG), axis=1, keepdims=True)
   elif scale_rewards == "batch":
-    std = jnp.std(rewards_BxG, ddof=1)
+    std = jnp.std(rewards_BxG - rewards_BxG[0, 0], ddof=1)
     magnitude = jnp.max(jnp.abs(rewards_BxG))
   elif scale_rewards == "none":
     return centered_BxG.reshape(-1)
   else:
     raise ValueError(f"scale_rewards={scale_rewards!r}: allowed {list(SCALE_REWARDS)}")
-  divisor = jnp.maximum(std, STD_FLOOR * magnitude)
+  divisor = jnp.maximum(std, STD_FLOOR_ULPS * float(jnp.finfo(jnp.float32).eps) * magnitude)
   # A zero divisor means every reward it covers is 0, so every centred value is 0 already.
   return (centered_BxG / jnp.where(divisor > 0, divisor, 1.0)).reshape(-1)
 

@@ -181,22 +181,45 @@ def test_flat_groups_on_host_rewards_tests_equality_not_std():
 
 
 def test_rewards_differing_by_rounding_are_not_scaled_up_to_order_one():
-  # Seven rewards of 0.1 and one a single float32 step (7.45e-9) above: the sample std is
-  # ~2.6e-9, and dividing by it would give advantages of order 1. The divisor's floor
-  # 1e-4 * max|r| = 1e-5 bounds them by a few float32 steps of 0.1 (the mean's own rounding
-  # adds one or two) / 1e-5: measured 1.49e-8 / 1e-5 = 1.5e-3 at most; their sign is noise.
+  # Seven rewards of 0.1 and one a single float32 step (2^-27 = 7.45e-9) above: the sample
+  # std is ~2.6e-9, and dividing by it would give advantages of order 1 (+2.47 / -0.35).
+  # The floor, 16 ulps of max|r| = 16 * 2^-23 * 0.1 = 1.91e-7, takes over: the largest
+  # centred value 7/8 * 7.45e-9 = 6.52e-9 gives 6.52e-9 / 1.91e-7 = 0.034 (n/16 for a
+  # difference of n = 0.625 ulps of 0.1's magnitude; 0.1 sits low in its binade).
   rewards = np.full(8, 0.1, np.float32)
   rewards[3] = np.nextafter(np.float32(0.1), np.float32(1))
   for mode in ("group", "batch"):
     adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), 8, mode))
-    assert np.max(np.abs(adv)) < 5e-3, (mode, adv)
+    np.testing.assert_allclose(np.max(np.abs(adv)), 0.0342, rtol=0.01, err_msg=mode)
+
+
+def test_a_constant_added_to_every_reward_leaves_the_advantages_alone():
+  # One reward of 16 gets a 1e-3 bonus. Textbook (ddof=1): centred 15/16 * 1e-3 and
+  # -1/16 * 1e-3, std = 1e-3 / 16 * sqrt((15 + 225) / 15) = 2.5e-4, so +3.75 and -0.25.
+  # At offsets 0, 10 and 100 the differences from the group's first reward are exact
+  # (0.999e-3 after 100.001's float32 rounding; one different reward's advantages do not
+  # depend on the difference's size) and the floor, 16 ulps of 100 = 1.9e-4, stays below
+  # the std. The floor of 1e-4 * max|r| used before gave 3.75, 0.937 and 0.094.
+  want = np.array([-0.25] * 15 + [3.75], np.float32)
+  for offset in (0.0, 10.0, 100.0):
+    rewards = np.full(16, offset, np.float32)
+    rewards[-1] += 1e-3
+    for mode in ("group", "batch"):
+      adv = grpo.group_advantages(jnp.asarray(rewards), 16, mode)
+      np.testing.assert_allclose(adv, want, rtol=1e-5, err_msg=f"{mode} at {offset}")
+  # Two groups: each keeps its own advantages whatever the other's offset.
+  rewards = np.concatenate([np.full(16, 0.0), np.full(16, 100.0)]).astype(np.float32)
+  rewards[15] += 1e-3
+  rewards[31] += 1e-3
+  adv = grpo.group_advantages(jnp.asarray(rewards), 16, "group")
+  np.testing.assert_allclose(adv, np.concatenate([want, want]), rtol=1e-5)
 
 
 def test_one_different_reward_gets_the_textbook_advantage():
   # [.1, .1, .1, 1.1]: mean .35, deviations -.25 x3 and +.75; ddof=1 std =
   # sqrt((3 * .0625 + .5625) / 3) = sqrt(.25) = .5: advantages -.5, -.5, -.5, +1.5. The
   # same differences on a 1e3 scale ([1000, 1000, 1000, 1001]) give the same advantages:
-  # the floor 1e-4 * 1001 = .1001 lies below the std .5 and changes nothing.
+  # the floor, 16 ulps of 1001 = 1.9e-3, lies below the std .5 and changes nothing.
   for rewards in ([0.1, 0.1, 0.1, 1.1], [1000.0, 1000.0, 1000.0, 1001.0]):
     adv = grpo.group_advantages(jnp.array(rewards, jnp.float32), 4, "group")
     np.testing.assert_allclose(adv, [-0.5, -0.5, -0.5, 1.5], rtol=1e-5)
