@@ -44,6 +44,7 @@ import ml_collections
 from jaxgrpo import config as config_lib
 from jaxgrpo import export
 from jaxgrpo import hf
+from jaxgrpo import loading
 from jaxgrpo import train
 
 # Keys no part of an evaluation reads (command-line overrides of them are named as ignored).
@@ -57,9 +58,7 @@ TRAINING_ONLY = ("seed", "optim.", "checkpoint.", "logging.", "model.remat",
                      "val_at_end")))
 # What validation reads: a --workdir evaluation names the ones that differ from the run's.
 VALIDATION_KEYS = ("data.", "rewards.", "generation.", "grpo.val_", "grpo.max_val_samples")
-USER_ERRORS = train.USER_ERRORS + (export.ExportError,)
-EVAL_JSON, SAMPLES_JSONL, PASS_AT_K_PNG = "eval.json", "samples.jsonl", "pass_at_k.png"
-COMPARE_JSON, COMPARE_PNG = "compare.json", "compare.png"
+USER_ERRORS = loading.USER_ERRORS + (export.ExportError,)
 
 
 @dataclasses.dataclass
@@ -130,8 +129,8 @@ def prepare(argv) -> Plan:
   sides = [_side(raw, spec, overrides) for spec in specs]
   data = None
   for side in sides:
-    data = train.load_data(side.config, side.tokenizer)
-    side.val_batches = train.validation_batches(side.config, side.tokenizer, data)
+    data = loading.load_data(side.config, side.tokenizer)
+    side.val_batches = loading.validation_batches(side.config, side.tokenizer, data)
   c = sides[0].config
   metrics = _pick_metrics(args.metrics, c, data.val_sources)
   out = _out_dir(args.out, sides, args.compare is not None)
@@ -200,7 +199,7 @@ def _side(raw, spec, overrides) -> Side:
     checkpoint = {"kind": source, "path": model.get(source)}
   values["model"] = model
   config = config_lib.validate(ml_collections.ConfigDict(values), jax.device_count())
-  model_cfg, host_params, tokenizer = train._load_policy(config)  # pylint: disable=protected-access
+  model_cfg, host_params, tokenizer = loading.load_policy(config)
   if restore:
     host_params = None  # the run's own weights come from its checkpoint, onto the mesh
     _check_run_checkpoint(*restore, model_cfg)
@@ -236,7 +235,8 @@ def _pick_metrics(text: str | None, c, sources) -> list[str]:
   from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
   k = c.grpo.val_num_generations_per_prompt
   majority = k > 1 and validation.majority_reward(c.rewards.to_dict()) is not None
-  allowed = per_prompt_metrics(k, majority)
+  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  allowed = validation.per_prompt_metrics(k, majority)
   if text is None:
     return ["accuracy"] + [f"pass@{j}" for j in validation.pass_js(k)] + (
         [f"maj@{k}"] if majority else [])
@@ -254,17 +254,10 @@ def _pick_metrics(text: str | None, c, sources) -> list[str]:
   return names
 
 
-def per_prompt_metrics(k: int, majority: bool) -> list[str]:
-  """The metrics with a value per prompt (those a paired comparison can difference)."""
-  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
-  return ["accuracy", "reward_mean"] + [f"pass@{j}" for j in validation.pass_js(k)] + (
-      [f"maj@{k}"] if majority else []) + (["pass_k"] if k > 1 else []) + [
-          "avg_length", "truncated_fraction"]
-
-
 def _out_dir(out: str | None, sides, comparing: bool) -> str:
   if out is not None:
-    for name in (EVAL_JSON, COMPARE_JSON):
+    from jaxgrpo import evaluator  # pylint: disable=g-import-not-at-top
+    for name in (evaluator.EVAL_JSON, evaluator.COMPARE_JSON):
       if os.path.exists(os.path.join(out, name)):
         raise config_lib.ConfigError(f"--out={out}: already holds {name} from an earlier "
                                      "evaluation; allowed: a new or empty folder")

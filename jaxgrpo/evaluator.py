@@ -16,9 +16,14 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import checkpoint, evaluate, paired, plot, trainer, validation
+from jaxgrpo import checkpoint, paired, plot, trainer, validation
 from jaxgrpo import metrics as metrics_lib
 from jaxgrpo import sharding as sharding_lib
+
+# The files an evaluation writes (python -m jaxgrpo.evaluate reads the names to refuse an --out
+# that already holds results).
+EVAL_JSON, SAMPLES_JSONL, PASS_AT_K_PNG = "eval.json", "samples.jsonl", "pass_at_k.png"
+COMPARE_JSON, COMPARE_PNG = "compare.json", "compare.png"
 
 # A progress line at most this often (and one at the end).
 PROGRESS_EVERY_S = 2.0
@@ -49,7 +54,7 @@ def run(plan) -> int:
   if comparing:
     a, b = (r.pop("_per_prompt") for r in results)
     k = plan.sides[0].config.grpo.val_num_generations_per_prompt
-    names = [m for m in evaluate.per_prompt_metrics(k, f"maj@{k}" in a) if m in a and m in b]
+    names = [m for m in validation.per_prompt_metrics(k, f"maj@{k}" in a) if m in a and m in b]
     seed = plan.sides[0].config.grpo.val_seed
     diffs = paired.compare(a, b, names, plan.sources, seed=seed)
     lines = verdict_lines(diffs, plan.metrics, plan.sources)
@@ -122,7 +127,7 @@ class Progress:
 
 def write_side(folder: str, side, result: dict, sources) -> None:
   os.makedirs(folder, exist_ok=True)
-  metrics_lib.write_jsonl(os.path.join(folder, evaluate.SAMPLES_JSONL), result["records"])
+  metrics_lib.write_jsonl(os.path.join(folder, SAMPLES_JSONL), result["records"])
   doc = {"checkpoint": side.checkpoint, "label": side.label, "metrics": result["metrics"],
          "sources": list(sources), "sampling": result["sampling"],
          "num_prompts": result["num_prompts"], "generated_tokens": result["generated_tokens"],
@@ -131,9 +136,9 @@ def write_side(folder: str, side, result: dict, sources) -> None:
          "platform": {"jax": jax.__version__, "backend": jax.default_backend(),
                       "devices": jax.device_count(), "processes": jax.process_count()},
          "config": side.config.to_dict()}
-  _write_json(os.path.join(folder, evaluate.EVAL_JSON), doc)
+  _write_json(os.path.join(folder, EVAL_JSON), doc)
   plot.save(plot.pass_at_k_figure(result["metrics"], sources, title=side.label),
-            os.path.join(folder, evaluate.PASS_AT_K_PNG))
+            os.path.join(folder, PASS_AT_K_PNG))
 
 
 def _write_json(path: str, doc) -> None:
@@ -182,8 +187,8 @@ def write_compare(plan, results, diffs, lines) -> None:
          "sampling": results[0]["sampling"], "sources": list(plan.sources),
          "metrics": diffs, "verdicts": lines}
   os.makedirs(plan.out, exist_ok=True)
-  _write_json(os.path.join(plan.out, evaluate.COMPARE_JSON), doc)
+  _write_json(os.path.join(plan.out, COMPARE_JSON), doc)
   plot.save(plot.compare_figure(diffs, [validation.split_metric(m)[0] for m in plan.metrics],
                                 plan.sources, title=f"B={plan.sides[1].label} minus "
                                 f"A={plan.sides[0].label}"),
-            os.path.join(plan.out, evaluate.COMPARE_PNG))
+            os.path.join(plan.out, COMPARE_PNG))

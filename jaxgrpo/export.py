@@ -63,12 +63,12 @@ def run_step(workdir: str, step: int | None = None) -> tuple[str, int]:
 def load_run(workdir: str, step: int | None = None):
   """A run folder's config, model config, tokenizer and the parameters of checkpoint `step`
   (default: the newest): (config, model_cfg, tokenizer, params, step). Host arrays."""
-  from jaxgrpo import train  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import loading  # pylint: disable=g-import-not-at-top
   config = run_config(workdir)
   directory, step = run_step(workdir, step)
   try:
-    cfg, _, tokenizer = train._load_policy(config)  # pylint: disable=protected-access
-  except train.USER_ERRORS as e:
+    cfg, _, tokenizer = loading.load_policy(config)
+  except loading.USER_ERRORS as e:
     raise ExportError(str(e)) from None
   ckpts = checkpoint.Checkpoints(directory, read_only=True)
   try:

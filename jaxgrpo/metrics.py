@@ -130,7 +130,7 @@ def truncate_jsonl(path: str, step: int) -> int:
   return len(lines) - len(kept)
 
 
-def _latest_per_step(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+def latest_per_step(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
   """Groups records by split and step, step-sorted; a later line for a step replaces an earlier
   one, so a run resumed from an older checkpoint does not plot the abandoned steps twice."""
   by_split: dict[str, dict[int, dict[str, Any]]] = {}
@@ -235,7 +235,7 @@ class MetricsWriter:
     self._jsonl.close()
     for writer in self._tb_writers.values():
       writer.close()
-    by_split = _latest_per_step(read_metrics(self.workdir))
+    by_split = latest_per_step(read_metrics(self.workdir))
     result = self._summarize(by_split)
     result.update(summary or {})
     with open(os.path.join(self.workdir, SUMMARY_NAME), "w") as f:

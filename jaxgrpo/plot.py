@@ -81,7 +81,7 @@ def figure(val_rows: dict[int, dict[str, Any]], stop_metric: Optional[str] = Non
   """Builds the validation chart; pure (no files), so tests can inspect the artists.
 
   Args:
-    val_rows: step -> validation record, step-sorted (as `metrics._latest_per_step` gives).
+    val_rows: step -> validation record, step-sorted (as `metrics.latest_per_step` gives).
     stop_metric: the metric early stopping watches; with `threshold`, drawn as a dashed line.
     threshold: the value of `stop_metric` that stops the run.
 
@@ -227,7 +227,7 @@ def _val_rows(path: str) -> dict[int, dict[str, Any]]:
   """Validation records by step, step-sorted; a later line for a step wins (a resumed run)."""
   records = [r for r in metrics_lib.read_metrics(path)
              if r.get("split") == "val" and isinstance(r.get("step"), int)]
-  return metrics_lib._latest_per_step(records).get("val", {})  # pylint: disable=protected-access
+  return metrics_lib.latest_per_step(records).get("val", {})
 
 
 def validation_plot(workdir: str) -> Optional[str]:

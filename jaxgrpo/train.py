@@ -11,13 +11,11 @@ The phases read top to bottom:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import json
 import os
 import re
-import string
 import sys
 import time
 import warnings
@@ -26,7 +24,7 @@ from absl import flags
 from ml_collections import config_flags
 
 # Light imports only (no jax, grain or flax): the start-up line is printed before jax loads,
-# and flag errors answer without it. Functions import the data and model modules they use.
+# and flag errors answer without it. The host-side loading (loading.py) is imported after.
 from jaxgrpo import config as config_lib
 from jaxgrpo import distributed
 
@@ -38,18 +36,6 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0 (multi-process rehearsal)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the run")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's id, 0..num_processes-1")
-
-def user_errors() -> tuple:
-  """The exceptions that are the user's input's fault: one line, exit status 2."""
-  from jaxgrpo import data as data_lib, hf  # pylint: disable=g-import-not-at-top
-  return (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
-
-
-def __getattr__(name):  # train.USER_ERRORS, for the other commands, without importing jax here
-  if name == "USER_ERRORS":
-    return user_errors()
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 class NothingToTrain(Exception):
   """The workdir's run already ended where this command would end it: its message is the one
@@ -79,7 +65,7 @@ def parse_config(argv, announce=None):
     if _CONFIG.value is not None:
       _CONFIG.value.to_dict()  # config_flags reports a failed file load only on first use
   except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
-    raise config_lib.ConfigError(_flag_error(e, argv)) from None
+    raise config_lib.ConfigError(flag_error(e, argv)) from None
   finally:
     sys.argv = saved_argv
   if _CONFIG.value is None:
@@ -93,70 +79,13 @@ def parse_config(argv, announce=None):
   return _CONFIG.value
 
 
-@dataclasses.dataclass
-class Data:
-  train_rows: list
-  val_rows: list
-  val_sources: list  # names, [] for one source
-  template: object  # data.prompt_template, or a ChatPrompt around it
-
-
-def load_data(config, tokenizer) -> Data:
-  """The training and validation rows (max_val_samples applied), checked on the host."""
-  from jaxgrpo import data as data_lib, hf  # pylint: disable=g-import-not-at-top
-  train_rows, val_rows = data_lib.make_sources(config.data)
-  if config.grpo.max_val_samples:  # the first rows of each source: a mixture keeps every part
-    kept, counts = [], collections.Counter()
-    for row in val_rows:
-      counts[row.get("source")] += 1
-      if counts[row.get("source")] <= config.grpo.max_val_samples:
-        kept.append(row)
-    val_rows = kept
-  val_sources = data_lib.source_names(val_rows)
-  _check_source_metrics(config, val_sources)
-  d = config.data
-  template = d.prompt_template
-  if d.use_chat_template:
-    from jaxgrpo import chat  # pylint: disable=g-import-not-at-top
-    try:
-      template = data_lib.ChatPrompt(d.prompt_template, chat.ChatTemplate.from_folder(
-          hf.resolve(config.model.hf_checkpoint)))
-    except chat.ChatTemplateError as e:
-      raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
-  # Before the batches: their length check would otherwise report prompts of <unk> tokens
-  # as too long, hiding that the model cannot read them.
-  warning = check_encodable(tokenizer, template, train_rows, val_rows, _model_name(config))
-  import jax  # pylint: disable=g-import-not-at-top
-  if warning and jax.process_index() == 0:
-    print(warning, file=sys.stderr, flush=True)
-  return Data(train_rows, val_rows, val_sources, template)
-
-
-def _per_process(config, key: str) -> int:
-  """config.grpo.<key>, a global batch size, divided over the processes."""
-  import jax  # pylint: disable=g-import-not-at-top
-  procs, value = jax.process_count(), config.grpo[key]
-  if value % procs:
-    raise config_lib.ConfigError(
-        f"config.grpo.{key}={value}: allowed: a multiple of the {procs} processes")
-  return value // procs
-
-
-def validation_batches(config, tokenizer, data: Data) -> list:
-  """This process's validation batches (every process holds a slice of each)."""
-  from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
-  return data_lib.validation_batches(data.val_rows, tokenizer,
-                                     _per_process(config, "val_batch_size"),
-                                     config.data.max_prompt_length, template=data.template)
-
-
 def prepare(argv) -> Setup:
   """Host-side: everything that can be wrong with the user's input is found here."""
   default = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))  # flags are parsed below
   raw = parse_config(argv, announce=lambda raw: _startup_line(raw, _WORKDIR.value or default))
   workdir = _WORKDIR.value or default
   import jax  # imported here so that flag errors answer fast; no compilation happens below
-  from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import data as data_lib, loading  # pylint: disable=g-import-not-at-top
   config = config_lib.validate(raw, jax.device_count())
   if jax.process_index() == 0:
     m = config.mesh
@@ -164,20 +93,20 @@ def prepare(argv) -> Setup:
           f"{jax.process_count()} process{'es' * (jax.process_count() > 1)}; mesh data={m.data} "
           f"fsdp={m.fsdp} tensor={m.tensor}" + (f" dcn_data={m.dcn_data}" if m.dcn_data > 1
                                                 else ""), file=sys.stderr, flush=True)
-  model_cfg, host_params, tokenizer = _load_policy(config)
-  data = load_data(config, tokenizer)
-  _per_process(config, "num_prompts_per_step")
+  model_cfg, host_params, tokenizer = loading.load_policy(config)
+  data = loading.load_data(config, tokenizer)
+  loading.per_process(config, "num_prompts_per_step")
   # Global batches: each process keeps its slice, so the run does not depend on the hosts.
   train_batches = data_lib.PromptBatches(
       data.train_rows, tokenizer, config.grpo.num_prompts_per_step,
       config.data.max_prompt_length, template=data.template, seed=config.seed)
-  val_batches = validation_batches(config, tokenizer, data)
+  val_batches = loading.validation_batches(config, tokenizer, data)
   if "://" in workdir:  # logs and plots are written with plain file I/O
     raise config_lib.ConfigError(
         f"--workdir={workdir}: a URL is not supported; allowed: a local or mounted path "
         "(on a pod, mount the bucket with GCS FUSE, e.g. xpk storage attach --type=gcsfuse, "
         "and pass the mount path, so every host writes to the same folder)")
-  resume = _resume_point(config, workdir, model_cfg, train_batches)
+  resume = loading.resume_point(config, workdir, model_cfg, train_batches)
   _check_trains_something(config, workdir, resume)
   text = config_lib.to_json(config)
   resumed_at, changes = _config_changes(config, workdir, resume, text)
@@ -190,135 +119,6 @@ def prepare(argv) -> Setup:
             f"kept as {kept})", flush=True)
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
                resume, data.val_sources)
-
-
-# Training prompts checked for unknown tokens, spread evenly over the file (every validation
-# prompt is checked): enough to find a character class the vocabulary lacks, cheap at startup.
-UNKNOWN_SAMPLE = 1000
-_SHOWN_PIECES = 8  # unknown characters named in the warning or error
-
-
-def check_encodable(tokenizer, template, train_rows, val_rows, model: str) -> str | None:
-  """Prompts the tokenizer cannot encode faithfully: text of theirs that becomes its unknown
-  token (a character or word-level vocabulary; a byte-level BPE has none).
-
-  Returns None when every checked prompt encodes, else one warning line naming how many do
-  not and their first unknown characters. Raises a DataError when none encodes: the model
-  would train on <unk> tokens and learn nothing from the text.
-  """
-  from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
-  if tokenizer.unk_id is None:
-    return None
-  stride = max(1, -(-len(train_rows) // UNKNOWN_SAMPLE))  # ceil: at most UNKNOWN_SAMPLE rows
-  train_ids = range(0, len(train_rows), stride)
-  rows = list(val_rows) + [train_rows[i] for i in train_ids]
-  pieces = tokenizer.unknown_pieces([data_lib.render_prompt(template, r) for r in rows])
-  bad = [i for i, p in enumerate(pieces) if p]
-  if not bad:
-    return None
-  distinct = list(dict.fromkeys(piece for i in bad for piece in pieces[i]))
-  shown = ", ".join(repr(p) for p in distinct[:_SHOWN_PIECES])
-  shown += ", ..." if len(distinct) > _SHOWN_PIECES else ""
-  checked = (f"{len(rows)} prompts checked ({len(val_rows)} validation, {len(train_ids)} "
-             f"of {len(train_rows)} training)")
-  unk = tokenizer.hf.id_to_token(tokenizer.unk_id)
-  what = (f"the tokenizer of {model} ({tokenizer.vocab_size} tokens) cannot encode and turns "
-          f"into {unk}: {shown} ({len(distinct)} distinct")
-  if len(bad) < len(rows):
-    first = (f"validation prompt {bad[0]}" if bad[0] < len(val_rows) else
-             f"training row {train_ids[bad[0] - len(val_rows)]}")
-    return (f"warning: {len(bad)} of the {checked} have text that {what}; first in {first}); "
-            f"the model sees {unk} in place of that text")
-  text = _literal_text(template)
-  in_template = sum(p in text for p in distinct)
-  raise data_lib.DataError(
-      f"every one of the {checked} has text that {what}"
-      + (f", {in_template} of them in data.prompt_template's own text" if in_template else "")
-      + "); use a model whose tokenizer covers the data and the template (e.g. "
-      "model.hf_checkpoint=<a Hugging Face folder>), or change data.prompt_template")
-
-
-def _literal_text(template) -> str:
-  """The fixed text of a prompt template (a ChatPrompt's user template), fields left out."""
-  template = getattr(template, "template", template)
-  return "".join(literal for literal, *_ in string.Formatter().parse(template))
-
-
-def _model_name(config) -> str:
-  m = config.model
-  if m.hf_checkpoint:
-    return f"model.hf_checkpoint={m.hf_checkpoint!r}"
-  if m.checkpoint:
-    return f"model.checkpoint={m.checkpoint!r}"
-  return f"the random init (a character vocabulary for data.source={config.data.source!r})"
-
-
-def _check_source_metrics(config, sources) -> None:
-  """A per-source stop or best metric (`pass@4/gsm8k`) must name a source of the data."""
-  for key, metric in (("grpo.stop_at_validation_metric", config.grpo.stop_at_validation_metric),
-                      ("checkpoint.best_metric", config.checkpoint.best_metric)):
-    source = (metric or "").partition("/")[2]
-    if source and source not in sources:
-      allowed = ", ".join(sources) if sources else "none: the validation rows name no source"
-      raise config_lib.ConfigError(
-          f"config.{key}={metric!r}: no validation source {source!r}; sources in the data: "
-          f"{allowed}")
-
-
-def _resume_point(config, workdir: str, model_cfg, train_batches):
-  """Where the run resumes from, checked on the host: (folder, step or None) or None."""
-  from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import model as model_lib  # pylint: disable=g-import-not-at-top
-  want = config.checkpoint.resume
-  own = os.path.join(workdir, checkpoint.DIR_NAME)
-  if want == "never":
-    if checkpoint.step_dirs(own):
-      raise config_lib.ConfigError(
-          f"config.checkpoint.resume='never': {own} already holds checkpoints (steps "
-          f"{checkpoint.step_dirs(own)}) that a fresh run would mix with; allowed: 'auto' to "
-          "continue that run, or another --workdir")
-    return None
-  if want == "auto":
-    if not checkpoint.step_dirs(own):
-      return None
-    directory, step = own, None
-  else:
-    directory, step = checkpoint.locate(want)
-    steps = checkpoint.step_dirs(directory)
-    if not steps or (step is not None and step not in steps):
-      raise config_lib.ConfigError(
-          f"config.checkpoint.resume={want!r}: no checkpoint there; allowed: 'auto', 'never', "
-          "a checkpoints folder or one step's folder (<workdir>/checkpoints/<step>)")
-  # The newest readable candidate's architecture must match: a mismatch is a config error
-  # now, not a shape error from deep inside orbax after compilation.
-  for candidate in sorted(checkpoint.step_dirs(directory), reverse=True):
-    if step is not None and candidate > step:
-      continue
-    try:
-      meta = checkpoint.read_meta(directory, candidate)
-    except Exception:  # pylint: disable=broad-except
-      continue  # unreadable: the restore falls back past it, with a warning
-    saved = meta.get("model", {})
-    for key, value in dataclasses.asdict(model_cfg).items():
-      if key in saved and saved[key] != value:
-        raise config_lib.ConfigError(
-            f"config.model.{key}={value!r}: the checkpoint {directory}/{candidate} to resume "
-            f"from has {saved[key]!r}; allowed: the checkpoint's value, or "
-            "checkpoint.resume='never' with another --workdir")
-    if meta.get("layout") != model_lib.PARAM_LAYOUT:
-      raise config_lib.ConfigError(
-          f"config.checkpoint.resume: {directory}/{candidate} holds per-layer parameters "
-          "(written before jaxgrpo stacked its layers) and cannot be resumed; allowed: "
-          f"export it (python -m jaxgrpo.export {os.path.dirname(directory)} --out=DIR) and "
-          "start a run from it with --config.model.hf_checkpoint=DIR, or a newer checkpoint")
-    try:  # same data, seed, batch size and hosts, or the resumed data order would differ
-      train_batches.set_state(meta["data"])
-    except data_lib.DataError as e:
-      raise config_lib.ConfigError(f"config.checkpoint.resume: {directory}/{candidate}: "
-                                   f"{e}") from None
-    break
-  return directory, step
 
 
 def _startup_line(raw, workdir: str) -> None:
@@ -389,7 +189,7 @@ def _check_trains_something(config, workdir: str, resume) -> None:
 
 # Keys a resumed run cannot change: each group's G rollouts are what its advantages compare,
 # and the data iterator and checkpoints were built for them. (The architecture is checked
-# against the checkpoint itself, in _resume_point; the mesh may change: orbax reshards.)
+# against the checkpoint itself, in loading.resume_point; the mesh may change: orbax reshards.)
 FIXED_ON_RESUME = ("grpo.num_generations_per_prompt",)
 
 
@@ -450,7 +250,7 @@ def _write_config(workdir: str, text: str, resumed_at: int | None = None) -> str
   return kept
 
 
-def _flag_error(e: Exception, argv) -> str:
+def flag_error(e: Exception, argv) -> str:
   """One line for a config file or override that absl / config_flags could not take."""
   text = str(e).replace("\\n", "\n")
   if isinstance(e, (AttributeError, KeyError)):  # an override names a key that is not there
@@ -475,59 +275,6 @@ def _flag_error(e: Exception, argv) -> str:
   if "Traceback" in text:  # an exception inside the config file: its last line says what
     return f"--config: {lines[-1]}"
   return " ".join(lines)
-
-
-def _load_policy(config):
-  """(ModelConfig, host params or None, Tokenizer), all checked on the host.
-
-  A Hugging Face folder's weights are not read here: trainer.build streams them straight
-  onto their shardings (host params None); their names and shapes are checked now.
-  """
-  from jaxgrpo import hf  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import model as model_lib
-  from jaxgrpo.tokenizer import Tokenizer
-  m = config.model
-  arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat",
-                                                    "scan_layers", "attention")}
-  source = m.checkpoint or m.hf_checkpoint
-  if source:
-    if m.hf_checkpoint:
-      cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype)
-      cfg, params = dataclasses.replace(cfg, dtype=m.dtype), None
-    else:
-      cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
-      cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype)
-      np_dtype = np.dtype(model_lib.DTYPES[m.param_dtype])
-      params = jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), params)
-    check_architecture(config, cfg)
-    return cfg, params, tokenizer
-  alphabet = "0123456789+=" if config.data.source == "arithmetic" else _PRINTABLE
-  tokenizer = Tokenizer.char_level(alphabet)
-  if m.vocab_size < tokenizer.vocab_size:
-    raise config_lib.ConfigError(
-        f"config.model.vocab_size={m.vocab_size}: the character tokenizer for "
-        f"data.source={config.data.source!r} needs at least {tokenizer.vocab_size}")
-  try:
-    return model_lib.ModelConfig.from_dict(arch), None, tokenizer
-  except ValueError as e:
-    raise config_lib.ConfigError(f"config.{e}") from None
-
-
-def check_architecture(config, cfg) -> None:
-  """The config's architecture keys that are set must match the checkpoint's `cfg`."""
-  m = config.model
-  key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
-  for name, value in dataclasses.asdict(cfg).items():
-    if m[name] is not None and m[name] != value:
-      raise config_lib.ConfigError(
-          f"config.model.{name}={m[name]!r}: the checkpoint {m[key]} has {value!r}; "
-          f"allowed: {value!r} or None (take the checkpoint's), or model.{key}='' for a "
-          "random init")
-
-
-_PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"
 
 
 def _one_line_warnings() -> None:
@@ -563,8 +310,10 @@ def main(argv=None) -> int:
     return 0
   except Exception as e:  # pylint: disable=broad-except
     # A flag or config error is answered without importing the data and model modules.
-    if not isinstance(e, config_lib.ConfigError) and not isinstance(e, user_errors()):
-      raise
+    if not isinstance(e, config_lib.ConfigError):
+      from jaxgrpo import loading  # pylint: disable=g-import-not-at-top
+      if not isinstance(e, loading.USER_ERRORS):
+        raise
     print(f"error: {e}", file=sys.stderr)
     return 2
   from jaxgrpo import compile_options, trainer  # the device side: jax compiles from here on

@@ -95,6 +95,13 @@ def pass_js(k: int) -> tuple[int, ...]:
   return tuple(js) + (k,)
 
 
+def per_prompt_metrics(k: int, majority: bool) -> list[str]:
+  """The metrics with a value per prompt (those a paired comparison can difference)."""
+  return ["accuracy", "reward_mean"] + [f"pass@{j}" for j in pass_js(k)] + (
+      [f"maj@{k}"] if majority else []) + (["pass_k"] if k > 1 else []) + [
+          "avg_length", "truncated_fraction"]
+
+
 def majority_reward(weights: Mapping[str, float]) -> str | None:
   """The correctness reward whose answers maj@k votes on, or None (no extractor: no maj@k)."""
   for name in CORRECTNESS_REWARDS:

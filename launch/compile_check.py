@@ -55,6 +55,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from jaxgrpo import config as config_lib  # noqa: E402
 from jaxgrpo import hf  # noqa: E402
+from jaxgrpo import loading  # noqa: E402
 from jaxgrpo import train  # noqa: E402
 
 GIB = 2**30
@@ -241,7 +242,7 @@ def _parse(argv):
     if _CONFIG.value is not None:
       _CONFIG.value.to_dict()  # config_flags reports a failed file load only on first use
   except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
-    message = train._flag_error(e, argv)  # pylint: disable=protected-access
+    message = train.flag_error(e, argv)
     raise config_lib.ConfigError(message) from None
   finally:
     sys.argv = saved_argv
@@ -316,15 +317,15 @@ def _architecture(config):
   if m.hf_checkpoint:  # config.json and the tokenizer: a fit is checked before a download
     cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype, need_weights=False)
     cfg = dataclasses.replace(cfg, dtype=m.dtype)
-    train.check_architecture(config, cfg)
+    loading.check_architecture(config, cfg)
     return cfg, tokenizer
   if not m.checkpoint:  # random init
-    model_cfg, _, tokenizer = train._load_policy(config)  # pylint: disable=protected-access
+    model_cfg, _, tokenizer = loading.load_policy(config)
     return model_cfg, tokenizer
   # A jaxgrpo checkpoint: its model.json and tokenizer only.
   cfg, tokenizer = hf.inspect_pretrained(m.checkpoint, need_weights=False)
   cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype)
-  train.check_architecture(config, cfg)
+  loading.check_architecture(config, cfg)
   return cfg, tokenizer
 
 

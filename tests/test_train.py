@@ -15,7 +15,7 @@ import pytest
 
 from cli import (ARGS, MATH, ROOT, assert_clean_error,  # tests/cli.py
                  assert_smoke_run_imports_nothing_heavy, env, run_train)
-from jaxgrpo import hf, train
+from jaxgrpo import hf, loading
 
 
 def write(path, text):
@@ -323,14 +323,14 @@ def test_unknown_token_check_samples_training_rows_evenly():
   train_rows = [{"question": f"{i}+1="} for i in range(3000)]
   train_rows[1] = train_rows[300] = {"question": "1 +1="}
   val_rows = [{"question": "2+2="}] * 10
-  warning = train.check_encodable(tok, "{question}", train_rows, val_rows, "M")
+  warning = loading.check_encodable(tok, "{question}", train_rows, val_rows, "M")
   assert warning.startswith("warning: 1 of the 1010 prompts checked (10 validation, 1000 of "
                             "3000 training) have text that the tokenizer of M (16 tokens)")
   assert "first in training row 300" in warning
-  assert train.check_encodable(tok, "{question}", train_rows[:1] + val_rows, val_rows,
+  assert loading.check_encodable(tok, "{question}", train_rows[:1] + val_rows, val_rows,
                                "M") is None
   qwen = hf.hf_tokenizer(QWEN2)
-  assert train.check_encodable(qwen, "{question}", train_rows, val_rows, "M") is None
+  assert loading.check_encodable(qwen, "{question}", train_rows, val_rows, "M") is None
 
 
 @pytest.mark.slow

@@ -23,8 +23,8 @@ import numpy as np
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
+from jaxgrpo import loading
 from jaxgrpo import sharding as sharding_lib
-from jaxgrpo import train as train_lib
 from jaxgrpo import trainer
 from jaxgrpo.bench import common
 
@@ -42,7 +42,7 @@ def run_backends(args) -> list[dict]:
     config.generation.backend = "native" if name == "native" else "jetstream"
     config.generation.max_concurrent_decodes = slots
     config = config_lib.validate(config, 1)
-    model_cfg, host_params, tokenizer = train_lib._load_policy(config)  # pylint: disable=W0212
+    model_cfg, host_params, tokenizer = loading.load_policy(config)
     engines[name] = trainer.make_engine(config, model_cfg, tokenizer, mesh)
   params = sharding_lib.shard_params(host_params, model_cfg, mesh)
   g, d = config.grpo, config.data
@@ -81,7 +81,7 @@ def run_backends(args) -> list[dict]:
         rounds=args.rounds, first_call_s=round(first[name], 3), median_s=round(med, 4),
         tokens_per_s=round(n_tokens / med, 1), time_vs_native=round(med / native, 2),
         same_tokens_as_native=True,
-        **common.machine(devices, loadavg_start)))  # pylint: disable=protected-access
+        **common.machine(devices, loadavg_start)))
   return out
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from jaxgrpo import bench
 from jaxgrpo.bench import backends, common, early_stop, memory, prefill, rollout, sampler, step
 from jaxgrpo.bench import truncation, validation
 
@@ -28,7 +28,7 @@ def run_all(args) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m jaxgrpo.bench", description=bench.__doc__,
+  parser = argparse.ArgumentParser(prog="python -m jaxgrpo.bench", description=sys.modules[__package__].__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="bench", required=True)
   for module in SUBCOMMANDS:

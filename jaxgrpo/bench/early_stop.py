@@ -34,6 +34,7 @@ import ml_collections
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
+from jaxgrpo import loading
 from jaxgrpo import sharding as sharding_lib
 from jaxgrpo import train as train_lib
 from jaxgrpo import trainer, validation
@@ -52,7 +53,7 @@ def _setup(args):
   g.stop_at_validation_threshold = args.threshold
   g.stop_at_validation_confidence = args.confidence
   config = config_lib.validate(config, 1)
-  model_cfg, host_params, tokenizer = train_lib._load_policy(config)  # pylint: disable=W0212
+  model_cfg, host_params, tokenizer = loading.load_policy(config)
   return config, model_cfg, host_params, tokenizer
 
 

@@ -175,7 +175,7 @@ class _Setup:
     return dict(bench="step", preset=preset, n_params=self.n_params, workload=self.workload,
                 scan_layers=self.scan_layers, **fields,
                 peak_rss_mib=trainer.peak_rss_mib(),
-                **common.machine(self.devices, loadavg_start))  # pylint: disable=W0212
+                **common.machine(self.devices, loadavg_start))
 
 
 def _update_batch(prompt_tokens_BxP, prompt_mask_BxP, rollout, rewards_N) -> dict:
@@ -197,7 +197,7 @@ def rollout_flops(cfg, prompts: int, prompt_len: int, new_tokens: int, decode_st
 def full_steps(preset: str, steps: int, new_tokens: int, prompts: int,
                forward_reps: int = FORWARD_REPS, scan_layers: bool | None = None) -> dict:
   """`steps` whole GRPO steps (rollout + update), then the update's roofline."""
-  loadavg_start = common.loadavg()  # pylint: disable=W0212
+  loadavg_start = common.loadavg()
   s = _Setup(preset_config(preset), prompts, new_tokens, steps, scan_layers)
   profiles = {"train": sampling.Profile(TRAIN_SP, NUM_SAMPLES, new_tokens),
               # The engine requires a val profile; this bench never calls (so never compiles) it.
@@ -252,7 +252,7 @@ def full_steps(preset: str, steps: int, new_tokens: int, prompts: int,
 def update_only(preset: str, steps: int, new_tokens: int, prompts: int,
                 forward_reps: int = FORWARD_REPS, scan_layers: bool | None = None) -> dict:
   """`steps` updates on one synthetic full-length batch (see the module docstring)."""
-  loadavg_start = common.loadavg()  # pylint: disable=W0212
+  loadavg_start = common.loadavg()
   s = _Setup(preset_config(preset), prompts, new_tokens, steps, scan_layers)
   s.workload["completions"] = "synthetic: uniform random bytes, no EOS"
   rows = prompts * NUM_SAMPLES

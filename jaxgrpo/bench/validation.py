@@ -10,8 +10,8 @@ import jax
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
+from jaxgrpo import loading
 from jaxgrpo import sharding as sharding_lib
-from jaxgrpo import train as train_lib
 from jaxgrpo import trainer
 from jaxgrpo import validation
 from jaxgrpo.bench import common
@@ -24,7 +24,7 @@ def run_validation(args) -> list[dict]:
   config.grpo.max_val_samples = args.max_val_samples
   config = config_lib.validate(config, len(devices))
   # The trainer's loader: it also checks that config.model matches the checkpoint.
-  model_cfg, host_params, tokenizer = train_lib._load_policy(config)  # pylint: disable=W0212
+  model_cfg, host_params, tokenizer = loading.load_policy(config)
   mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
   params = sharding_lib.shard_params(host_params, model_cfg, mesh)
   d, g, gen = config.data, config.grpo, config.generation

@@ -1,0 +1,256 @@
+"""Host-side loading shared by the commands (train, evaluate, export, serve, the benches and
+launch/compile_check.py): the policy (architecture, parameters or where to stream them from,
+tokenizer), the data (training and validation rows, checked for what the tokenizer can
+encode), the validation batches, and the point a run resumes from. Every problem with the
+user's input is one of USER_ERRORS, raised before anything compiles.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import string
+import sys
+
+from jaxgrpo import config as config_lib
+from jaxgrpo import data as data_lib
+from jaxgrpo import hf
+
+USER_ERRORS = (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
+
+
+@dataclasses.dataclass
+class Data:
+  train_rows: list
+  val_rows: list
+  val_sources: list  # names, [] for one source
+  template: object  # data.prompt_template, or a ChatPrompt around it
+
+
+def load_data(config, tokenizer) -> Data:
+  """The training and validation rows (max_val_samples applied), checked on the host."""
+  train_rows, val_rows = data_lib.make_sources(config.data)
+  if config.grpo.max_val_samples:  # the first rows of each source: a mixture keeps every part
+    kept, counts = [], collections.Counter()
+    for row in val_rows:
+      counts[row.get("source")] += 1
+      if counts[row.get("source")] <= config.grpo.max_val_samples:
+        kept.append(row)
+    val_rows = kept
+  val_sources = data_lib.source_names(val_rows)
+  check_source_metrics(config, val_sources)
+  d = config.data
+  template = d.prompt_template
+  if d.use_chat_template:
+    from jaxgrpo import chat  # pylint: disable=g-import-not-at-top
+    try:
+      template = data_lib.ChatPrompt(d.prompt_template, chat.ChatTemplate.from_folder(
+          hf.resolve(config.model.hf_checkpoint)))
+    except chat.ChatTemplateError as e:
+      raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
+  # Before the batches: their length check would otherwise report prompts of <unk> tokens
+  # as too long, hiding that the model cannot read them.
+  warning = check_encodable(tokenizer, template, train_rows, val_rows, model_name(config))
+  import jax  # pylint: disable=g-import-not-at-top
+  if warning and jax.process_index() == 0:
+    print(warning, file=sys.stderr, flush=True)
+  return Data(train_rows, val_rows, val_sources, template)
+
+
+def per_process(config, key: str) -> int:
+  """config.grpo.<key>, a global batch size, divided over the processes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  procs, value = jax.process_count(), config.grpo[key]
+  if value % procs:
+    raise config_lib.ConfigError(
+        f"config.grpo.{key}={value}: allowed: a multiple of the {procs} processes")
+  return value // procs
+
+
+def validation_batches(config, tokenizer, data: Data) -> list:
+  """This process's validation batches (every process holds a slice of each)."""
+  return data_lib.validation_batches(data.val_rows, tokenizer,
+                                     per_process(config, "val_batch_size"),
+                                     config.data.max_prompt_length, template=data.template)
+
+
+# Training prompts checked for unknown tokens, spread evenly over the file (every validation
+# prompt is checked): enough to find a character class the vocabulary lacks, cheap at startup.
+UNKNOWN_SAMPLE = 1000
+
+
+_SHOWN_PIECES = 8  # unknown characters named in the warning or error
+
+
+def check_encodable(tokenizer, template, train_rows, val_rows, model: str) -> str | None:
+  """Prompts the tokenizer cannot encode faithfully: text of theirs that becomes its unknown
+  token (a character or word-level vocabulary; a byte-level BPE has none).
+
+  Returns None when every checked prompt encodes, else one warning line naming how many do
+  not and their first unknown characters. Raises a DataError when none encodes: the model
+  would train on <unk> tokens and learn nothing from the text.
+  """
+  if tokenizer.unk_id is None:
+    return None
+  stride = max(1, -(-len(train_rows) // UNKNOWN_SAMPLE))  # ceil: at most UNKNOWN_SAMPLE rows
+  train_ids = range(0, len(train_rows), stride)
+  rows = list(val_rows) + [train_rows[i] for i in train_ids]
+  pieces = tokenizer.unknown_pieces([data_lib.render_prompt(template, r) for r in rows])
+  bad = [i for i, p in enumerate(pieces) if p]
+  if not bad:
+    return None
+  distinct = list(dict.fromkeys(piece for i in bad for piece in pieces[i]))
+  shown = ", ".join(repr(p) for p in distinct[:_SHOWN_PIECES])
+  shown += ", ..." if len(distinct) > _SHOWN_PIECES else ""
+  checked = (f"{len(rows)} prompts checked ({len(val_rows)} validation, {len(train_ids)} "
+             f"of {len(train_rows)} training)")
+  unk = tokenizer.hf.id_to_token(tokenizer.unk_id)
+  what = (f"the tokenizer of {model} ({tokenizer.vocab_size} tokens) cannot encode and turns "
+          f"into {unk}: {shown} ({len(distinct)} distinct")
+  if len(bad) < len(rows):
+    first = (f"validation prompt {bad[0]}" if bad[0] < len(val_rows) else
+             f"training row {train_ids[bad[0] - len(val_rows)]}")
+    return (f"warning: {len(bad)} of the {checked} have text that {what}; first in {first}); "
+            f"the model sees {unk} in place of that text")
+  text = _literal_text(template)
+  in_template = sum(p in text for p in distinct)
+  raise data_lib.DataError(
+      f"every one of the {checked} has text that {what}"
+      + (f", {in_template} of them in data.prompt_template's own text" if in_template else "")
+      + "); use a model whose tokenizer covers the data and the template (e.g. "
+      "model.hf_checkpoint=<a Hugging Face folder>), or change data.prompt_template")
+
+
+def _literal_text(template) -> str:
+  """The fixed text of a prompt template (a ChatPrompt's user template), fields left out."""
+  template = getattr(template, "template", template)
+  return "".join(literal for literal, *_ in string.Formatter().parse(template))
+
+
+def model_name(config) -> str:
+  m = config.model
+  if m.hf_checkpoint:
+    return f"model.hf_checkpoint={m.hf_checkpoint!r}"
+  if m.checkpoint:
+    return f"model.checkpoint={m.checkpoint!r}"
+  return f"the random init (a character vocabulary for data.source={config.data.source!r})"
+
+
+def check_source_metrics(config, sources) -> None:
+  """A per-source stop or best metric (`pass@4/gsm8k`) must name a source of the data."""
+  for key, metric in (("grpo.stop_at_validation_metric", config.grpo.stop_at_validation_metric),
+                      ("checkpoint.best_metric", config.checkpoint.best_metric)):
+    source = (metric or "").partition("/")[2]
+    if source and source not in sources:
+      allowed = ", ".join(sources) if sources else "none: the validation rows name no source"
+      raise config_lib.ConfigError(
+          f"config.{key}={metric!r}: no validation source {source!r}; sources in the data: "
+          f"{allowed}")
+
+
+def resume_point(config, workdir: str, model_cfg, train_batches):
+  """Where the run resumes from, checked on the host: (folder, step or None) or None."""
+  from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import model as model_lib  # pylint: disable=g-import-not-at-top
+  want = config.checkpoint.resume
+  own = os.path.join(workdir, checkpoint.DIR_NAME)
+  if want == "never":
+    if checkpoint.step_dirs(own):
+      raise config_lib.ConfigError(
+          f"config.checkpoint.resume='never': {own} already holds checkpoints (steps "
+          f"{checkpoint.step_dirs(own)}) that a fresh run would mix with; allowed: 'auto' to "
+          "continue that run, or another --workdir")
+    return None
+  if want == "auto":
+    if not checkpoint.step_dirs(own):
+      return None
+    directory, step = own, None
+  else:
+    directory, step = checkpoint.locate(want)
+    steps = checkpoint.step_dirs(directory)
+    if not steps or (step is not None and step not in steps):
+      raise config_lib.ConfigError(
+          f"config.checkpoint.resume={want!r}: no checkpoint there; allowed: 'auto', 'never', "
+          "a checkpoints folder or one step's folder (<workdir>/checkpoints/<step>)")
+  # The newest readable candidate's architecture must match: a mismatch is a config error
+  # now, not a shape error from deep inside orbax after compilation.
+  for candidate in sorted(checkpoint.step_dirs(directory), reverse=True):
+    if step is not None and candidate > step:
+      continue
+    try:
+      meta = checkpoint.read_meta(directory, candidate)
+    except Exception:  # pylint: disable=broad-except
+      continue  # unreadable: the restore falls back past it, with a warning
+    saved = meta.get("model", {})
+    for key, value in dataclasses.asdict(model_cfg).items():
+      if key in saved and saved[key] != value:
+        raise config_lib.ConfigError(
+            f"config.model.{key}={value!r}: the checkpoint {directory}/{candidate} to resume "
+            f"from has {saved[key]!r}; allowed: the checkpoint's value, or "
+            "checkpoint.resume='never' with another --workdir")
+    if meta.get("layout") != model_lib.PARAM_LAYOUT:
+      raise config_lib.ConfigError(
+          f"config.checkpoint.resume: {directory}/{candidate} holds per-layer parameters "
+          "(written before jaxgrpo stacked its layers) and cannot be resumed; allowed: "
+          f"export it (python -m jaxgrpo.export {os.path.dirname(directory)} --out=DIR) and "
+          "start a run from it with --config.model.hf_checkpoint=DIR, or a newer checkpoint")
+    try:  # same data, seed, batch size and hosts, or the resumed data order would differ
+      train_batches.set_state(meta["data"])
+    except data_lib.DataError as e:
+      raise config_lib.ConfigError(f"config.checkpoint.resume: {directory}/{candidate}: "
+                                   f"{e}") from None
+    break
+  return directory, step
+
+
+def load_policy(config):
+  """(ModelConfig, host params or None, Tokenizer), all checked on the host.
+
+  A Hugging Face folder's weights are not read here: trainer.build streams them straight
+  onto their shardings (host params None); their names and shapes are checked now.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import model as model_lib
+  from jaxgrpo.tokenizer import Tokenizer
+  m = config.model
+  arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat",
+                                                    "scan_layers", "attention")}
+  source = m.checkpoint or m.hf_checkpoint
+  if source:
+    if m.hf_checkpoint:
+      cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype)
+      cfg, params = dataclasses.replace(cfg, dtype=m.dtype), None
+    else:
+      cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
+      cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype)
+      np_dtype = np.dtype(model_lib.DTYPES[m.param_dtype])
+      params = jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), params)
+    check_architecture(config, cfg)
+    return cfg, params, tokenizer
+  alphabet = "0123456789+=" if config.data.source == "arithmetic" else _PRINTABLE
+  tokenizer = Tokenizer.char_level(alphabet)
+  if m.vocab_size < tokenizer.vocab_size:
+    raise config_lib.ConfigError(
+        f"config.model.vocab_size={m.vocab_size}: the character tokenizer for "
+        f"data.source={config.data.source!r} needs at least {tokenizer.vocab_size}")
+  try:
+    return model_lib.ModelConfig.from_dict(arch), None, tokenizer
+  except ValueError as e:
+    raise config_lib.ConfigError(f"config.{e}") from None
+
+
+def check_architecture(config, cfg) -> None:
+  """The config's architecture keys that are set must match the checkpoint's `cfg`."""
+  m = config.model
+  key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
+  for name, value in dataclasses.asdict(cfg).items():
+    if m[name] is not None and m[name] != value:
+      raise config_lib.ConfigError(
+          f"config.model.{name}={m[name]!r}: the checkpoint {m[key]} has {value!r}; "
+          f"allowed: {value!r} or None (take the checkpoint's), or model.{key}='' for a "
+          "random init")
+
+
+_PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"
