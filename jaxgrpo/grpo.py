@@ -273,32 +273,35 @@ def _forward_options(loss: LossConfig) -> dict:
 
 def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,
             sp: sampling.SamplingParams):
-  """The GRPO loss and its diagnostics. batch: see `update_step`."""
+  """The GRPO loss and its diagnostics. batch: see `update_step`.
+
+  One loss path: the whole batch is `micro_loss` on the whole batch, prepared as
+  `micro_batch_loss` prepares it (advantages, mask, token weights), so a change to the
+  surrogate, the KL or a diagnostic reaches both the whole-batch and the micro-batched update.
+  """
+  rows, mask, advantages = _prepare_rows(batch, loss)
+  total, sums = micro_loss(params, ref_params, rows, cfg=cfg, loss=loss, sp=sp)
+  return total, _diagnostics(total, sums, mask, advantages)
+
+
+def _prepare_rows(batch, loss: LossConfig):
+  """What only the whole batch can give, computed once: (rows for `micro_loss`, the loss
+  mask, the advantages)."""
   mask = loss_mask(batch, loss)
   advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
-  logp, kl_logp = _policy_logprobs(params, cfg, batch, loss, sp)
-  per_token, clipped, ratio = clipped_surrogate(logp, batch["old_logp_NxT"], advantages,
-                                                loss.epsilon, loss.epsilon_high)
-  policy_loss = aggregate(per_token, mask, loss.loss_agg, loss.max_new_tokens)
-  fmask = mask.astype(jnp.float32)
-  denom = jnp.maximum(fmask.sum(), 1.0)
-  aux = {"policy_loss": policy_loss,
-         "clip_fraction": (clipped * fmask).sum() / denom,
-         "ratio_mean": (ratio * fmask).sum() / denom,
-         "advantage_abs_mean": jnp.abs(advantages).mean()}
-  total = policy_loss
-  if loss.beta > 0:
-    ref_logp = _reference_logprobs(ref_params, cfg, batch, loss, sp)
-    kl = kl_penalty(kl_logp, ref_logp, loss.kl_type)
-    kl_loss = aggregate(kl, mask, loss.loss_agg, loss.max_new_tokens)
-    total = total + loss.beta * kl_loss
-    aux["kl"] = (kl * fmask).sum() / denom
-  else:
-    # Without a reference policy, report the k1 estimate of KL(π_old || π_θ) over the
-    # sampled tokens instead: how far the updates moved the policy from the sampler's.
-    aux["kl"] = ((batch["old_logp_NxT"] - logp) * fmask).sum() / denom
-  aux["loss"] = total
-  return total, aux
+  rows = dict(batch, advantages_N=advantages, mask_NxT=mask,
+              weights_NxT=token_weights(mask, loss.loss_agg, loss.max_new_tokens))
+  del rows["rewards_N"], rows["truncated_N"]
+  return rows, mask, advantages
+
+
+def _diagnostics(total, sums, mask, advantages) -> dict:
+  """The logged diagnostics from `micro_loss`'s sums over the whole batch: per-token means
+  over the loss's tokens (clip fraction, ratio, KL), the policy loss, |advantage|."""
+  denom = jnp.maximum(mask.astype(jnp.float32).sum(), 1.0)
+  return {"policy_loss": sums["policy_loss"], "clip_fraction": sums["clipped"] / denom,
+          "ratio_mean": sums["ratio"] / denom, "advantage_abs_mean": jnp.abs(advantages).mean(),
+          "kl": sums["kl"] / denom, "loss": total}
 
 
 def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int,
@@ -347,21 +350,13 @@ def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, me
   microbatch.accumulate sums the micro-batches' shares. Equal to value_and_grad(loss_fn)
   up to float rounding, with one micro-batch's activations alive at a time."""
   n = batch["rewards_N"].shape[0]
-  mask = loss_mask(batch, loss)
-  advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
-  rows = dict(batch, advantages_N=advantages, mask_NxT=mask,
-              weights_NxT=token_weights(mask, loss.loss_agg, loss.max_new_tokens))
-  del rows["rewards_N"], rows["truncated_N"]
+  rows, mask, advantages = _prepare_rows(batch, loss)
   shards = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
   micro = microbatch.split(rows, n // loss.micro_batch_size, shards, mesh)
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
   shardings = None if mesh is None else sharding_lib.param_shardings(cfg, mesh)
   (total, sums), grads = microbatch.accumulate(fn, params, micro, shardings)
-  denom = jnp.maximum(mask.astype(jnp.float32).sum(), 1.0)
-  aux = {"policy_loss": sums["policy_loss"], "clip_fraction": sums["clipped"] / denom,
-         "ratio_mean": sums["ratio"] / denom, "advantage_abs_mean": jnp.abs(advantages).mean(),
-         "kl": sums["kl"] / denom, "loss": total}
-  return (total, aux), grads
+  return (total, _diagnostics(total, sums, mask, advantages)), grads
 
 
 def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, sp,

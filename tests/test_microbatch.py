@@ -152,3 +152,45 @@ def test_memory_is_per_micro_batch():
                                      new_tokens=48)["temp_bytes"]
   assert temp[32] <= 1.25 * temp[8], temp
   assert temp[32] < whole / 2, (temp, whole)  # the control: the whole batch holds far more
+
+
+@pytest.mark.parametrize("micro_batch_size", [0, 4], ids=["whole_batch", "micro4"])
+def test_both_paths_report_the_diagnostics_of_the_formulas(micro_batch_size):
+  # One loss path (grpo.loss_fn is micro_loss on the whole batch): the whole batch and 4
+  # micro-batches of 4 rollouts must both give the loss and every diagnostic of the paper's
+  # formulas, written out here in numpy from the same log-probs: ρ = exp(logp - old_logp),
+  # the clipped surrogate -min(ρA, clip(ρ, 1-ε, 1+ε_high)A), k3 = exp(ref - logp) - (ref -
+  # logp) - 1, token means over the loss's tokens (truncated rows out). A mutation of the
+  # surrogate, the KL or a diagnostic fails here through both paths; the equality tests
+  # above would not see it, since it moves both alike. old_logp is off the policy's, so
+  # ratios differ from 1 and some clip.
+  sp = sampling.SamplingParams(1.0, 1.0, 0)
+  params, ref = random_params(CFG, seed=3), random_params(CFG, seed=4)
+  values = dict(num_generations=G, beta=0.05, kl_type="k3", epsilon=0.2, epsilon_high=0.28,
+                loss_agg="token_mean", scale_rewards="group", mask_truncated_completions=True,
+                max_new_tokens=T)
+  batch = _batch()
+  logprobs = jax.jit(lambda p: grpo.completion_logprobs(p, CFG, batch, G, sp))
+  logp, ref_logp = np.asarray(logprobs(params)), np.asarray(logprobs(ref))
+  mask = batch["completion_mask_NxT"] & ~batch["truncated_N"][:, None]
+  r = batch["rewards_N"].reshape(B, G).astype(np.float64)
+  std = r.std(axis=1, ddof=1, keepdims=True)
+  adv = np.where(std > 0, (r - r.mean(axis=1, keepdims=True)) / np.where(std > 0, std, 1),
+                 0).reshape(-1, 1)
+  ratio = np.exp(logp - batch["old_logp_NxT"])
+  clipped_ratio = np.clip(ratio, 0.8, 1.28)
+  per_token = -np.minimum(ratio * adv, clipped_ratio * adv)
+  kl = np.exp(ref_logp - logp) - (ref_logp - logp) - 1
+  mean = lambda x: x[mask].mean()
+  want = {"policy_loss": mean(per_token), "clip_fraction": mean(clipped_ratio * adv < ratio * adv),
+          "ratio_mean": mean(ratio), "kl": mean(kl),
+          "loss": mean(per_token) + 0.05 * mean(kl), "advantage_abs_mean": np.abs(adv).mean()}
+  assert 0 < want["clip_fraction"] < 1  # the clip is exercised
+  loss = grpo.LossConfig(**values, micro_batch_size=micro_batch_size)
+  if micro_batch_size:
+    fn = lambda p, rp: grpo.micro_batch_loss(p, rp, batch, cfg=CFG, loss=loss, sp=sp)[0][1]
+  else:
+    fn = lambda p, rp: grpo.loss_fn(p, rp, batch, cfg=CFG, loss=loss, sp=sp)[1]
+  got = jax.jit(fn)(params, ref)
+  for name, value in want.items():
+    np.testing.assert_allclose(float(got[name]), value, rtol=2e-5, atol=1e-7, err_msg=name)
