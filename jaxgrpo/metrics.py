@@ -110,6 +110,24 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
   return records
 
 
+def logged_validations(workdir: str) -> dict[int, dict[str, Any]]:
+  """step -> the validation row logged for it in `workdir`'s metrics.jsonl (a later row for
+  a step wins); {} without the file."""
+  path = os.path.join(workdir, JSONL_NAME)
+  rows = read_metrics(path) if os.path.exists(path) else []
+  return {r["step"]: r for r in rows if r["split"] == "val"}
+
+
+def read_summary(workdir: str) -> dict[str, Any] | None:
+  """`workdir`'s summary.json, or None when it is missing or unreadable (a process killed
+  before writing it, or mid-write)."""
+  try:
+    with open(os.path.join(workdir, SUMMARY_NAME)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
 def truncate_jsonl(path: str, step: int) -> int:
   """Keeps the lines of a step-keyed JSONL log with "step" <= `step` (a torn last line goes
   too); rewritten atomically. Returns how many lines were dropped. A missing file is fine."""

@@ -159,24 +159,18 @@ def _check_trains_something(config, workdir: str, resume) -> None:
         f"config.grpo.max_num_steps={g.max_num_steps}: the run in {workdir} is already at "
         f"step {saved} (its newest checkpoint); allowed: {saved} or more to continue it, or "
         "another --workdir")
-  try:
-    with open(os.path.join(workdir, metrics.SUMMARY_NAME)) as f:
-      summary = json.load(f)
-  except (OSError, ValueError):
+  summary = metrics.read_summary(workdir)
+  if summary is None or summary.get("steps") != saved:
     return  # no summary of that step yet (killed after saving it): finishing writes it
-  if summary.get("steps") != saved:
-    return
   if g.max_num_steps == saved:
     raise NothingToTrain(
         f"{workdir} already finished at step {saved}; --config.grpo.max_num_steps=N (N > "
         f"{saved}) to train further, or another --workdir")
   from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
-  logged = [r for r in (metrics.read_metrics(os.path.join(workdir, metrics.JSONL_NAME))
-                        if os.path.exists(os.path.join(workdir, metrics.JSONL_NAME)) else [])
-            if r.get("split") == "val" and r.get("step") == saved]
+  logged = metrics.logged_validations(workdir).get(saved)
   try:
     stops = summary.get("stopped_early") and logged and validation.stop_message(
-        logged[-1], g.stop_at_validation_metric, g.stop_at_validation_threshold, saved,
+        logged, g.stop_at_validation_metric, g.stop_at_validation_threshold, saved,
         g.stop_at_validation_confidence)
   except KeyError:  # a stop metric that step did not report: the trainer's own check says so
     stops = False

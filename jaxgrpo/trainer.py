@@ -220,7 +220,7 @@ def run(setup) -> int:
       sources=setup.val_sources, stop_metric=g.stop_at_validation_metric,
       confidence=g.stop_at_validation_confidence)
   val_history, saved, stop, fault, step = {}, {}, None, None, start
-  previous_summary = _read_summary(setup.workdir) if resumed_from else None
+  previous_summary = metrics.read_summary(setup.workdir) if resumed_from else None
 
   def validate(step):
     result = validator(state.params, step)
@@ -287,45 +287,35 @@ def run(setup) -> int:
   # Until the summary is written a second signal waits for it too (it used to end in a
   # KeyboardInterrupt traceback here); the handlers are the run's until it returns.
   with preemption, preemption.busy("writing the run's summary"):
-    return _finish(setup, preemption, update, engine, checkpoints, kept, writer, val_history,
-                   saved, stop, fault, step, start, resumed_from, previous_summary, t_start)
-
-
-def _finish(setup, preemption, update, engine, checkpoints, kept, writer, val_history, saved,
-            stop, fault, step, start, resumed_from, previous_summary, t_start) -> int:
-  """summary.json, plots and the final line; the exit status (0, 1 on a numerical fault,
-  128 + a second signal's number when one waited for a save or this summary)."""
-  c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
-  log, primary = c.logging, jax.process_index() == 0
-  logged = _logged_val(setup.workdir)  # read once for the summary and the best checkpoint
-  summary = _summary(logged, g, stop, step, saved.get(step))
-  compilations = {"update": update.compilations,
-                  **{f"{name}_sampler": n for name, n in engine.compilations.items()}}
-  summary.update(wall_time_s=round(time.time() - t_start, 2), compilations=compilations,
-                 peak_rss_mib=peak_rss_mib(), resumed_from=resumed_from,
-                 resumed_step=start if resumed_from else None, steps_this_run=step - start,
-                 preempted=preemption.name or None)
-  summary["history"] = _history(previous_summary, start, step, summary)
-  summary.update(_best(logged, ck.best_metric, kept))
-  if fault:
-    last_good = max(saved) if saved else None
-    summary["fault"] = str(fault)
-    message = (f"error: {fault}; stopped without saving it; the last good checkpoint is "
-               + (checkpoints.path(last_good) if last_good is not None else
-                  (resumed_from or "none (no checkpoint was written)")))
-  writer.close(summary)
-  if primary:
-    if log.plots and (val_history or resumed_from):
-      plot.validation_plot(setup.workdir)
-    for line in _recompile_warnings(compilations):
-      print(line, file=sys.stderr, flush=True)
+    # Read once, for the summary and the best checkpoint.
+    logged = metrics.logged_validations(setup.workdir)
+    summary = _summary(logged, g, stop, step, saved.get(step))
+    compilations = {"update": update.compilations,
+                    **{f"{name}_sampler": n for name, n in engine.compilations.items()}}
+    summary.update(wall_time_s=round(time.time() - t_start, 2), compilations=compilations,
+                   peak_rss_mib=peak_rss_mib(), resumed_from=resumed_from,
+                   resumed_step=start if resumed_from else None, steps_this_run=step - start,
+                   preempted=preemption.name or None)
+    summary["history"] = _history(previous_summary, start, step, summary)
+    summary.update(_best(logged, ck.best_metric, kept))
     if fault:
-      print(message, file=sys.stderr, flush=True)
-    else:
-      print(_summary_line(summary, setup.workdir, preemption.name), flush=True)
-  if fault:
-    return 1
-  return preemption.exit_status or 0
+      last_good = max(saved) if saved else None
+      summary["fault"] = str(fault)
+      message = (f"error: {fault}; stopped without saving it; the last good checkpoint is "
+                 + (checkpoints.path(last_good) if last_good is not None else
+                    (resumed_from or "none (no checkpoint was written)")))
+    writer.close(summary)
+    if primary:
+      if log.plots and (val_history or resumed_from):
+        plot.validation_plot(setup.workdir)
+      for line in _recompile_warnings(compilations):
+        print(line, file=sys.stderr, flush=True)
+      if fault:
+        print(message, file=sys.stderr, flush=True)
+      else:
+        print(_summary_line(summary, setup.workdir, preemption.name), flush=True)
+    # 0, 1 on a numerical fault, 128 + a second signal's number when one waited.
+    return 1 if fault else preemption.exit_status or 0
 
 
 PROMPTS_LOG = "train_prompts.jsonl"  # per step: the training rows it sampled (resume checks)
@@ -359,17 +349,10 @@ def _resume(setup, checkpoints, state):
   return start, state, path
 
 
-def _logged_val(workdir) -> dict[int, dict]:
-  """step -> the validation row logged for it (the later one wins), from metrics.jsonl."""
-  path = os.path.join(workdir, metrics.JSONL_NAME)
-  rows = metrics.read_metrics(path) if os.path.exists(path) else []
-  return {r["step"]: r for r in rows if r["split"] == "val"}
-
-
 def _logged_stop(workdir, step, stop_rule):
   """The stop rule applied to the validation logged at `step`, if any (a resumed run that had
   stopped early stays stopped unless the rule changed)."""
-  row = _logged_val(workdir).get(step)
+  row = metrics.logged_validations(workdir).get(step)
   return stop_rule(row, step) if row else None
 
 
@@ -391,7 +374,7 @@ def _append_jsonl(path, record) -> None:
 
 
 def _summary(val, g, stop, step, saved) -> dict:
-  """The run's outcome; `val` is every logged validation (_logged_val), so a resumed run's
+  """The run's outcome; `val` is every logged validation (metrics.logged_validations), so a resumed run's
   summary covers the whole run, not just its last leg."""
   summary = {"steps": step, "stopped_early": stop is not None, "checkpoint": saved}
   if stop:
@@ -407,14 +390,6 @@ def _summary(val, g, stop, step, saved) -> dict:
     summary.update(initial_val_accuracy=first, final_val_accuracy=last,
                    val_accuracy_gain=last - first)
   return summary
-
-
-def _read_summary(workdir) -> dict | None:
-  try:
-    with open(os.path.join(workdir, metrics.SUMMARY_NAME)) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
 
 
 def _history(previous, start: int, step: int, summary) -> list[dict]:
