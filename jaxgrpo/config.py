@@ -249,7 +249,7 @@ def _check_stop_rule(g, weights):
   from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
   metric, threshold = g.stop_at_validation_metric, g.stop_at_validation_threshold
   k = g.val_num_generations_per_prompt
-  names = validation.stop_metric_names(k, validation.majority_reward(weights) is not None)
+  names = validation.stop_metric_names(k, rewards.majority_reward(weights) is not None)
   if g.stop_at_validation_confidence is not None and metric is None:
     _fail("grpo.stop_at_validation_confidence", g.stop_at_validation_confidence,
           "None while grpo.stop_at_validation_metric is None (it qualifies that rule)")
@@ -265,7 +265,7 @@ def _check_stop_rule(g, weights):
     _fail("grpo.stop_at_validation_metric", metric, "a metric, or a metric/source")
   if base not in names:
     j = base[len("pass@"):] if base.startswith("pass@") else ""
-    if base.startswith("maj@") and validation.majority_reward(weights) is None:
+    if base.startswith("maj@") and rewards.majority_reward(weights) is None:
       why = ("needs a correctness reward with an answer extractor (math or exact_match) "
              "to vote on")
     elif base == "pass_k":
@@ -287,7 +287,7 @@ def _check_checkpoint(ck, g, weights):
   if not ck.resume:
     _fail("checkpoint.resume", ck.resume, "'auto', 'never' or a checkpoint folder")
   names = validation.stop_metric_names(g.val_num_generations_per_prompt,
-                                       validation.majority_reward(weights) is not None)
+                                       rewards.majority_reward(weights) is not None)
   if ck.best_metric is not None and ck.best_metric.partition("/")[0] not in names:
     raise ConfigError(
         f"config.checkpoint.best_metric={ck.best_metric!r}: validation does not report it "

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
+from jaxgrpo import rewards
 from jaxgrpo.tokenizer import Tokenizer
 
 # A path starting with this prefix names a file packaged with jaxgrpo (GSM8K, MIT licence),
@@ -80,6 +81,10 @@ def load_jsonl(path: str, question_key: str = "question",
       if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
       row = {k: v for k, v in obj.items() if k not in (question_key, answer_key)}
+      clash = sorted(set(row) & set(rewards.RESERVED_COLUMNS))
+      if clash:  # every column reaches the rewards as a keyword (rewards.Scorer)
+        raise DataError(f"{where}: column {clash[0]!r} is a name the rewards are given "
+                        f"already; rename it (reserved: {', '.join(rewards.RESERVED_COLUMNS)})")
       row["question"] = _text_field(obj, question_key, where)
       row["answer"] = _text_field(obj, answer_key, where)
       rows.append(row)
@@ -220,7 +225,8 @@ def _prepare(rows: Sequence[dict[str, Any]], row_ids: Sequence[int], tokenizer: 
   # A chat template writes its own begin-of-text marker, so no second BOS is added.
   ids_list = tokenizer.encode_batch(prompts, add_bos=getattr(template, "add_bos", True))
   _check_lengths(ids_list, prompts, row_ids, max_prompt_length)
-  return [{"prompt": p, "ids": ids, "row_id": i, "question": rows[i]["question"],
+  # `row`: every column reaches the rewards (rewards.Scorer).
+  return [{"prompt": p, "ids": ids, "row_id": i, "row": rows[i], "question": rows[i]["question"],
            "answer": rows[i]["answer"],
            "source": str(rows[i]["source"]) if "source" in rows[i] else None}
           for p, ids, i in zip(prompts, ids_list, row_ids)]
@@ -234,7 +240,8 @@ def _collate(records: Sequence[dict[str, Any]], pad_id: int,
           "prompts": [r["prompt"] for r in records],
           "questions": [r["question"] for r in records],
           "answers": [r["answer"] for r in records],
-          "sources": [r["source"] for r in records]}
+          "sources": [r["source"] for r in records],
+          "rows": [r["row"] for r in records]}
 
 
 class ChatPrompt:
@@ -261,7 +268,8 @@ class PromptBatches:
   processes together); this process gets its `batch_size / process_count` consecutive rows
   of it. Each batch is a dict with `prompt_tokens_BxL` (int32), `prompt_mask_BxL` (bool),
   `row_ids_B` (int32, indices into `rows`), `batch_offset` (this slice's first row in the
-  global batch) and `prompts`, `questions`, `answers` (lists of str).
+  global batch), `prompts`, `questions`, `answers` (lists of str) and `rows` (the data's
+  rows themselves, every column, for the rewards).
 
   Every process renders and tokenizes every row at startup (cheap next to a step, and a
   too-long prompt then fails on all hosts alike); only its slice is collated.

@@ -45,6 +45,7 @@ from jaxgrpo import config as config_lib
 from jaxgrpo import export
 from jaxgrpo import hf
 from jaxgrpo import loading
+from jaxgrpo import rewards
 from jaxgrpo import train
 
 # Keys no part of an evaluation reads (command-line overrides of them are named as ignored).
@@ -234,8 +235,7 @@ def _pick_metrics(text: str | None, c, sources) -> list[str]:
   """The --metrics names, checked against what this validation reports."""
   from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
   k = c.grpo.val_num_generations_per_prompt
-  majority = k > 1 and validation.majority_reward(c.rewards.to_dict()) is not None
-  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  majority = k > 1 and rewards.majority_reward(c.rewards.to_dict()) is not None
   allowed = validation.per_prompt_metrics(k, majority)
   if text is None:
     return ["accuracy"] + [f"pass@{j}" for j in validation.pass_js(k)] + (

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import checkpoint, paired, plot, trainer, validation
+from jaxgrpo import build, checkpoint, paired, plot, rewards, validation
 from jaxgrpo import metrics as metrics_lib
 from jaxgrpo import sharding as sharding_lib
 
@@ -74,9 +74,9 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   params = place(side, mesh)
   key = (side.model_cfg, side.tokenizer.hf.to_str())  # the same prompts and programs
   if key not in validators:
-    engine = trainer.make_engine(c, side.model_cfg, side.tokenizer, mesh)
+    engine = build.make_engine(c, side.model_cfg, side.tokenizer, mesh)
     validators[key] = validation.Validator(
-        engine, side.val_batches, side.tokenizer, c.rewards.to_dict(),
+        engine, side.val_batches, rewards.Scorer(c.rewards.to_dict(), side.tokenizer),
         threshold=g.val_pass_threshold, seed=g.val_seed, mesh=mesh, sources=sources,
         stop_metric=g.stop_at_validation_metric, confidence=g.stop_at_validation_confidence,
         collect=True)
@@ -101,7 +101,7 @@ def place(side, mesh):
   """The policy's parameters on the mesh: a run's checkpoint (only its parameters are
   read, straight into their shardings), else as the trainer starts a run."""
   if side.restore is None:
-    return trainer.place_params(side.config, side.model_cfg, side.host_params, mesh)
+    return build.place_params(side.config, side.model_cfg, side.host_params, mesh)
   directory, step = side.restore
   ckpts = checkpoint.Checkpoints(directory, read_only=True)
   try:

@@ -207,7 +207,7 @@ def resume_point(config, workdir: str, model_cfg, train_batches):
 def load_policy(config):
   """(ModelConfig, host params or None, Tokenizer), all checked on the host.
 
-  A Hugging Face folder's weights are not read here: trainer.build streams them straight
+  A Hugging Face folder's weights are not read here: build.training streams them straight
   onto their shardings (host params None); their names and shapes are checked now.
   """
   import jax  # pylint: disable=g-import-not-at-top

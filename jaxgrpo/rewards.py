@@ -9,14 +9,28 @@ Every reward has one signature,
 
   fn(completions: list[str], answers: list[str], **columns) -> list[float]
 
-where `columns` holds extra per-row data lists (ignored by the built-ins), so
-that the trainer can call any registered reward the same way. A reward never
-raises on odd model text: anything it cannot read scores 0.0.
+where `columns` holds one list per row field, each as long as `completions`:
+every column of the data row other than `answer` under its own name (`question`,
+`source`, `tests`, ...; None where a row lacks it), `prompts` (the rendered
+prompt text) and `completion_ids` (each completion's token ids, EOS included).
+A reward reads the columns it needs and ignores the rest (the built-ins use
+none), so any registered reward is called the same way. A reward never raises
+on odd model text: anything it cannot read scores 0.0.
+
+`Scorer` is the one seam from a rollout to rewards: training and validation both
+call it with the sampled tokens and the batch's rows, and read the total, each
+reward's values and the correctness from what it returns.
 
 Built-ins: `exact_match` (string equality, for the arithmetic task), `math`
 (final-answer equivalence through math-verify, with a numeric fast path) and
 `format` (a final answer is present in an accepted form). `compute` and
 `combine` weight several of them into one scalar per row.
+
+A reward registered with `correctness=True` says whether the answer is right:
+training's `accuracy`, validation's accuracy and pass@j and the stop rule read
+it. When several active rewards are correctness rewards, the one registered
+last wins (a user's over the built-ins, `math` over `exact_match`); with none,
+a rollout is correct when its total reward is > 0.
 
 A correctness reward may also have an answer extractor (`EXTRACTORS`, by reward
 name): the final answer the reward compares, with `answers_equal` its notion of
@@ -26,6 +40,7 @@ so a vote and a reward can never disagree on what a completion answered.
 """
 
 from collections.abc import Callable, Mapping
+import dataclasses
 import decimal
 import functools
 import math as _math
@@ -33,9 +48,15 @@ import re
 import threading
 from typing import Any
 
+import numpy as np
+
 RewardFn = Callable[..., list[float]]
 
 REGISTRY: dict[str, RewardFn] = {}
+# The correctness rewards' names, in registration order (the last active one wins).
+CORRECTNESS: list[str] = []
+# Keyword names the scorer passes itself; a data column may not take one of them.
+RESERVED_COLUMNS = ("completions", "answers", "prompts", "completion_ids")
 
 # math-verify's timeout is signal.alarm, so it is whole seconds; one second per
 # parse/verify call bounds a pathological item at about three seconds.
@@ -64,13 +85,19 @@ class UnknownRewardError(KeyError, ValueError):
     return str(self.args[0]) if self.args else ""
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-  """Returns a decorator that adds a reward function to REGISTRY as `name`."""
+def register(name: str, *, correctness: bool = False) -> Callable[[RewardFn], RewardFn]:
+  """Returns a decorator that adds a reward function to REGISTRY as `name`.
+
+  correctness: the reward says whether a completion's answer is right (0 or 1, or a score
+  that `val_pass_threshold` cuts), so accuracy, pass@j, maj@k and the stop rule read it.
+  """
 
   def decorator(fn: RewardFn) -> RewardFn:
     if name in REGISTRY:
       raise ValueError(f"reward {name!r} is already registered")
     REGISTRY[name] = fn
+    if correctness:
+      CORRECTNESS.append(name)
     return fn
 
   return decorator
@@ -209,7 +236,7 @@ def _math_equal(ref: str, pred: str, gold_cache: dict[str, Any],
   return bool(gold and target and verify(gold, target, timeout_seconds=timeout))
 
 
-@register("exact_match")
+@register("exact_match", correctness=True)
 def exact_match(completions: list[str], answers: list[str], **columns):
   """1.0 where the completion's first word equals the stripped answer.
 
@@ -226,7 +253,7 @@ def exact_match(completions: list[str], answers: list[str], **columns):
   return scores
 
 
-@register("math")
+@register("math", correctness=True)
 def math_reward(completions: list[str], answers: list[str], **columns):
   """1.0 where the completion's final answer is equivalent to the reference.
 
@@ -421,3 +448,83 @@ def combine(weights: Mapping[str, float]) -> RewardFn:
     return compute(weights, completions, answers, **columns)[0]
 
   return combined
+
+
+def correctness_reward(weights: Mapping[str, float]) -> str | None:
+  """The active correctness reward (the last registered with a weight > 0), or None."""
+  active = [name for name in CORRECTNESS if weights.get(name, 0) > 0]
+  return active[-1] if active else None
+
+
+def majority_reward(weights: Mapping[str, float]) -> str | None:
+  """The correctness reward whose answers maj@k votes on: None when there is none, or it
+  has no answer extractor (then there is no maj@k)."""
+  name = correctness_reward(weights)
+  return name if name in EXTRACTORS else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """A rollout's N rows scored: what training's metrics and validation read."""
+
+  completions: list[str]
+  total_N: np.ndarray            # float32, the weighted sum: the reward GRPO's advantages use
+  breakdown: dict[str, np.ndarray]  # float32, each active reward's unweighted values
+  # The correctness reward's values, else the total (validation passes a row above
+  # val_pass_threshold); correct_N: the same values, else total > 0 as 0/1 (accuracy).
+  validation_N: np.ndarray
+  correct_N: np.ndarray
+  answers: list[Any] | None      # the correctness reward's extracted answers, when asked
+
+
+class Scorer:
+  """The one seam from a rollout to rewards, for training and validation alike.
+
+  `scorer(tokens_NxT, lengths_N, batch, repeats)` decodes the N completions, passes every
+  column of the batch's rows (`batch["rows"]`, each repeated for its `repeats` consecutive
+  completions) to the active rewards, and returns their `Scores`.
+  """
+
+  def __init__(self, weights: Mapping[str, float], tokenizer):
+    self.weights = dict(weights)
+    _checked_weights(self.weights)
+    self.tokenizer = tokenizer
+    self.correctness = correctness_reward(self.weights)
+    self.majority = majority_reward(self.weights)
+
+  def columns(self, batch: Mapping[str, Any], repeats: int) -> dict[str, list[Any]]:
+    """Every row field but `answer`, and `prompts`, one entry per completion."""
+    rows = batch["rows"]
+    names = sorted({k for row in rows for k in row} - {"answer"})
+    clash = sorted(set(names) & set(RESERVED_COLUMNS))
+    if clash:
+      raise ValueError(f"data column {clash[0]!r} is a name the scorer passes itself; "
+                       f"rename it (reserved: {', '.join(RESERVED_COLUMNS)})")
+    out = {k: [row.get(k) for row in rows for _ in range(repeats)] for k in names}
+    out["prompts"] = [p for p in batch["prompts"] for _ in range(repeats)]
+    return out
+
+  def __call__(self, tokens_NxT, lengths_N, batch: Mapping[str, Any], repeats: int,
+               extract: bool = False) -> Scores:
+    """extract: also return the correctness reward's extracted answers (for maj@k and the
+    validation samples); None when it has no extractor."""
+    tokens_NxT, lengths_N = np.asarray(tokens_NxT), np.asarray(lengths_N)
+    completions = self.tokenizer.decode_batch(tokens_NxT)
+    answers = [row["answer"] for row in batch["rows"] for _ in range(repeats)]
+    columns = self.columns(batch, repeats)
+    columns["completion_ids"] = [t[:n] for t, n in zip(tokens_NxT, lengths_N)]
+    total, breakdown = compute(self.weights, completions, answers, **columns)
+    total_N = np.asarray(total, np.float32)
+    breakdown = {k: np.asarray(v, np.float32) for k, v in breakdown.items()}
+    if self.correctness is not None:
+      validation_N = correct_N = breakdown[self.correctness]
+    else:
+      validation_N, correct_N = total_N, (total_N > 0).astype(np.float32)
+    found = None
+    if extract and self.majority is not None:
+      found = [EXTRACTORS[self.majority](c) for c in completions]
+    return Scores(completions, total_N, breakdown, validation_N, correct_N, found)
+
+  def answers_equal(self, a: Any, b: Any) -> bool:
+    """`answers_equal` of the voting reward (an error when there is none)."""
+    return answers_equal(self.majority, a, b)

@@ -12,6 +12,7 @@ The phases read top to bottom:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -27,6 +28,7 @@ from ml_collections import config_flags
 # and flag errors answer without it. The host-side loading (loading.py) is imported after.
 from jaxgrpo import config as config_lib
 from jaxgrpo import distributed
+from jaxgrpo import rewards
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py[:arg]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the run writes (default: ./runs/<time>).")
@@ -53,6 +55,11 @@ class Setup:
   val_batches: list
   resume: tuple | None = None  # (checkpoints folder, step or None for the newest intact)
   val_sources: list = dataclasses.field(default_factory=list)  # names, [] for one source
+
+  @functools.cached_property
+  def scorer(self) -> rewards.Scorer:
+    """The run's one scoring seam, for its training steps and its validations."""
+    return rewards.Scorer(self.config.rewards.to_dict(), self.tokenizer)
 
 
 def parse_config(argv, announce=None):

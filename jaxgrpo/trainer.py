@@ -1,9 +1,9 @@
-"""The device side of a run: build the engine and update step once, then loop.
+"""The loop: one step after another, validated, checkpointed and logged on schedule.
 
-One step (DESIGN.md's data flow):
-    data.next()                                  host    prompts_B, answers_B
+build.py makes the engine and the update step once; each step then runs
+    data.next()                                  host    prompts_B, rows_B
     engine.sample("train", params, prompts)      device  tokens_NxT, logp_NxT, mask_NxT
-    detokenize -> rewards                        host    rewards_N
+    scorer(tokens, rows) (rewards.Scorer)        host    rewards_N
     update(state, batch) x num_iterations        device  advantages from rewards.reshape(B, G)
 """
 
@@ -19,115 +19,9 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import checkpoint, distributed, faults, grpo, hf, metrics, plot, sampling
-from jaxgrpo import validation
+from jaxgrpo import build, checkpoint, distributed, faults, grpo, metrics, plot, validation
 from jaxgrpo import model as model_lib
-from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
-
-
-def build(setup, mesh=None):
-  """Mesh, sharded params, the two sampling profiles, optimizer state and update step.
-
-  The update step is a CountedUpdate: its `compilations`, like engine.compilations for the
-  samplers, count traces, so the run can show that nothing recompiled inside the loop.
-  """
-  c = setup.config
-  # A caller may pass its own mesh (a benchmark on fewer devices than the host has).
-  mesh = sharding_lib.make_mesh(c.mesh.to_dict()) if mesh is None else mesh
-  params = place_params(c, setup.model_cfg, setup.host_params, mesh)
-  g = c.grpo
-  engine = make_engine(c, setup.model_cfg, setup.tokenizer, mesh)
-  train_sp = engine.profile("train").sampling
-  total_updates = g.max_num_steps * g.num_iterations
-  o = c.optim
-  optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps, total_updates,
-                                      o.weight_decay, o.grad_clip, o.schedule)
-  # No reference policy at all when beta is 0 (no copy, no forward pass).
-  ref_params = jax.tree.map(lambda x: x.copy(), params) if g.beta > 0 else None
-  state = grpo.init_state(params, optimizer, mesh)
-  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_config(c, mesh),
-                         sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
-  return engine, state, ref_params, update
-
-
-def place_params(c, model_cfg, host_params, mesh):
-  """The starting policy on the mesh: a Hugging Face folder streamed tensor by tensor (checked
-  in train.prepare), a loaded jaxgrpo checkpoint (host_params), or the seeded random init."""
-  if c.model.hf_checkpoint:
-    return hf.load_hf(c.model.hf_checkpoint, dtype=c.model.param_dtype, mesh=mesh)[1]
-  if host_params is None:
-    return sharding_lib.init_sharded(model_cfg, mesh, jax.random.key(c.seed))
-  return sharding_lib.shard_params(host_params, model_cfg, mesh)
-
-
-def scan_layers(c, mesh) -> bool:
-  """model.scan_layers, with None resolved by the mesh's platform (model.resolve_scan_layers)."""
-  return model_lib.resolve_scan_layers(c.model.scan_layers, mesh.devices.flat[0].platform)
-
-
-def attention(c, mesh) -> str:
-  """model.attention, with None resolved by the mesh's platform and the compute dtype."""
-  return model_lib.resolve_attention(c.model.attention, mesh.devices.flat[0].platform,
-                                     c.model.dtype)
-
-
-def loss_config(c, mesh) -> grpo.LossConfig:
-  """The GRPO loss settings of a run config, on `mesh`."""
-  g = c.grpo
-  return grpo.LossConfig(
-      num_generations=g.num_generations_per_prompt, beta=g.beta, kl_type=g.kl_type,
-      epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
-      scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
-      max_new_tokens=c.generation.max_new_tokens, micro_batch_size=g.micro_batch_size,
-      logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat,
-      scan_layers=scan_layers(c, mesh), attention=attention(c, mesh))
-
-
-class CountedUpdate:
-  """compile_update's jitted step, called as it is, and how many times jax traced it.
-
-  A trace happens once per compilation, so `compilations` above 1 after a run means an input's
-  shape, dtype or sharding changed between steps: each such step paid a full compilation.
-  """
-
-  def __init__(self, *args, **kwargs):  # compile_update's arguments
-    self.compilations = 0
-    self.fn = grpo.compile_update(*args, **kwargs, on_trace=self._count)
-
-  def _count(self):
-    self.compilations += 1
-
-  def __call__(self, state, batch, ref_params):
-    return self.fn(state, batch, ref_params)
-
-
-def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
-  """The rollout engine with the config's two profiles (val_k overrides k, for benchmarks)."""
-  gen, g = c.generation, c.grpo
-  train_sp = sampling.SamplingParams(gen.temperature, gen.top_p, gen.top_k)
-  # The validator resolved unset val_* keys to the training values.
-  val_sp = sampling.SamplingParams(gen.val_temperature, gen.val_top_p, gen.val_top_k)
-  profiles = {"train": sampling.Profile(train_sp, g.num_generations_per_prompt,
-                                        gen.max_new_tokens),
-              "val": sampling.Profile(val_sp, val_k or g.val_num_generations_per_prompt,
-                                      gen.max_new_tokens)}
-  common = dict(max_prompt_length=c.data.max_prompt_length, eos_id=tokenizer.stop_ids,
-                pad_id=tokenizer.pad_id, seed=c.seed)
-  if gen.backend == "jetstream":
-    # Imported here and only here: it imports JetStream and, through it, TensorFlow.
-    from jaxgrpo.engine import jetstream_rollouts  # pylint: disable=g-import-not-at-top
-    # Default: one slot per row of this process's rollout, so a call is one wave.
-    prompts = {"train": g.num_prompts_per_step, "val": g.val_batch_size}
-    slots = {name: gen.max_concurrent_decodes
-             or profiles[name].num_samples * prompts[name] // jax.process_count()
-             for name in profiles}
-    return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
-                                                     tokenizer=tokenizer, slots=slots, **common)
-  return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
-                                decode_block=gen.decode_block_size,
-                                compact_stages=gen.compact_stages,
-                                attention=attention(c, mesh), **common)
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step):
@@ -138,17 +32,14 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
   """
   c = setup.config
   g = c.grpo.num_generations_per_prompt
-  weights = c.rewards.to_dict()
   t0 = time.perf_counter()
   rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
                           batch["prompt_mask_BxL"], step=step)
   tokens_NxT, lengths_N, truncated_N = sharding_lib.to_local(
       (rollout.tokens_NxT, rollout.lengths_N, rollout.truncated_N))
-  completions = setup.tokenizer.decode_batch(tokens_NxT)
   t_rollout = time.perf_counter() - t0
-  answers = [a for a in batch["answers"] for _ in range(g)]
-  total, breakdown = rewards_lib.compute(weights, completions, answers)
-  rewards_N = np.asarray(total, np.float32)
+  scores = setup.scorer(tokens_NxT, lengths_N, batch, g)
+  rewards_N = scores.total_N
   if step == faults.nan_injection_step():  # test hook (faults.py): a poisoned update
     rewards_N = np.full_like(rewards_N, np.nan)
   t1 = time.perf_counter()
@@ -162,10 +53,10 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
     state, aux = update(state, update_batch, ref_params)
   aux = jax.device_get(aux)
   t_update = time.perf_counter() - t1
-  names = sorted(breakdown)
+  names = sorted(scores.breakdown)
   rewards_N, correct_N, lengths_N, truncated_N, *parts = distributed.gather_rows(
-      rewards_N, validation.correctness(weights, total, breakdown), lengths_N, truncated_N,
-      *(np.asarray(breakdown[k], np.float32) for k in names))
+      rewards_N, scores.correct_N, lengths_N, truncated_N,
+      *(scores.breakdown[k] for k in names))
   groups = rewards_N.reshape(-1, g)
   out = {
       "reward_mean": float(rewards_N.mean()), "reward_std": float(rewards_N.std()),
@@ -191,7 +82,7 @@ def run(setup) -> int:
   """
   c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
   t_start = time.time()
-  engine, state, ref_params, update = build(setup)
+  engine, state, ref_params, update = build.training(setup)
   primary = jax.process_index() == 0
   checkpoints = checkpoint.Checkpoints(
       os.path.join(setup.workdir, checkpoint.DIR_NAME), max_to_keep=ck.max_to_keep,
@@ -214,7 +105,7 @@ def run(setup) -> int:
                                                                     metrics.JSONL_NAME))
                                   else None))
   validator = validation.Validator(
-      engine, setup.val_batches, setup.tokenizer, c.rewards.to_dict(),
+      engine, setup.val_batches, setup.scorer,
       threshold=g.val_pass_threshold, seed=g.val_seed, mesh=engine.mesh,
       samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None,
       sources=setup.val_sources, stop_metric=g.stop_at_validation_metric,

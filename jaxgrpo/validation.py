@@ -43,7 +43,6 @@ hosts.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import statistics
@@ -56,35 +55,8 @@ import numpy as np
 
 from jaxgrpo import distributed
 from jaxgrpo import metrics as metrics_lib
-from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as sharding_lib
 from jaxgrpo import voting
-
-# Which reward says "the answer is right", in order of preference.
-CORRECTNESS_REWARDS = ("math", "exact_match")
-
-
-def _correctness_reward(weights: Mapping[str, float], breakdown):
-  """The first active correctness reward's per-row values, or None when none is active."""
-  for name in CORRECTNESS_REWARDS:
-    if weights.get(name, 0) > 0:
-      return np.asarray(breakdown[name], np.float32)
-  return None
-
-
-def correctness(weights: Mapping[str, float], total: Sequence[float],
-                breakdown: Mapping[str, Sequence[float]]) -> np.ndarray:
-  """Per-row 0/1 correctness: the first active correctness reward, else total reward > 0."""
-  found = _correctness_reward(weights, breakdown)
-  return found if found is not None else (np.asarray(total) > 0).astype(np.float32)
-
-
-def validation_rewards(weights: Mapping[str, float], total: Sequence[float],
-                       breakdown: Mapping[str, Sequence[float]]) -> np.ndarray:
-  """The reward validation measures: the correctness reward if any, else the total."""
-  found = _correctness_reward(weights, breakdown)
-  return found if found is not None else np.asarray(total, np.float32)
-
 
 def pass_js(k: int) -> tuple[int, ...]:
   """The j of the reported pass@j: powers of two below k, and k itself."""
@@ -100,14 +72,6 @@ def per_prompt_metrics(k: int, majority: bool) -> list[str]:
   return ["accuracy", "reward_mean"] + [f"pass@{j}" for j in pass_js(k)] + (
       [f"maj@{k}"] if majority else []) + (["pass_k"] if k > 1 else []) + [
           "avg_length", "truncated_fraction"]
-
-
-def majority_reward(weights: Mapping[str, float]) -> str | None:
-  """The correctness reward whose answers maj@k votes on, or None (no extractor: no maj@k)."""
-  for name in CORRECTNESS_REWARDS:
-    if weights.get(name, 0) > 0:
-      return name if name in rewards_lib.EXTRACTORS else None
-  return None
 
 
 def stop_metric_names(k: int, majority: bool = False) -> list[str]:
@@ -274,21 +238,20 @@ class Validator:
   without sources); `records` holds the samples log's rows (process 0: every host's).
   """
 
-  def __init__(self, engine, batches: Sequence[dict], tokenizer, weights: Mapping[str, float],
-               *, threshold: float, seed: int, mesh, samples_dir: str | None = None,
+  def __init__(self, engine, batches: Sequence[dict], scorer, *, threshold: float, seed: int, mesh, samples_dir: str | None = None,
                sources: Sequence[str] = (), stop_metric: str | None = None,
                confidence: float | None = None, collect: bool = False):
-    """collect: keep `records` without writing them (the evaluation command writes its own
-    samples.jsonl)."""
-    self.engine, self.batches, self.tokenizer = engine, list(batches), tokenizer
-    self.weights, self.threshold, self.seed = dict(weights), threshold, seed
+    """scorer: rewards.Scorer, the seam training scores through too. collect: keep `records`
+    without writing them (the evaluation command writes its own samples.jsonl)."""
+    self.engine, self.batches, self.scorer = engine, list(batches), scorer
+    self.threshold, self.seed = threshold, seed
     self.k = engine.profile("val").num_samples
     self.key = jax.random.key(seed)  # with the prompt index, the only source of randomness
     self.samples_dir, self.mesh = samples_dir, mesh
     self.sources = list(sources)
     # The correctness reward's answers, logged per sample; one sample per prompt has no
     # vote to take (maj@1 would repeat accuracy).
-    self.extractor = majority_reward(self.weights)
+    self.extractor = scorer.majority
     self.majority = self.extractor if self.k > 1 else None
     self.stop_metric = stop_metric if confidence is not None else None
     self.confidence = confidence
@@ -313,20 +276,17 @@ class Validator:
     for batch, rollout in zip(self.batches, rollouts):
       tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
                                                    rollout.truncated_N))
-      completions = self.tokenizer.decode_batch(tokens)
-      answers = [a for a in batch["answers"] for _ in range(self.k)]
-      total, breakdown = rewards_lib.compute(self.weights, completions, answers)
-      score = validation_rewards(self.weights, total, breakdown)
+      extract = self.extractor is not None and (self.majority or self.collect)
+      scored = self.scorer(tokens, lens, batch, self.k, extract=extract)
+      completions, score = scored.completions, scored.validation_N
       scores.append(score)
-      totals.append(np.asarray(total, np.float32))
+      totals.append(scored.total_N)
       lengths.append(lens)
       truncated.append(trunc)
-      extracted = (voting.extract_all(self.extractor, completions, self.k)
-                   if self.extractor and (self.majority or self.collect) else None)
+      extracted = voting.group(scored.answers, self.k) if extract else None
       if self.majority is not None:
-        correct = correctness(self.weights, total, breakdown).reshape(-1, self.k)
-        majs.append(voting.maj_correct(
-            extracted, correct, functools.partial(rewards_lib.answers_equal, self.majority)))
+        majs.append(voting.maj_correct(extracted, scored.correct_N.reshape(-1, self.k),
+                                       self.scorer.answers_equal))
       if self.collect:
         records += self._records(batch, completions, score, lens, trunc, extracted)
       if progress is not None:

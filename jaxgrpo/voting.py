@@ -35,8 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxgrpo import rewards as rewards_lib
-
 
 def majority_index(answers_K: Sequence[Any],
                    equal: Callable[[Any, Any], bool]) -> int | None:
@@ -113,14 +111,11 @@ def maj_correct(answers_PxK: Sequence[Sequence[Any]], scores_PxK,
   return right_P
 
 
-def extract_all(name: str, completions_N: Sequence[str], k: int) -> list[list[Any]]:
-  """The answers reward `name` compares, as P lists of k (rows p*k .. p*k+k-1 are p's).
+def group(answers_N: Sequence[Any], k: int) -> list[list[Any]]:
+  """The N extracted answers as P lists of k (rows p*k .. p*k+k-1 are prompt p's).
 
-  Raises UnknownRewardError when `name` has no extractor, and ValueError when the
-  N completions are not whole groups of k.
+  Raises ValueError when the N answers are not whole groups of k.
   """
-  extract = rewards_lib.get_extractor(name)
-  if k < 1 or len(completions_N) % k:
-    raise ValueError(f"{len(completions_N)} completions are not whole groups of k={k}")
-  answers_N = [extract(c) for c in completions_N]
-  return [answers_N[p:p + k] for p in range(0, len(answers_N), k)]
+  if k < 1 or len(answers_N) % k:
+    raise ValueError(f"{len(answers_N)} answers are not whole groups of k={k}")
+  return [list(answers_N[p:p + k]) for p in range(0, len(answers_N), k)]

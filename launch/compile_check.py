@@ -164,7 +164,7 @@ def main(argv=None) -> int:
   print(f"update: {rollouts} rollouts in micro-batches of {micro} ({rollouts // micro} per "
         f"step; grpo.micro_batch_size={g.micro_batch_size}), logprob_chunk_size="
         f"{g.logprob_chunk_size}, remat={config.model.remat}, scan_layers="
-        f"{_trainer().scan_layers(config, mesh)}, attention={_trainer().attention(config, mesh)}",
+        f"{_build().scan_layers(config, mesh)}, attention={_build().attention(config, mesh)}",
         flush=True)
   chip = _TOPOLOGY.value.split(":")[0]  # "v5e's 16 GiB", as the chip is called
   memory, failures = {}, []
@@ -342,19 +342,19 @@ def _hbm_bytes(device_kind: str, label: str) -> int:
 
 def _programs(c, model_cfg, tokenizer, mesh, which):
   """(name, jax Lowered, bytes of train state resident beside it) for the programs named in
-  `which` (update, train, val), built as trainer.build builds them, from abstract values."""
+  `which` (update, train, val), built as build.training builds them, from abstract values."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import grpo, sampling, trainer  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import build, grpo, sampling  # pylint: disable=g-import-not-at-top
   gen, g, o = c.generation, c.grpo, c.optim
   optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps,
                                       g.max_num_steps * g.num_iterations, o.weight_decay,
                                       o.grad_clip, o.schedule)
   state = _abstract_state(_abstract_params(model_cfg, mesh), optimizer, mesh)
   ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
-  engine = trainer.make_engine(c, model_cfg, tokenizer, mesh)
+  engine = build.make_engine(c, model_cfg, tokenizer, mesh)
   update = grpo.compile_update(state, ref_params, cfg=model_cfg,
-                               loss=trainer.loss_config(c, mesh),
+                               loss=build.loss_config(c, mesh),
                                sp=engine.profile("train").sampling, optimizer=optimizer,
                                lr_schedule=lr, mesh=mesh)
   b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
@@ -474,10 +474,10 @@ def _table(memory: dict[str, Memory], hbm: int) -> str:
   return "per chip:\n" + "\n".join(lines + notes)
 
 
-def _trainer():
-  """jaxgrpo.trainer, imported once jax is configured (as in _programs)."""
-  from jaxgrpo import trainer  # pylint: disable=g-import-not-at-top
-  return trainer
+def _build():
+  """jaxgrpo.build, imported once jax is configured (as in _programs)."""
+  from jaxgrpo import build  # pylint: disable=g-import-not-at-top
+  return build
 
 
 def _gib(n: int) -> str:

@@ -338,7 +338,7 @@ def test_scan_layers_is_a_bool_or_none_and_resolves_by_platform():
   # "by platform": unrolled on CPU (faster steps there), scanned on TPU and GPU.
   import ml_collections
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import model, sharding, trainer  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import build, model, sharding  # pylint: disable=g-import-not-at-top
   raw = math_config().to_dict()
   raw["model"]["scan_layers"] = "yes"
   with pytest.raises(config_lib.ConfigError, match=r"config.model.scan_layers='yes'.*True or "
@@ -354,6 +354,6 @@ def test_scan_layers_is_a_bool_or_none_and_resolves_by_platform():
   c.model.checkpoint = ""
   config_lib.validate(c, num_devices=1)
   mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-  assert trainer.loss_config(c, mesh).scan_layers is False
+  assert build.loss_config(c, mesh).scan_layers is False
   c.model.scan_layers = True
-  assert trainer.loss_config(c, mesh).scan_layers is True
+  assert build.loss_config(c, mesh).scan_layers is True

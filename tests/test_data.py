@@ -38,6 +38,18 @@ def test_load_jsonl_good_file_keeps_extra_columns_and_skips_blank_lines(tmp_path
                   {"question": "2+2=", "answer": "4"}]
 
 
+def test_a_column_named_like_a_reward_argument_is_refused_with_its_line(tmp_path):
+  # Every column reaches the rewards as a keyword; `prompts` would collide with the
+  # rendered prompts the scorer passes.
+  path = _write(tmp_path, "t.jsonl", [json.dumps({"question": "q", "answer": "a"}),
+                                      json.dumps({"question": "q", "answer": "a",
+                                                  "prompts": "x"})])
+  with pytest.raises(DataError, match=r"t\.jsonl:2: column 'prompts' is a name the rewards "
+                     r"are given already; rename it \(reserved: completions, answers, prompts, "
+                     r"completion_ids\)"):
+    data.load_jsonl(path)
+
+
 def test_load_jsonl_renames_custom_keys(tmp_path):
   path = _write(tmp_path, "t.jsonl", [json.dumps({"problem": "q", "solution": "s"})])
   assert data.load_jsonl(path, "problem", "solution") == [{"question": "q", "answer": "s"}]
@@ -183,17 +195,20 @@ def _take(batches, n):
 
 
 def test_prompt_batches_shapes_and_keys(tok):
-  batches = data.PromptBatches(_rows(10), tok, batch_size=4, max_prompt_length=9,
+  rows = [{**row, "level": i % 3} for i, row in enumerate(_rows(10))]
+  batches = data.PromptBatches(rows, tok, batch_size=4, max_prompt_length=9,
                                process_index=0, process_count=1)
   batch = next(batches)
   assert set(batch) == {"prompt_tokens_BxL", "prompt_mask_BxL", "row_ids_B", "prompts",
-                        "questions", "answers", "sources", "batch_offset"}
+                        "questions", "answers", "sources", "rows", "batch_offset"}
   assert batch["prompt_tokens_BxL"].shape == (4, 9)
   assert batch["prompt_tokens_BxL"].dtype == np.int32
   assert batch["prompt_mask_BxL"].dtype == bool
   for i, row_id in enumerate(batch["row_ids_B"]):
     assert batch["questions"][i] == batch["prompts"][i] == f"{row_id:03d}+000="
     assert batch["answers"][i] == f"{row_id:04d}"
+    # The row itself, every column: what the rewards are given.
+    assert batch["rows"][i] == rows[row_id] and "level" in batch["rows"][i]
 
 
 def test_prompt_batches_each_epoch_is_a_permutation_reshuffled(tok):

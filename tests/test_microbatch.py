@@ -5,7 +5,6 @@ runs both from the same state on the same batch; the parameters, the optimizer m
 every logged diagnostic must agree to float32 rounding.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

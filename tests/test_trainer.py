@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxgrpo import checkpoint, train, trainer
+from jaxgrpo import build, checkpoint, rewards, train, trainer
 from jaxgrpo import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,18 +23,27 @@ def smoke(tmp_path_factory):
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_reference_policy_only_when_beta_positive(smoke, beta):
+def test_reference_policy_only_when_beta_positive(smoke, beta, monkeypatch):
+  # A reward that scores 0 and keeps what it was given: every column of the batch's rows.
+  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
+  seen = []
+  rewards.register("_test_seen")(lambda c, a, **columns: seen.append(columns) or [0.0] * len(c))
   config = ml_collections.ConfigDict(smoke.config.to_dict())
   config.grpo.beta = beta
+  config.rewards["_test_seen"] = 1.0
   setup = dataclasses.replace(smoke, config=config)
-  engine, state, ref_params, update = trainer.build(setup)
+  engine, state, ref_params, update = build.training(setup)
   if beta == 0:
     assert ref_params is None  # no copy of the parameters, no reference forward pass
   else:
     assert ref_params is not None
-  state, metrics = trainer.train_step(setup, engine, state, ref_params, update,
-                                      next(setup.train_batches), step=1)
+  batch = next(setup.train_batches)
+  state, metrics = trainer.train_step(setup, engine, state, ref_params, update, batch, step=1)
   assert int(state.step) == 1
+  g = config.grpo.num_generations_per_prompt
+  assert seen[0]["question"] == [q for q in batch["questions"] for _ in range(g)]
+  assert seen[0]["prompts"] == [p for p in batch["prompts"] for _ in range(g)]
+  assert len(seen[0]["completion_ids"]) == len(batch["prompts"]) * g
   for key in ("loss", "policy_loss", "kl", "clip_fraction", "grad_norm", "learning_rate",
               "reward_mean", "accuracy", "zero_std_group_fraction", "rollout_tokens_per_s"):
     assert np.isfinite(metrics[key]), key

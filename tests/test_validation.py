@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import data, model, sampling, sharding, validation
+from jaxgrpo import data, model, rewards, sampling, sharding, validation
 from jaxgrpo.tokenizer import Tokenizer
 
 from numpy_params import random_params  # tests/numpy_params.py
@@ -151,8 +151,6 @@ def test_reported_names():
   assert validation.stop_metric_names(4) == ["accuracy", "reward_mean", "pass@1", "pass@2",
                                              "pass@4", "pass_k"]
   assert "maj@4" in validation.stop_metric_names(4, majority=True)
-  assert validation.majority_reward({"math": 1.0, "exact_match": 1.0}) == "math"
-  assert validation.majority_reward({"format": 1.0}) is None
   names = validation.metric_names(2, True, ["a", "b"], "pass@2/b", 0.9)
   assert names[:3] == ["accuracy", "accuracy_stderr", "reward_mean"]
   assert "maj@2" in names and "pass@2/a" in names and names[-1] == "pass@2/b_lcb"
@@ -176,21 +174,6 @@ def test_stop_message():
   assert "0.95 lower bound 0.55" in line and "accuracy=0.6" in line
 
 
-def test_correctness_prefers_math_then_exact_match():
-  breakdown = {"math": [1.0, 0.0], "exact_match": [0.0, 1.0], "format": [1.0, 1.0]}
-  total = [2.0, 1.5]
-  np.testing.assert_array_equal(
-      validation.correctness({"math": 1.0, "exact_match": 1.0}, total, breakdown), [1, 0])
-  np.testing.assert_array_equal(
-      validation.correctness({"math": 0.0, "exact_match": 1.0}, total, breakdown), [0, 1])
-  # Neither active: a row is correct when its total reward is positive; validation's reward
-  # is then the total itself.
-  np.testing.assert_array_equal(
-      validation.correctness({"format": 1.0}, [0.0, 0.5], breakdown), [0, 1])
-  np.testing.assert_array_equal(
-      validation.validation_rewards({"format": 1.0}, [0.0, 0.5], breakdown), [0, 0.5])
-
-
 # --- The Validator on a real (tiny, random) model. -------------------------------------------
 
 TOK = Tokenizer.char_level("0123456789+=")
@@ -200,7 +183,7 @@ ROWS = data.arithmetic_examples(12, num_digits=3, seed=5)
 
 
 def make_validator(val_sp, k, batch_size, tmp_path=None, devices=1, seed=0, rows=ROWS,
-                   **validator_kwargs):
+                   weights=None, **validator_kwargs):
   mesh = sharding.make_mesh({"data": devices, "fsdp": 1, "tensor": 1},
                             devices=jax.devices()[:devices])
   train = sampling.Profile(sampling.SamplingParams(1.0, 1.0, 0), 2, 5)
@@ -209,7 +192,8 @@ def make_validator(val_sp, k, batch_size, tmp_path=None, devices=1, seed=0, rows
       max_prompt_length=9, eos_id=TOK.eos_id, pad_id=TOK.pad_id, seed=123)
   batches = data.validation_batches(rows, TOK, batch_size, 9, process_index=0, process_count=1)
   validator = validation.Validator(
-      engine, batches, TOK, {"exact_match": 1.0}, threshold=0.0, seed=seed, mesh=mesh,
+      engine, batches, rewards.Scorer(weights or {"exact_match": 1.0}, TOK), threshold=0.0, seed=seed,
+      mesh=mesh,
       samples_dir=None if tmp_path is None else str(tmp_path / "val_samples"),
       **validator_kwargs)
   params = sharding.shard_params(random_params(CFG, 0), CFG, mesh)
@@ -221,9 +205,16 @@ def samples_of(tmp_path, step=0):
     return [json.loads(line) for line in f]
 
 
-def test_val_profile_reaches_the_sampler(tmp_path):
-  greedy, params = make_validator(sampling.SamplingParams(0.0, 1.0, 0), 4, 4, tmp_path)
+def test_val_profile_reaches_the_sampler(tmp_path, monkeypatch):
+  # A reward that scores 0 and keeps what it was given: the rows' columns, as in training.
+  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
+  seen = []
+  rewards.register("_test_seen")(lambda c, a, **columns: seen.append(columns) or [0.0] * len(c))
+  greedy, params = make_validator(sampling.SamplingParams(0.0, 1.0, 0), 4, 4, tmp_path,
+                                  weights={"exact_match": 1.0, "_test_seen": 1.0})
   metrics = greedy(params, step=0)
+  assert [len(s["question"]) for s in seen] == [16, 16, 16]  # 3 batches of 4 prompts x 4
+  assert seen[0]["question"][:5] == [ROWS[0]["question"]] * 4 + [ROWS[1]["question"]]
   records = samples_of(tmp_path)
   assert [r["prompt_index"] for r in records] == list(range(12))  # padding rows left out
   assert metrics["num_prompts"] == 12 and metrics["num_rollouts"] == 48

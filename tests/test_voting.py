@@ -51,7 +51,7 @@ def _scores_PxK(completions, references, k):
 
 
 def test_hand_made_maj_at_5():
-  answers_PxK = voting.extract_all("math", HAND_COMPLETIONS, 5)
+  answers_PxK = voting.group([rewards.EXTRACTORS["math"](c) for c in HAND_COMPLETIONS], 5)
   scores_PxK = _scores_PxK(HAND_COMPLETIONS, HAND_REFERENCES, 5)
   assert answers_PxK == HAND_ANSWERS
   np.testing.assert_array_equal(scores_PxK, HAND_SCORES)
@@ -187,15 +187,16 @@ def test_maj_correct_checks_shapes():
     voting.maj_correct([["a"], ["b"]], [[1]], operator.eq)
 
 
-def test_extract_all_groups_rows_by_prompt():
+def test_group_and_the_extractors_read_rows_by_prompt():
   completions = ["#### 1", "#### 2", "#### 3", "no", "#### 5", "#### 6"]
-  assert voting.extract_all("math", completions, 3) == [["1", "2", "3"], [None, "5", "6"]]
-  assert voting.extract_all("exact_match", [" 0579 \n", "", "a b"], 1) == [
-      ["0579"], [None], ["a"]]
+  answers = [rewards.EXTRACTORS["math"](c) for c in completions]
+  assert voting.group(answers, 3) == [["1", "2", "3"], [None, "5", "6"]]
+  assert voting.group([rewards.get_extractor("exact_match")(c)
+                       for c in [" 0579 \n", "", "a b"]], 1) == [["0579"], [None], ["a"]]
   with pytest.raises(ValueError, match="whole groups of k=4"):
-    voting.extract_all("math", completions, 4)
+    voting.group(answers, 4)
   with pytest.raises(KeyError, match="'format' has no answer extractor"):
-    voting.extract_all("format", completions, 3)
+    rewards.get_extractor("format")
 
 
 def test_registry():

@@ -25,7 +25,7 @@ from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo import loading
 from jaxgrpo import sharding as sharding_lib
-from jaxgrpo import trainer
+from jaxgrpo import build
 from jaxgrpo.bench import common
 
 
@@ -43,7 +43,7 @@ def run_backends(args) -> list[dict]:
     config.generation.max_concurrent_decodes = slots
     config = config_lib.validate(config, 1)
     model_cfg, host_params, tokenizer = loading.load_policy(config)
-    engines[name] = trainer.make_engine(config, model_cfg, tokenizer, mesh)
+    engines[name] = build.make_engine(config, model_cfg, tokenizer, mesh)
   params = sharding_lib.shard_params(host_params, model_cfg, mesh)
   g, d = config.grpo, config.data
   train_rows, _ = data_lib.make_sources(d)

@@ -37,7 +37,7 @@ from jaxgrpo import data as data_lib
 from jaxgrpo import loading
 from jaxgrpo import sharding as sharding_lib
 from jaxgrpo import train as train_lib
-from jaxgrpo import trainer, validation
+from jaxgrpo import build, rewards, trainer, validation
 from jaxgrpo.bench import common
 
 
@@ -59,12 +59,12 @@ def _setup(args):
 
 def _validator(config, model_cfg, tokenizer, mesh, rows, k, confidence, seed):
   d, g = config.data, config.grpo
-  engine = trainer.make_engine(config, model_cfg, tokenizer, mesh, val_k=k)
+  engine = build.make_engine(config, model_cfg, tokenizer, mesh, val_k=k)
   batches = data_lib.validation_batches(rows, tokenizer, g.val_batch_size, d.max_prompt_length,
                                         template=d.prompt_template, process_index=0,
                                         process_count=1)
   return engine, validation.Validator(
-      engine, batches, tokenizer, config.rewards.to_dict(), threshold=g.val_pass_threshold,
+      engine, batches, rewards.Scorer(config.rewards.to_dict(), tokenizer), threshold=g.val_pass_threshold,
       seed=seed, mesh=mesh, stop_metric="accuracy" if confidence else None,
       confidence=confidence)
 
@@ -87,7 +87,7 @@ def run_early_stop(args) -> list[dict]:
                                      c.data.max_prompt_length, template=c.data.prompt_template,
                                      seed=run, process_index=0, process_count=1)
     setup = train_lib.Setup(c, "", model_cfg, host_params, tokenizer, batches, [])
-    engine, state, ref_params, update = trainer.build(setup, mesh)
+    engine, state, ref_params, update = build.training(setup, mesh)
     trajectory, stops = [], {"plain": None, "confidence": None}
     for step in range(1, args.max_steps + 1):
       state, _ = trainer.train_step(setup, engine, state, ref_params, update, next(batches),

@@ -91,7 +91,7 @@ def _rounded(xs, digits=4):
 
 
 class _Setup:
-  """Parameters, reference copy, optimizer state and the compiled update, as trainer.build
+  """Parameters, reference copy, optimizer state and the compiled update, as build.training
   makes them, with a trace counter inside the update."""
 
   def __init__(self, cfg, prompts: int, new_tokens: int, total_updates: int,

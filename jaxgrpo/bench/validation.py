@@ -12,7 +12,8 @@ from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo import loading
 from jaxgrpo import sharding as sharding_lib
-from jaxgrpo import trainer
+from jaxgrpo import build
+from jaxgrpo import rewards
 from jaxgrpo import validation
 from jaxgrpo.bench import common
 
@@ -33,9 +34,10 @@ def run_validation(args) -> list[dict]:
                                         d.max_prompt_length, template=d.prompt_template)
   results = []
   for k in args.ks:
-    engine = trainer.make_engine(config, model_cfg, tokenizer, mesh, val_k=k)
+    engine = build.make_engine(config, model_cfg, tokenizer, mesh, val_k=k)
     val_sp = engine.profile("val").sampling
-    validator = validation.Validator(engine, batches, tokenizer, config.rewards.to_dict(),
+    validator = validation.Validator(engine, batches,
+                                     rewards.Scorer(config.rewards.to_dict(), tokenizer),
                                      threshold=g.val_pass_threshold, seed=0, mesh=mesh)
     first = validator(params, 0)["wall_time_s"]  # compiles the sampler and the metrics
     runs = []

@@ -1,7 +1,7 @@
 """JetStream's `Engine` API over jaxgrpo's decoder: generation.backend='jetstream' and
 `python -m jaxgrpo.serve`.
 
-Imported only when asked for (trainer.make_engine with backend='jetstream', jaxgrpo.serve):
+Imported only when asked for (build.make_engine with backend='jetstream', jaxgrpo.serve):
 importing it imports google-jetstream 0.2.2, which imports TensorFlow through seqio. Install
 it with `pip install 'jaxgrpo[jetstream]'`.
 

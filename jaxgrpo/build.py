@@ -1,0 +1,118 @@
+"""What a run builds once, before its first step: the mesh, the policy's parameters placed on
+it, the rollout engine with its two profiles, the optimizer and the compiled update step.
+
+The trainer, the evaluator, the benchmarks and launch/compile_check.py all build from here,
+so a benchmark measures the very engine and update a run uses.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxgrpo import grpo, hf, sampling
+from jaxgrpo import model as model_lib
+from jaxgrpo import sharding as sharding_lib
+
+
+def training(setup, mesh=None):
+  """Mesh, sharded params, the two sampling profiles, optimizer state and update step.
+
+  The update step is a CountedUpdate: its `compilations`, like engine.compilations for the
+  samplers, count traces, so the run can show that nothing recompiled inside the loop.
+  """
+  c = setup.config
+  # A caller may pass its own mesh (a benchmark on fewer devices than the host has).
+  mesh = sharding_lib.make_mesh(c.mesh.to_dict()) if mesh is None else mesh
+  params = place_params(c, setup.model_cfg, setup.host_params, mesh)
+  g = c.grpo
+  engine = make_engine(c, setup.model_cfg, setup.tokenizer, mesh)
+  train_sp = engine.profile("train").sampling
+  total_updates = g.max_num_steps * g.num_iterations
+  o = c.optim
+  optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps, total_updates,
+                                      o.weight_decay, o.grad_clip, o.schedule)
+  # No reference policy at all when beta is 0 (no copy, no forward pass).
+  ref_params = jax.tree.map(lambda x: x.copy(), params) if g.beta > 0 else None
+  state = grpo.init_state(params, optimizer, mesh)
+  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_config(c, mesh),
+                         sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
+  return engine, state, ref_params, update
+
+
+def place_params(c, model_cfg, host_params, mesh):
+  """The starting policy on the mesh: a Hugging Face folder streamed tensor by tensor (checked
+  in train.prepare), a loaded jaxgrpo checkpoint (host_params), or the seeded random init."""
+  if c.model.hf_checkpoint:
+    return hf.load_hf(c.model.hf_checkpoint, dtype=c.model.param_dtype, mesh=mesh)[1]
+  if host_params is None:
+    return sharding_lib.init_sharded(model_cfg, mesh, jax.random.key(c.seed))
+  return sharding_lib.shard_params(host_params, model_cfg, mesh)
+
+
+def scan_layers(c, mesh) -> bool:
+  """model.scan_layers, with None resolved by the mesh's platform (model.resolve_scan_layers)."""
+  return model_lib.resolve_scan_layers(c.model.scan_layers, mesh.devices.flat[0].platform)
+
+
+def attention(c, mesh) -> str:
+  """model.attention, with None resolved by the mesh's platform and the compute dtype."""
+  return model_lib.resolve_attention(c.model.attention, mesh.devices.flat[0].platform,
+                                     c.model.dtype)
+
+
+def loss_config(c, mesh) -> grpo.LossConfig:
+  """The GRPO loss settings of a run config, on `mesh`."""
+  g = c.grpo
+  return grpo.LossConfig(
+      num_generations=g.num_generations_per_prompt, beta=g.beta, kl_type=g.kl_type,
+      epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
+      scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
+      max_new_tokens=c.generation.max_new_tokens, micro_batch_size=g.micro_batch_size,
+      logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat,
+      scan_layers=scan_layers(c, mesh), attention=attention(c, mesh))
+
+
+class CountedUpdate:
+  """compile_update's jitted step, called as it is, and how many times jax traced it.
+
+  A trace happens once per compilation, so `compilations` above 1 after a run means an input's
+  shape, dtype or sharding changed between steps: each such step paid a full compilation.
+  """
+
+  def __init__(self, *args, **kwargs):  # compile_update's arguments
+    self.compilations = 0
+    self.fn = grpo.compile_update(*args, **kwargs, on_trace=self._count)
+
+  def _count(self):
+    self.compilations += 1
+
+  def __call__(self, state, batch, ref_params):
+    return self.fn(state, batch, ref_params)
+
+
+def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
+  """The rollout engine with the config's two profiles (val_k overrides k, for benchmarks)."""
+  gen, g = c.generation, c.grpo
+  train_sp = sampling.SamplingParams(gen.temperature, gen.top_p, gen.top_k)
+  # The validator resolved unset val_* keys to the training values.
+  val_sp = sampling.SamplingParams(gen.val_temperature, gen.val_top_p, gen.val_top_k)
+  profiles = {"train": sampling.Profile(train_sp, g.num_generations_per_prompt,
+                                        gen.max_new_tokens),
+              "val": sampling.Profile(val_sp, val_k or g.val_num_generations_per_prompt,
+                                      gen.max_new_tokens)}
+  common = dict(max_prompt_length=c.data.max_prompt_length, eos_id=tokenizer.stop_ids,
+                pad_id=tokenizer.pad_id, seed=c.seed)
+  if gen.backend == "jetstream":
+    # Imported here and only here: it imports JetStream and, through it, TensorFlow.
+    from jaxgrpo.engine import jetstream_rollouts  # pylint: disable=g-import-not-at-top
+    # Default: one slot per row of this process's rollout, so a call is one wave.
+    prompts = {"train": g.num_prompts_per_step, "val": g.val_batch_size}
+    slots = {name: gen.max_concurrent_decodes
+             or profiles[name].num_samples * prompts[name] // jax.process_count()
+             for name in profiles}
+    return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
+                                                     tokenizer=tokenizer, slots=slots, **common)
+  return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
+                                decode_block=gen.decode_block_size,
+                                compact_stages=gen.compact_stages,
+                                attention=attention(c, mesh), **common)
