@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo import grpo
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.model import attention as attention_lib
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
 
 QWEN3_1_7B = dict(vocab_size=151936, d_model=2048, num_layers=28, num_heads=16,
                   num_kv_heads=8, head_dim=128, mlp_dim=6144, rope_theta=1e6, norm_eps=1e-6,
@@ -110,8 +111,8 @@ def main():
   g, p, t = a.generations, a.prompt_len, a.new_tokens
   b = a.rollouts // g
   rng = np.random.default_rng(0)
-  batch = {"prompt_tokens_BxP": rng.integers(10, 50000, (b, p), dtype=np.int32) % cfg.vocab_size,
-           "prompt_mask_BxP": np.ones((b, p), bool),
+  batch = {"prompt_tokens_BxL": rng.integers(10, 50000, (b, p), dtype=np.int32) % cfg.vocab_size,
+           "prompt_mask_BxL": np.ones((b, p), bool),
            "completion_tokens_NxT": rng.integers(10, 50000, (b * g, t), dtype=np.int32)
                                     % cfg.vocab_size,
            "completion_mask_NxT": np.ones((b * g, t), bool),
@@ -150,7 +151,7 @@ def main():
       emit(part="update", rollouts=b * g, prompt_len=p, new_tokens=t, micro_batch_size=int(micro),
            logprob_chunk_size=int(chunk), remat=remat,
            scan_layers=model_lib.resolve_scan_layers(scan, platform),
-           attention=model_lib.resolve_attention(attention, platform, cfg.dtype),
+           attention=attention_lib.resolve_attention(attention, platform, cfg.dtype),
            compile_s=round(compile_s, 1),
            step_s=[round(x, 3) for x in times], tflops=round(flops / s / 1e12, 1),
            fraction_of_matmul_rate=round(flops / s / rate, 3),

@@ -64,7 +64,7 @@ def get_config(arg=None):
       max_concurrent_decodes=0,
       # native only: the decode step reads the samples' keys in blocks of this many slots,
       # up to the current token's (0: the whole cache every step; blocks measured 1.07-1.12x
-      # slower on CPU, unmeasured on accelerators: see README "Fitting a real step").
+      # slower on CPU, unmeasured on accelerators: see docs/scaling.md).
       decode_block_size=0,
       # native only: when the live rows fit in a batch half as large, decode them in one,
       # up to this many times (0: every row is computed until the longest ends). The same

@@ -7,9 +7,9 @@ config before any device work; the heavy names load on first use.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Policy": ("jaxgrpo.policy", "Policy"),
-    "SamplingParams": ("jaxgrpo.sampling", "SamplingParams"),
-    "ModelConfig": ("jaxgrpo.model", "ModelConfig"),
+    "Policy": ("jaxgrpo.rollout.policy", "Policy"),
+    "SamplingParams": ("jaxgrpo.rollout.sampling", "SamplingParams"),
+    "ModelConfig": ("jaxgrpo.model.decoder", "ModelConfig"),
 }
 
 

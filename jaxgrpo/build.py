@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import jax
 
-from jaxgrpo import grpo, hf, sampling
-from jaxgrpo import model as model_lib
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo import grpo
+from jaxgrpo.model import hf
+from jaxgrpo.model import attention as attention_lib
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
 
 
 def training(setup, mesh=None):
@@ -56,7 +59,7 @@ def scan_layers(c, mesh) -> bool:
 
 def attention(c, mesh) -> str:
   """model.attention, with None resolved by the mesh's platform and the compute dtype."""
-  return model_lib.resolve_attention(c.model.attention, mesh.devices.flat[0].platform,
+  return attention_lib.resolve_attention(c.model.attention, mesh.devices.flat[0].platform,
                                      c.model.dtype)
 
 

@@ -91,7 +91,7 @@ VAL_FOLLOWS = {"val_temperature": "temperature", "val_top_p": "top_p", "val_top_
 # What each rollout backend cannot do: backend -> {generation key: why}. The native sampler
 # honours every setting; an adapter (issue 10's JetStream) lists its limits here, and the
 # validator refuses them at startup instead of ignoring them.
-# The JetStream adapter (jaxgrpo/engine/jetstream_engine.py) draws tokens with the native
+# The JetStream adapter (jaxgrpo/rollout/jetstream_engine.py) draws tokens with the native
 # sampler's own function and random streams, so it too honours every sampling setting; what
 # it cannot do (several processes) is checked in _check_backend.
 BACKEND_LIMITS: dict[str, dict[str, Callable[[Any], str | None]]] = {"native": {},
@@ -246,7 +246,7 @@ def _check_stop_rule(g, weights):
   """The stop metric must be one validation reports with this k (or such a metric of one
   source, `pass@4/gsm8k`: the source is checked against the data at startup), and come
   with a threshold."""
-  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
   metric, threshold = g.stop_at_validation_metric, g.stop_at_validation_threshold
   k = g.val_num_generations_per_prompt
   names = validation.stop_metric_names(k, rewards.majority_reward(weights) is not None)
@@ -283,7 +283,7 @@ def _check_stop_rule(g, weights):
 
 
 def _check_checkpoint(ck, g, weights):
-  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
   if not ck.resume:
     _fail("checkpoint.resume", ck.resume, "'auto', 'never' or a checkpoint folder")
   names = validation.stop_metric_names(g.val_num_generations_per_prompt,
@@ -318,7 +318,7 @@ def _check_micro_batch(g, rows: int):
 
 
 def _check_cross_fields(c, num_devices: int):
-  from jaxgrpo import sharding
+  from jaxgrpo.model import sharding
   try:
     sizes = sharding.resolve_mesh_shape(c.mesh.to_dict(), num_devices)
   except ValueError as e:

@@ -28,7 +28,7 @@ import grain
 import numpy as np
 
 from jaxgrpo import rewards
-from jaxgrpo.tokenizer import Tokenizer
+from jaxgrpo.model.tokenizer import Tokenizer
 
 # A path starting with this prefix names a file packaged with jaxgrpo (GSM8K, MIT licence),
 # so configs can say train_path='@gsm8k/train.jsonl' without knowing the install location.

@@ -13,7 +13,7 @@ maj@k, the pass@j ladder). The policy is
 With the run's config, the numbers equal the run's validation row at that step, bit for bit.
 
 --compare=A,B evaluates two policies on the same prompts with the same seeds and reports the
-per-prompt paired difference B - A (jaxgrpo/paired.py). Each side is a run folder (DIR,
+per-prompt paired difference B - A (jaxgrpo/eval/paired.py). Each side is a run folder (DIR,
 DIR:STEP or DIR/checkpoints/STEP), a jaxgrpo checkpoint folder (model.json, or @embedded/...)
 or a Hugging Face model folder.
 
@@ -41,12 +41,9 @@ import time
 
 import ml_collections
 
+from jaxgrpo import export, loading, rewards, train
 from jaxgrpo import config as config_lib
-from jaxgrpo import export
-from jaxgrpo import hf
-from jaxgrpo import loading
-from jaxgrpo import rewards
-from jaxgrpo import train
+from jaxgrpo.model import hf
 
 # Keys no part of an evaluation reads (command-line overrides of them are named as ignored).
 TRAINING_ONLY = ("seed", "optim.", "checkpoint.", "logging.", "model.remat",
@@ -213,7 +210,7 @@ _EXECUTION_KEYS = ("param_dtype", "dtype", "remat", "scan_layers", "attention")
 
 def _check_run_checkpoint(directory: str, step: int, model_cfg) -> None:
   from jaxgrpo import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import model as model_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
   where = os.path.join(directory, str(step))
   try:
     meta = checkpoint_lib.read_meta(directory, step)
@@ -233,7 +230,7 @@ def _check_run_checkpoint(directory: str, step: int, model_cfg) -> None:
 
 def _pick_metrics(text: str | None, c, sources) -> list[str]:
   """The --metrics names, checked against what this validation reports."""
-  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
   k = c.grpo.val_num_generations_per_prompt
   majority = k > 1 and rewards.majority_reward(c.rewards.to_dict()) is not None
   allowed = validation.per_prompt_metrics(k, majority)
@@ -298,7 +295,8 @@ def main(argv=None) -> int:
   except USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  from jaxgrpo import compile_options, evaluator  # the device side: jax compiles from here on
+  from jaxgrpo.runtime import compile_options  # the device side: jax compiles from here on
+  from jaxgrpo import evaluator
   compile_options.enable_cache(plan.sides[0].config.compilation_cache_dir)
   return evaluator.run(plan)
 

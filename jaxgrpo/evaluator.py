@@ -16,9 +16,10 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, paired, plot, rewards, validation
-from jaxgrpo import metrics as metrics_lib
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo import build, checkpoint, plot, rewards
+from jaxgrpo.runtime import metrics as metrics_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.eval import paired, validation
 
 # The files an evaluation writes (python -m jaxgrpo.evaluate reads the names to refuse an --out
 # that already holds results).
@@ -183,7 +184,7 @@ def write_compare(plan, results, diffs, lines) -> None:
   doc = {"A": {"label": plan.sides[0].label, "checkpoint": plan.sides[0].checkpoint},
          "B": {"label": plan.sides[1].label, "checkpoint": plan.sides[1].checkpoint},
          "difference": "B - A, per prompt", "confidence": paired.CONFIDENCE,
-         "interval": "normal: difference +- z * paired stderr (jaxgrpo/paired.py)",
+         "interval": "normal: difference +- z * paired stderr (jaxgrpo/eval/paired.py)",
          "sampling": results[0]["sampling"], "sources": list(plan.sources),
          "metrics": diffs, "verdicts": lines}
   os.makedirs(plan.out, exist_ok=True)

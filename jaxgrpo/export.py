@@ -21,9 +21,10 @@ import ml_collections
 import numpy as np
 import safetensors.numpy
 
-from jaxgrpo import checkpoint, hf
-from jaxgrpo import model as model_lib
-from jaxgrpo.tokenizer import Tokenizer
+from jaxgrpo import checkpoint
+from jaxgrpo.model import hf
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model.tokenizer import Tokenizer
 
 
 _ARCH_KEYS = ("qkv_bias", "rope_scaling_factor", "rope_low_freq_factor",

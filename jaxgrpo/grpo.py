@@ -60,13 +60,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgrpo import compile_options
-from jaxgrpo import distribution
 from jaxgrpo import microbatch
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
-from jaxgrpo import scoring
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.runtime import compile_options
+from jaxgrpo.model import distribution, scoring
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
 # The loss options' names are defined with the config keys that choose them, so that a config
 # error answers before jax loads.
 from jaxgrpo.config import KL_TYPES, LOSS_AGGS, SCALE_REWARDS
@@ -90,7 +89,7 @@ class LossConfig:
   logprob_chunk_size: int = 0  # completion positions per output projection; 0 = all at once
   remat: str = "none"          # what each layer keeps for the backward (model.REMAT_POLICIES)
   scan_layers: bool | None = None  # layers as one compiled loop body; None: by backend
-  attention: str | None = None  # model.ATTENTION; None: by backend
+  attention: str | None = None  # attention.ATTENTION; None: by backend
 
 
 class TrainState(NamedTuple):
@@ -221,7 +220,7 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   b = n // group_size
   completion_BxGxT = batch["completion_tokens_NxT"].reshape(b, group_size, t)
   sps = sp if isinstance(sp, tuple) else (sp,)
-  args = (params, cfg, batch["prompt_tokens_BxP"], batch["prompt_mask_BxP"], completion_BxGxT,
+  args = (params, cfg, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"], completion_BxGxT,
           batch["completion_mask_NxT"].reshape(b, group_size, t))
   if chunk:
     hidden_BxGxTxD, head_DxV = model_lib.score_hidden(*args, remat=remat,
@@ -363,7 +362,7 @@ def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, 
                 optimizer, lr_schedule, mesh=None):
   """One optimizer update on one rollout batch (pure; jit it with `compile_update`).
 
-  batch: prompt_tokens_BxP, prompt_mask_BxP, completion_tokens_NxT, completion_mask_NxT,
+  batch: prompt_tokens_BxL, prompt_mask_BxL, completion_tokens_NxT, completion_mask_NxT,
   old_logp_NxT, rewards_N, truncated_N (N = B * G, prompt-major rows).
   With loss.micro_batch_size < N the gradient is accumulated over micro-batches
   (`micro_batch_loss`); mesh: where their rows go (None: one device).
@@ -413,7 +412,7 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
   def step_fn(state, batch, ref):
     if on_trace is not None:
       on_trace()  # Python side effect: runs while tracing, never in the compiled step
-    with sharding_lib.activation_sharding(mesh):  # rows over the data axes (activations.py)
+    with sharding_lib.activation_sharding(mesh):  # rows over the data axes (decoder.constrain)
       return update_step(state, batch, ref, cfg=cfg, loss=loss, sp=sp, optimizer=optimizer,
                          lr_schedule=lr_schedule, mesh=mesh)
 
@@ -425,5 +424,5 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
                  compiler_options=compile_options.compiler_options(mesh))
 
 
-BATCH_RANKS = {"prompt_tokens_BxP": 2, "prompt_mask_BxP": 2, "completion_tokens_NxT": 2,
+BATCH_RANKS = {"prompt_tokens_BxL": 2, "prompt_mask_BxL": 2, "completion_tokens_NxT": 2,
                "completion_mask_NxT": 2, "old_logp_NxT": 2, "rewards_N": 1, "truncated_N": 1}

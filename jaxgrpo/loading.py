@@ -15,7 +15,7 @@ import sys
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
-from jaxgrpo import hf
+from jaxgrpo.model import hf
 
 USER_ERRORS = (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
 
@@ -43,7 +43,7 @@ def load_data(config, tokenizer) -> Data:
   d = config.data
   template = d.prompt_template
   if d.use_chat_template:
-    from jaxgrpo import chat  # pylint: disable=g-import-not-at-top
+    from jaxgrpo.model import chat  # pylint: disable=g-import-not-at-top
     try:
       template = data_lib.ChatPrompt(d.prompt_template, chat.ChatTemplate.from_folder(
           hf.resolve(config.model.hf_checkpoint)))
@@ -152,7 +152,7 @@ def check_source_metrics(config, sources) -> None:
 def resume_point(config, workdir: str, model_cfg, train_batches):
   """Where the run resumes from, checked on the host: (folder, step or None) or None."""
   from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import model as model_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
   want = config.checkpoint.resume
   own = os.path.join(workdir, checkpoint.DIR_NAME)
   if want == "never":
@@ -212,8 +212,8 @@ def load_policy(config):
   """
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import model as model_lib
-  from jaxgrpo.tokenizer import Tokenizer
+  from jaxgrpo.model import decoder as model_lib
+  from jaxgrpo.model.tokenizer import Tokenizer
   m = config.model
   arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat",
                                                     "scan_layers", "attention")}

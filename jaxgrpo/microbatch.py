@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.model import sharding as sharding_lib
 
 
 def split(tree, num_micro: int, shards: int, mesh=None):

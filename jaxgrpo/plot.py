@@ -22,7 +22,7 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-from jaxgrpo import metrics as metrics_lib
+from jaxgrpo.runtime import metrics as metrics_lib
 
 PNG_NAME = "validation.png"
 CONFIG_NAME = "config.json"

@@ -34,7 +34,7 @@ a rollout is correct when its total reward is > 0.
 
 A correctness reward may also have an answer extractor (`EXTRACTORS`, by reward
 name): the final answer the reward compares, with `answers_equal` its notion of
-equality. Majority voting (jaxgrpo/voting.py) groups a prompt's samples by
+equality. Majority voting (jaxgrpo/eval/voting.py) groups a prompt's samples by
 them. The reward itself extracts and compares through the very same functions,
 so a vote and a reward can never disagree on what a completion answered.
 """

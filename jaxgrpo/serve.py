@@ -1,7 +1,7 @@
 """python -m jaxgrpo.serve --workdir DIR [--step N] --port P
 
 Serves a run's trained policy through JetStream's gRPC server (its orchestrator driving
-jaxgrpo's engine adapter, jaxgrpo/engine/jetstream_engine.py) on localhost. Needs the extra:
+jaxgrpo's engine adapter, jaxgrpo/rollout/jetstream_engine.py) on localhost. Needs the extra:
 pip install 'jaxgrpo[jetstream]'.
 
 The checkpoint is the newest in DIR/checkpoints unless --step names one. Requests are sampled
@@ -40,8 +40,9 @@ def build_engine(workdir: str, step: int | None, *, max_concurrent_decodes: int,
   """(engine, step): a JetStream engine over checkpoint `step` of `workdir` on `devices`
   (default: all), slots split over them on the data axis."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import export, sampling  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import export  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.rollout import sampling
+  from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   devices = list(jax.devices() if devices is None else devices)
   if max_concurrent_decodes < 1 or max_concurrent_decodes % len(devices):
     raise ServeError(f"--max_concurrent_decodes={max_concurrent_decodes}: must be a positive "
@@ -72,7 +73,8 @@ def build_engine(workdir: str, step: int | None, *, max_concurrent_decodes: int,
 def _enable_cache(workdir: str) -> None:
   """The run's compilation cache setting (a run from before the key: the per-user folder).
   An unreadable run folder is left for build_engine to report, after the flags' checks."""
-  from jaxgrpo import compile_options, export  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.runtime import compile_options  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import export
   try:
     setting = export.run_config(workdir).get("compilation_cache_dir", "auto")
   except export.ExportError:

@@ -26,14 +26,14 @@ from ml_collections import config_flags
 
 # Light imports only (no jax, grain or flax): the start-up line is printed before jax loads,
 # and flag errors answer without it. The host-side loading (loading.py) is imported after.
-from jaxgrpo import config as config_lib
-from jaxgrpo import distributed
 from jaxgrpo import rewards
+from jaxgrpo import config as config_lib
+from jaxgrpo.runtime import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py[:arg]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the run writes (default: ./runs/<time>).")
 # A multi-host rehearsal on one machine names its peers; on a TPU pod they come from the
-# environment and these stay unset (see jaxgrpo/distributed.py).
+# environment and these stay unset (see jaxgrpo/runtime/distributed.py).
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0 (multi-process rehearsal)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the run")
@@ -155,7 +155,8 @@ def _check_trains_something(config, workdir: str, resume) -> None:
   config error (the run is past it); max_num_steps == S with a summary.json for step S, or
   an early stop that the logged validation at S still triggers, raises NothingToTrain.
   """
-  from jaxgrpo import checkpoint, metrics  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.runtime import metrics
   own = os.path.join(workdir, checkpoint.DIR_NAME)
   if resume is None or resume[0] != own or resume[1] is not None:
     return  # a fresh run, another run's checkpoints, or a chosen step: it trains from there
@@ -173,7 +174,7 @@ def _check_trains_something(config, workdir: str, resume) -> None:
     raise NothingToTrain(
         f"{workdir} already finished at step {saved}; --config.grpo.max_num_steps=N (N > "
         f"{saved}) to train further, or another --workdir")
-  from jaxgrpo import validation  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
   logged = metrics.logged_validations(workdir).get(saved)
   try:
     stops = summary.get("stopped_early") and logged and validation.stop_message(
@@ -297,7 +298,7 @@ def main(argv=None) -> int:
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
     print(__doc__.strip() + "\n\nFlags:\n  --config=FILE[:ARG]  run config file, e.g. "
           "configs/math.py or configs/math.py:smoke\n  --config.KEY=VALUE   override any "
-          "config key (see README.md)\n  --workdir=DIR        where the run writes "
+          "config key (see docs/configuration.md)\n  --workdir=DIR        where the run writes "
           "(default: ./runs/<time>)\n  --coordinator_address=HOST:PORT --num_processes=N "
           "--process_id=I\n                       a multi-process rehearsal on one machine "
           "(a TPU pod needs none)")
@@ -317,7 +318,8 @@ def main(argv=None) -> int:
         raise
     print(f"error: {e}", file=sys.stderr)
     return 2
-  from jaxgrpo import compile_options, trainer  # the device side: jax compiles from here on
+  from jaxgrpo.runtime import compile_options  # the device side: jax compiles from here on
+  from jaxgrpo import trainer
   compile_options.enable_cache(setup.config.compilation_cache_dir)
   return trainer.run(setup)
 

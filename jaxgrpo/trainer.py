@@ -19,9 +19,11 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, distributed, faults, grpo, metrics, plot, validation
-from jaxgrpo import model as model_lib
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo import build, checkpoint, grpo, plot
+from jaxgrpo.runtime import distributed, faults, metrics
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.eval import validation
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step):
@@ -44,8 +46,8 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
     rewards_N = np.full_like(rewards_N, np.nan)
   t1 = time.perf_counter()
   update_batch = sharding_lib.to_global(engine.mesh, {
-      "prompt_tokens_BxP": batch["prompt_tokens_BxL"],
-      "prompt_mask_BxP": batch["prompt_mask_BxL"],
+      "prompt_tokens_BxL": batch["prompt_tokens_BxL"],
+      "prompt_mask_BxL": batch["prompt_mask_BxL"],
       "completion_tokens_NxT": rollout.tokens_NxT, "completion_mask_NxT": rollout.mask_NxT,
       "old_logp_NxT": rollout.logp_NxT, "rewards_N": rewards_N,
       "truncated_N": rollout.truncated_N})

@@ -54,7 +54,7 @@ from absl import flags  # noqa: E402  (after the environment above)
 from ml_collections import config_flags  # noqa: E402
 
 from jaxgrpo import config as config_lib  # noqa: E402
-from jaxgrpo import hf  # noqa: E402
+from jaxgrpo.model import hf  # noqa: E402
 from jaxgrpo import loading  # noqa: E402
 from jaxgrpo import train  # noqa: E402
 
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
   except (CheckError, config_lib.ConfigError, hf.PretrainedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
   chips = len(devices)
   sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
@@ -345,7 +345,8 @@ def _programs(c, model_cfg, tokenizer, mesh, which):
   `which` (update, train, val), built as build.training builds them, from abstract values."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import build, grpo, sampling  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import build, grpo  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.rollout import sampling
   gen, g, o = c.generation, c.grpo, c.optim
   optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps,
                                       g.max_num_steps * g.num_iterations, o.weight_decay,
@@ -360,7 +361,7 @@ def _programs(c, model_cfg, tokenizer, mesh, which):
   b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
   n = b * g.num_generations_per_prompt
   sds = jax.ShapeDtypeStruct
-  batch = {"prompt_tokens_BxP": sds((b, p), jnp.int32), "prompt_mask_BxP": sds((b, p), bool),
+  batch = {"prompt_tokens_BxL": sds((b, p), jnp.int32), "prompt_mask_BxL": sds((b, p), bool),
            "completion_tokens_NxT": sds((n, t), jnp.int32),
            "completion_mask_NxT": sds((n, t), bool),
            "old_logp_NxT": sds((n, t), jnp.float32), "rewards_N": sds((n,), jnp.float32),
@@ -390,8 +391,8 @@ def _abstract_params(model_cfg, mesh):
   """The parameter tree as ShapeDtypeStructs carrying the run's shardings."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import model as model_lib  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   shapes = jax.eval_shape(lambda r: nn.unbox(model_lib.init_params(model_cfg, r)),
                           jax.random.key(0))
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -404,7 +405,7 @@ def _abstract_state(params, optimizer, mesh):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxgrpo import grpo  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   replicated = sharding_lib.replicated(mesh)
   shapes = jax.eval_shape(optimizer.init, params)
   shardings = grpo.opt_state_shardings(params, optimizer, mesh)

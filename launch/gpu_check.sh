@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU device check: what README.md "On a GPU" and BENCHMARKS.md quote, in one prepared run.
+# The GPU device check: what docs/gpu.md and BENCHMARKS.md quote, in one prepared run.
 #
 #   OUT=/tmp/gpu_check bash launch/gpu_check.sh            # on the GPU machine, repo root
 #   OUT=/tmp/gpu_check SMALL=1 JAX_PLATFORMS=cpu bash launch/gpu_check.sh   # dry run on CPU

@@ -20,11 +20,11 @@ Why a builder rather than a recipe in the README:
 
 With --num_slices=N > 1 the workload command also gets --config.mesh.dcn_data=N (unless an
 override sets it, to N): each slice then holds a copy of the model and a share of the batch,
-and fsdp and tensor parallelism stay inside a slice's fast links (jaxgrpo/sharding.py).
+and fsdp and tensor parallelism stay inside a slice's fast links (jaxgrpo/model/sharding.py).
 
 Nothing in the workload command names a coordinator: on a GKE TPU slice every host gets the
 TPU environment variables (and, across slices, xpk's MEGASCALE_* ones), from which
-`jax.distributed.initialize()` with no arguments finds its peers (jaxgrpo/distributed.py).
+`jax.distributed.initialize()` with no arguments finds its peers (jaxgrpo/runtime/distributed.py).
 
 Flags after a bare `--` go to xpk unchanged (e.g. `-- --priority=high --max-restarts=3`).
 
@@ -287,7 +287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       raise LaunchError(f"--{name} is empty; allowed: a non-empty value")
   args.config = _check_config(args.config)
   # Several slices: the mesh puts them on its outer data axis (mesh.dcn_data, see
-  # jaxgrpo/sharding.py), so the config must agree with the slice count; train_command sets
+  # jaxgrpo/model/sharding.py), so the config must agree with the slice count; train_command sets
   # it when no override does (as launch/compile_check.py does).
   dcn = [v for k, v in overrides if k == "mesh.dcn_data"]
   if dcn and dcn[-1].strip() != str(args.num_slices):

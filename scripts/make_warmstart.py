@@ -22,9 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgrpo import data, hf, model as model_lib, rewards, sampling
-from jaxgrpo.policy import Policy
-from jaxgrpo.tokenizer import Tokenizer
+from jaxgrpo import data, rewards
+from jaxgrpo.model import hf
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model.tokenizer import Tokenizer
+from jaxgrpo.rollout import sampling
+from jaxgrpo.rollout.policy import Policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,7 +101,7 @@ def main():
   def evaluate(params, seed):
     policy.params = params
     out = policy.generate(val_prompts, sampling.SamplingParams(1.0, 1.0, 0), 1,
-                          config.generation.max_new_tokens, seed, prompt_mask_BxP=val_mask)
+                          config.generation.max_new_tokens, seed, prompt_mask_BxL=val_mask)
     completions = [tok.decode(row) for row in np.asarray(out.tokens_NxT)]
     return float(np.mean(rewards.exact_match(completions, [r["answer"] for r in val_rows])))
 

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxgrpo import model
+from jaxgrpo.model import decoder as model
 
 
 def random_params(cfg, seed, scale_noise=0.0):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from jaxgrpo import bench, roofline
-from jaxgrpo.bench import common, prefill, sampler, validation
+from jaxgrpo import bench
+from jaxgrpo.bench import common, prefill, roofline, sampler, validation
 from jaxgrpo.bench import step as bench_step
 
 KEYS = {"bench", "preset", "mode", "n_params", "tokens_per_s", "first_call_s", "median_s",
@@ -110,7 +110,7 @@ def test_sampler_flops_by_hand():
   # tiny: per token 2 * 557,056 matmul weights (per layer q 128x128, k and v 128x64, o
   # 128x128, MLP 3 x 128x512 = 245,760, two layers, plus the 128x512 head) = 1,114,112 FLOPs,
   # plus attention 2 layers x 2 x 2 x 4 heads x 32 = 1,024 FLOPs per key attended.
-  # One call of 8 prompts x 4 samples, P = 64, T = 4: 8 x 64 prefill tokens over 64 keys,
+  # One call of 8 prompts x 4 samples, L = 64, T = 4: 8 x 64 prefill tokens over 64 keys,
   # then 3 decode steps of 32 rows over the 68-slot cache.
   expected = 8 * 64 * (1_114_112 + 1_024 * 64) + 32 * 3 * (1_114_112 + 1_024 * 68)
   assert sampler.sampler_flops(common.preset_config("tiny"), 8, 4, 64, 4) == expected

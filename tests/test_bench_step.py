@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.roofline, the `step` bench (jaxgrpo.bench.step) and bench/compare_tunix.py.
+"""Tests for jaxgrpo.bench.roofline, the `step` bench (jaxgrpo.bench.step) and bench/compare_tunix.py.
 
 No timing is ever asserted: the machine is shared and noisy. The step bench runs once on the
 tiny preset with 2 steps of 4 new tokens; the Tunix peer is never started (its JSON is faked).
@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxgrpo import roofline
-from jaxgrpo.bench import common
+from jaxgrpo.bench import common, roofline
 from jaxgrpo.bench import step as bench_step
 
 STEP_KEYS = {

@@ -12,7 +12,9 @@ import optax
 import pytest
 
 from cli import MATH, assert_clean_error, run_train  # tests/cli.py
-from jaxgrpo import checkpoint, grpo, model, sharding
+from jaxgrpo import checkpoint, grpo
+from jaxgrpo.model import sharding
+from jaxgrpo.model import decoder as model
 
 from numpy_params import random_params  # tests/numpy_params.py
 

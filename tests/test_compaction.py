@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.compaction: finished rows stop costing, and the rollout stays the same.
+"""Tests for jaxgrpo.rollout.compaction: finished rows stop costing, and the rollout stays the same.
 
 The reference is the sampler without compaction on one device: with compaction on, every
 row's tokens, mask, lengths and truncation flags are equal, and its log-probs equal up to
@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo import compaction
-from jaxgrpo import model
-from jaxgrpo import sampling
-from jaxgrpo import sharding
+from jaxgrpo.model import sharding
+from jaxgrpo.model import decoder as model
+from jaxgrpo.rollout import compaction, sampling
 from numpy_params import left_padded_prompts, peaked_params  # tests/numpy_params.py
 
 SP = sampling.SamplingParams

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.compile_options: which XLA options the sampler and the update get."""
+"""Tests for jaxgrpo.runtime.compile_options: which XLA options the sampler and the update get."""
 
 import os
 import types
@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import compile_options
 from jaxgrpo import grpo
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
-from jaxgrpo import sharding
+from jaxgrpo.runtime import compile_options
+from jaxgrpo.model import sharding
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.rollout import sampling
 
 CFG = model_lib.ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2,
                             num_kv_heads=1, head_dim=4, mlp_dim=16)
@@ -56,7 +56,7 @@ def test_sampler_and_update_compile_with_the_options(mesh, monkeypatch):
                          mask_truncated_completions=False, max_new_tokens=2)
   update = grpo.compile_update(state, None, cfg=CFG, loss=loss, sp=SP, optimizer=optimizer,
                                lr_schedule=lr, mesh=mesh)
-  batch = {"prompt_tokens_BxP": tokens, "prompt_mask_BxP": mask,
+  batch = {"prompt_tokens_BxL": tokens, "prompt_mask_BxL": mask,
            "completion_tokens_NxT": np.ones((2, 2), np.int32),
            "completion_mask_NxT": np.ones((2, 2), bool),
            "old_logp_NxT": np.zeros((2, 2), np.float32), "rewards_N": np.zeros(2, np.float32),

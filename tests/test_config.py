@@ -35,7 +35,7 @@ def test_multi_slice_mesh_is_stored_per_slice():
   c.mesh.dcn_data = 2
   resolved = config_lib.validate(c, num_devices=8)
   assert (resolved.mesh.data, resolved.mesh.dcn_data) == (4, 2)
-  from jaxgrpo import sharding  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
   assert sharding.resolve_mesh_shape(resolved.mesh.to_dict(), 8) == (8, 1, 1)
 
 
@@ -338,7 +338,8 @@ def test_scan_layers_is_a_bool_or_none_and_resolves_by_platform():
   # "by platform": unrolled on CPU (faster steps there), scanned on TPU and GPU.
   import ml_collections
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import build, model, sharding  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import build  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import decoder as model, sharding
   raw = math_config().to_dict()
   raw["model"]["scan_layers"] = "yes"
   with pytest.raises(config_lib.ConfigError, match=r"config.model.scan_layers='yes'.*True or "

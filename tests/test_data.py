@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxgrpo import data
+from jaxgrpo.model.tokenizer import Tokenizer
 from jaxgrpo.data import DataError
-from jaxgrpo.tokenizer import Tokenizer
 
 
 @pytest.fixture(name="tok")

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.decode: the sampler's decode step equals the reference forward pass."""
+"""Tests for jaxgrpo.model.decode: the sampler's decode step equals the reference forward pass."""
 
 import dataclasses
 import functools
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo import decode
-from jaxgrpo import model
-from jaxgrpo import sampling
+from jaxgrpo.model import decode
+from jaxgrpo.model import decoder as model
+from jaxgrpo.rollout import sampling
 from numpy_params import random_params  # tests/numpy_params.py
 
 # A tiny grouped-query model: 4 query heads share 2 KV heads.
@@ -39,7 +39,7 @@ def _left_padded_prompts(rng, lengths, width, vocab):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stacked=False,
+def _cached_and_full_logits(cfg, params, prompt_BxL, mask_BxL, cont_BxGxT, stacked=False,
                             block=0):
   """Decode-step logits (prefill, then one decode.step per continuation token) and the full
   forward logits over [left-padded prompt | continuation] for each of the G samples.
@@ -48,14 +48,14 @@ def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stack
   block: the decode step's key block (0: the whole generated cache every step).
   One jit per config: a single compile instead of one per piece (CPU time is the budget).
   """
-  b, p = prompt_BxP.shape
+  b, p = prompt_BxL.shape
   g, t = cont_BxGxT.shape[1:]
   # Prefill once per prompt, then build the cache the way sampling.sample does.
-  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP, stacked,
+  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxL, mask_BxL, stacked,
                                         stacked_kv=stacked)
-  cache = decode.init_cache(ks, vs, mask_BxP, cfg, g, t, stacked, block)
+  cache = decode.init_cache(ks, vs, mask_BxL, cfg, g, t, stacked, block)
   weights = decode.prepare(params, cfg, stacked)
-  prompt_len_B = jnp.sum(mask_BxP, axis=-1)
+  prompt_len_B = jnp.sum(mask_BxL, axis=-1)
 
   def step(cache, i):
     logits_BxGxV, cache = decode.step(weights, cfg, cont_BxGxT[:, :, i], prompt_len_B + i, i,
@@ -64,8 +64,8 @@ def _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP, cont_BxGxT, stack
 
   _, decoded_TxBxGxV = jax.lax.scan(step, cache, jnp.arange(t))
 
-  rows = jnp.concatenate([jnp.repeat(prompt_BxP, g, axis=0), cont_BxGxT.reshape(b * g, t)], 1)
-  rows_mask = jnp.concatenate([jnp.repeat(mask_BxP, g, axis=0), jnp.ones((b * g, t), bool)], 1)
+  rows = jnp.concatenate([jnp.repeat(prompt_BxL, g, axis=0), cont_BxGxT.reshape(b * g, t)], 1)
+  rows_mask = jnp.concatenate([jnp.repeat(mask_BxL, g, axis=0), jnp.ones((b * g, t), bool)], 1)
   full = model.forward(params, cfg, rows, rows_mask).reshape(b, g, p + t, cfg.vocab_size)
   return last_BxV, decoded_TxBxGxV.transpose(1, 2, 0, 3), full
 
@@ -83,9 +83,9 @@ def test_decode_steps_match_the_full_forward(variant, stacked, block):
   b, g, p, t = 3, 2, 7, 5
   rng = np.random.default_rng(0)
   # Three prompts of 7, 4 and 2 real tokens; two different continuations each.
-  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
+  prompt_BxL, mask_BxL = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
   cont_BxGxT = rng.integers(0, cfg.vocab_size, size=(b, g, t)).astype(np.int32)
-  last_BxV, decoded_BxGxTxV, full = _cached_and_full_logits(cfg, params, prompt_BxP, mask_BxP,
+  last_BxV, decoded_BxGxTxV, full = _cached_and_full_logits(cfg, params, prompt_BxL, mask_BxL,
                                                             cont_BxGxT, stacked, block)
   for j in range(g):  # the prefill's last logits predict the first continuation token
     np.testing.assert_allclose(last_BxV, full[:, j, p - 1], atol=1e-5)
@@ -100,9 +100,9 @@ def test_bfloat16_decoding_stays_close_to_float32():
   cfg16 = dataclasses.replace(cfg32, dtype="bfloat16")
   params = random_params(cfg32, seed=2, scale_noise=0.1)
   rng = np.random.default_rng(1)
-  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 3], 7, cfg32.vocab_size)
+  prompt_BxL, mask_BxL = _left_padded_prompts(rng, [7, 3], 7, cfg32.vocab_size)
   cont_BxGxT = rng.integers(0, cfg32.vocab_size, size=(2, 2, 3)).astype(np.int32)
-  _, dec16, full32 = _cached_and_full_logits(cfg16, params, prompt_BxP, mask_BxP, cont_BxGxT)
+  _, dec16, full32 = _cached_and_full_logits(cfg16, params, prompt_BxL, mask_BxL, cont_BxGxT)
   assert dec16.dtype == jnp.float32  # logits always come back in float32
   # bfloat16 keeps 8 mantissa bits: logits of size ~1 agree to a few hundredths.
   np.testing.assert_allclose(dec16, full32[:, :, 7:], atol=0.1)
@@ -170,15 +170,15 @@ def test_decode_step_does_no_per_layer_copies():
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
-def _per_row_steps(cfg, params, prompt_BxP, mask_BxP, cont_BxT, offsets):
+def _per_row_steps(cfg, params, prompt_BxL, mask_BxL, cont_BxT, offsets):
   """Decode-step logits when row b starts offsets[b] calls late (JetStream's slots: each at
   its own step, i_B a vector). Before its start a row feeds its first token at slot 0 and
   after its end re-feeds its last at slot t-1: both are rewritten before they are read."""
   b, t = cont_BxT.shape
-  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP)
-  cache = decode.init_cache(ks, vs, mask_BxP, cfg, 1, t)
+  last_BxV, (ks, vs) = sampling.prefill(params, cfg, prompt_BxL, mask_BxL)
+  cache = decode.init_cache(ks, vs, mask_BxL, cfg, 1, t)
   weights = decode.prepare(params, cfg)
-  prompt_len_B = jnp.sum(mask_BxP, axis=-1)
+  prompt_len_B = jnp.sum(mask_BxL, axis=-1)
   out = jnp.zeros((b, t, cfg.vocab_size), jnp.float32)
   for k in range(t + max(offsets)):
     i_B = jnp.clip(k - jnp.asarray(offsets), 0, t - 1)
@@ -195,11 +195,11 @@ def test_decode_step_takes_one_step_per_row():
   params = random_params(cfg, seed=1, scale_noise=0.1)
   p, t = 7, 4
   rng = np.random.default_rng(1)
-  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
+  prompt_BxL, mask_BxL = _left_padded_prompts(rng, [7, 4, 2], p, cfg.vocab_size)
   cont_BxT = rng.integers(0, cfg.vocab_size, size=(3, t)).astype(np.int32)
-  got = _per_row_steps(cfg, params, prompt_BxP, mask_BxP, cont_BxT, (0, 2, 1))
-  rows = np.concatenate([prompt_BxP, cont_BxT], axis=1)
-  full = model.forward(params, cfg, rows, np.concatenate([mask_BxP, np.ones((3, t), bool)], 1))
+  got = _per_row_steps(cfg, params, prompt_BxL, mask_BxL, cont_BxT, (0, 2, 1))
+  rows = np.concatenate([prompt_BxL, cont_BxT], axis=1)
+  full = model.forward(params, cfg, rows, np.concatenate([mask_BxL, np.ones((3, t), bool)], 1))
   # Token j of row b, fed at position length_b + j, predicts what the full pass predicts at
   # column p + j, whatever step the other rows are at.
   np.testing.assert_allclose(got, full[:, p:], atol=1e-5)
@@ -214,16 +214,16 @@ def test_blocked_decode_reads_only_the_blocks_up_to_the_current_token(stacked):
   cfg = VARIANTS["gqa_tied"]
   params = random_params(cfg, seed=3, scale_noise=0.1)
   rng = np.random.default_rng(4)
-  prompt_BxP, mask_BxP = _left_padded_prompts(rng, [5, 3], 5, cfg.vocab_size)
+  prompt_BxL, mask_BxL = _left_padded_prompts(rng, [5, 3], 5, cfg.vocab_size)
   cont_BxGxT = rng.integers(0, cfg.vocab_size, size=(2, 2, 12)).astype(np.int32)
-  _, (ks, vs) = sampling.prefill(params, cfg, prompt_BxP, mask_BxP, stacked, stacked_kv=stacked)
+  _, (ks, vs) = sampling.prefill(params, cfg, prompt_BxL, mask_BxL, stacked, stacked_kv=stacked)
   weights = decode.prepare(params, cfg, stacked)
-  prompt_len_B = jnp.sum(mask_BxP, axis=-1)
+  prompt_len_B = jnp.sum(mask_BxL, axis=-1)
   # Slot axes: gen_k [..., D, T] (last), gen_v [..., T, D] (second to last).
   poison = lambda x, start, axis: x.at[(Ellipsis, slice(start, None)) + (slice(None),) *
                                        (-1 - axis)].set(jnp.nan)
   for block in (4, 0):
-    cache = decode.init_cache(ks, vs, mask_BxP, cfg, 2, 12, stacked, block)
+    cache = decode.init_cache(ks, vs, mask_BxL, cfg, 2, 12, stacked, block)
     step = jax.jit(functools.partial(decode.step, weights, cfg, block=block))
     for i in range(12):
       tokens, positions = cont_BxGxT[:, :, i], prompt_len_B + i

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.distribution: truncation (temperature, top-k, top-p), the draw, and
+"""Tests for jaxgrpo.model.distribution: truncation (temperature, top-k, top-p), the draw, and
 the trainer's log-probs of drawn tokens."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo import distribution
+from jaxgrpo.model import distribution
 
 SP = distribution.SamplingParams
 

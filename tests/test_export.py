@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from cli import ROOT  # tests/cli.py
-from jaxgrpo import checkpoint, hf
+from jaxgrpo import checkpoint
+from jaxgrpo.model import hf
 
 
 def export(*args):
@@ -52,7 +53,7 @@ def test_a_checkpoint_of_per_layer_parameters_still_exports(straight_run, tmp_pa
   # is this: export reads whatever tree orbax stored, so the old layout exports to the same
   # Hugging Face tensors as the stacked one.
   import shutil  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import model  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import decoder as model  # pylint: disable=g-import-not-at-top
   workdir, run = straight_run
   assert run.returncode == 0, run.stderr[-2000:]
   ckpts = checkpoint.Checkpoints(str(workdir / "checkpoints"), read_only=True)

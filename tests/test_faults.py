@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from cli import ARGS, run_train, start_train  # tests/cli.py
-from jaxgrpo import checkpoint, faults
-from jaxgrpo import metrics as metrics_lib
+from jaxgrpo import checkpoint
+from jaxgrpo.runtime import faults
+from jaxgrpo.runtime import metrics as metrics_lib
 
 TIMING = ("time", "rollout_tokens_per_s", "rollout_s", "update_s", "wall_time_s")
 
@@ -214,7 +215,7 @@ def test_preemption_flag_then_immediate_exit():
   # In a child process: the first SIGTERM only sets the flag; the second exits with 143.
   script = textwrap.dedent("""
       import os, signal
-      from jaxgrpo import faults
+      from jaxgrpo.runtime import faults
       with faults.Preemption() as p:
         os.kill(os.getpid(), signal.SIGTERM)
         print("flag", p.requested, p.name, flush=True)
@@ -238,7 +239,7 @@ def test_a_second_signal_in_a_busy_section_waits_for_it():
   # and is remembered (exit status 130 for the caller); outside busy() one exits at once.
   script = textwrap.dedent("""
       import os, signal
-      from jaxgrpo import faults
+      from jaxgrpo.runtime import faults
       with faults.Preemption() as p:
         os.kill(os.getpid(), signal.SIGTERM)
         with p.busy("saving checkpoint 7"):

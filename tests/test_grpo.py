@@ -13,9 +13,9 @@ import optax
 import pytest
 
 from jaxgrpo import grpo
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
-from jaxgrpo import sharding
+from jaxgrpo.model import sharding
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.rollout import sampling
 from numpy_params import random_params  # tests/numpy_params.py
 
 CFG = model_lib.ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4,
@@ -47,8 +47,8 @@ def _batch(rewards, lengths, *, num_prompts, truncated=None, seed=0):
   completion_tokens = np.where(completion_mask, rng.integers(1, CFG.vocab_size, (n, T)), 0)
   if truncated is None:
     truncated = np.zeros(n, bool)
-  return {"prompt_tokens_BxP": prompt_tokens.astype(np.int32),
-          "prompt_mask_BxP": prompt_mask,
+  return {"prompt_tokens_BxL": prompt_tokens.astype(np.int32),
+          "prompt_mask_BxL": prompt_mask,
           "completion_tokens_NxT": completion_tokens.astype(np.int32),
           "completion_mask_NxT": completion_mask,
           "old_logp_NxT": np.zeros((n, T), np.float32),
@@ -549,8 +549,8 @@ def test_kl_penalty_uses_untruncated_distributions_under_top_k(monkeypatch):
           p["logits"], comp_BxGxT.shape + (v,)))
   policy = {"logits": jnp.array([2.0, 1.0, 0.0, -1.0])}
   reference = {"logits": jnp.array([-1.0, 0.0, 1.0, 2.0])}
-  batch = {"prompt_tokens_BxP": np.ones((1, 1), np.int32),
-           "prompt_mask_BxP": np.ones((1, 1), bool),
+  batch = {"prompt_tokens_BxL": np.ones((1, 1), np.int32),
+           "prompt_mask_BxL": np.ones((1, 1), bool),
            "completion_tokens_NxT": np.ones((2, 1), np.int32),
            "completion_mask_NxT": np.ones((2, 1), bool),
            "old_logp_NxT": np.full((2, 1), -math.log(1 + math.e), np.float32),

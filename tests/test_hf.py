@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jaxgrpo import export
-from jaxgrpo import hf
-from jaxgrpo import model as model_lib
-from jaxgrpo.tokenizer import Tokenizer
+from jaxgrpo.model import hf
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model.tokenizer import Tokenizer
 
 CFG = model_lib.ModelConfig(vocab_size=16, d_model=16, num_layers=1, num_heads=2,
                             num_kv_heads=1, head_dim=8, mlp_dim=32)
@@ -109,7 +109,7 @@ def test_hf_save_load_round_trip_is_bitwise(tmp_path, arch):
 
 
 def test_hf_load_places_each_tensor_on_its_sharding(tmp_path):
-  from jaxgrpo import sharding
+  from jaxgrpo.model import sharding
   cfg, _ = hf_folder(tmp_path)
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   _, params, _ = hf.load_hf(str(tmp_path), mesh=mesh)
@@ -185,7 +185,7 @@ def reference(name):
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
 def pretrained(request):
-  from jaxgrpo import policy
+  from jaxgrpo.rollout import policy
   folder, arrays, facts = reference(request.param)
   return request.param, folder, arrays, facts, policy.Policy.from_pretrained(folder)
 
@@ -200,7 +200,7 @@ def test_logits_match_transformers(pretrained):
 
 
 def test_greedy_generation_matches_transformers(pretrained):
-  from jaxgrpo import sampling
+  from jaxgrpo.rollout import sampling
   name, _, arrays, facts, policy = pretrained
   ids, mask = arrays["input_ids"], arrays["attention_mask"].astype(bool)
   policy.eos_id = None  # transformers generated exactly 16 tokens, no end token
@@ -213,7 +213,7 @@ def test_greedy_generation_matches_transformers(pretrained):
 
 
 def test_tokenizer_and_chat_template_match_transformers(pretrained):
-  from jaxgrpo import chat
+  from jaxgrpo.model import chat
   name, folder, _, facts, policy = pretrained
   tok = policy.tokenizer
   assert (tok.eos_token, tok.eos_id, tok.pad_id) == (facts["eos_token"], facts["eos_token_id"],
@@ -290,7 +290,7 @@ def test_every_end_id_of_the_model_stops_a_completion(pretrained):
   # generation_config / config list the ids that end a turn (qwen: <|im_end|> and
   # <|endoftext|>; llama: <|eot_id|> and <|end_of_text|>); the sampler stops on any of them
   # and decoding ends there. eos_id (the tokenizer config's) comes first.
-  from jaxgrpo import sampling
+  from jaxgrpo.rollout import sampling
   name, _, arrays, facts, policy = pretrained
   tok = policy.tokenizer
   assert tok.stop_ids[0] == tok.eos_id

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo/engine/jetstream_engine.py and jetstream_rollouts.py (the backend's
+"""Tests for jaxgrpo/rollout/jetstream_engine.py and jetstream_rollouts.py (the backend's
 rollouts and a GRPO run with it), and `python -m jaxgrpo.serve` answering a
 request (here because it serves this module's trained run; tests/test_serve.py has the rest).
 
@@ -31,8 +31,9 @@ from jetstream.core.proto import jetstream_pb2  # noqa: E402
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2  # noqa: E402
 import portpicker  # noqa: E402  (a JetStream dependency)
 
-from jaxgrpo import model, sampling, sharding  # noqa: E402
-from jaxgrpo import tokenizer as tokenizer_lib  # noqa: E402
+from jaxgrpo.model import decoder as model, sharding  # noqa: E402
+from jaxgrpo.rollout import sampling
+from jaxgrpo.model import tokenizer as tokenizer_lib  # noqa: E402
 from cli import (HEAVY, MATH, ROOT, assert_smoke_run_imports_nothing_heavy, env,  # noqa: E402
                  run_train)
 from numpy_params import random_params  # noqa: E402

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.metrics: JSONL, TensorBoard files, console lines, summary and plots."""
+"""Tests for jaxgrpo.runtime.metrics: JSONL, TensorBoard files, console lines, summary and plots."""
 
 import glob
 import io
@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from jaxgrpo import metrics
+from jaxgrpo.runtime import metrics
 
 
 def _run(workdir, **kwargs):

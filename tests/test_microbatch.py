@@ -12,11 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgrpo import grpo
-from jaxgrpo import microbatch
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
-from jaxgrpo import sharding
+from jaxgrpo import grpo, microbatch
+from jaxgrpo.model import sharding
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.rollout import sampling
 from numpy_params import assert_close_at_scale, random_params  # tests/numpy_params.py
 
 CFG = model_lib.ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4,
@@ -38,7 +37,7 @@ def _batch(seed=0):
   prompt = np.where(prompt_mask, rng.integers(1, CFG.vocab_size, (B, 4)), 0)
   mask = np.arange(T)[None, :] < np.asarray(LENGTHS)[:, None]
   tokens = np.where(mask, rng.integers(1, CFG.vocab_size, (B * G, T)), 0)
-  return {"prompt_tokens_BxP": prompt.astype(np.int32), "prompt_mask_BxP": prompt_mask,
+  return {"prompt_tokens_BxL": prompt.astype(np.int32), "prompt_mask_BxL": prompt_mask,
           "completion_tokens_NxT": tokens.astype(np.int32), "completion_mask_NxT": mask,
           # Sampler log-probs a little off the policy's, so ratios differ from 1 and clip.
           "old_logp_NxT": np.where(mask, -3.5 + 0.3 * rng.standard_normal((B * G, T)),

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.model (decoding is tests/test_decode.py): padding, RoPE, RMSNorm, axes, dtypes, config."""
+"""Tests for jaxgrpo.model.decoder (decoding is tests/test_decode.py): padding, RoPE, RMSNorm, axes, dtypes, config."""
 
 import dataclasses
 import functools
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo import model
+from jaxgrpo.model import attention
+from jaxgrpo.model import decoder as model
 from numpy_params import random_params  # tests/numpy_params.py
 
 # A tiny grouped-query model: 4 query heads share 2 KV heads.
@@ -32,7 +33,7 @@ def _rope(x, positions, theta):
   """rope with plain frequencies theta^(-2i/d) (no scaling)."""
   cfg = model.ModelConfig(vocab_size=1, d_model=1, num_layers=1, num_heads=1, num_kv_heads=1,
                           head_dim=x.shape[-1], mlp_dim=1, rope_theta=theta)
-  return model.rope(x, positions, model.rope_frequencies(cfg, x.shape[-1]))
+  return attention.rope(x, positions, attention.rope_frequencies(cfg, x.shape[-1]))
 
 
 def _random_params(cfg, seed):
@@ -200,7 +201,7 @@ def test_llama3_rope_scaling_by_hand():
                           rope_original_max_positions=64)
   s = (64 / (2 * np.pi / 0.1) - 1) / 3
   want = [1.0, (1 - s) * 0.1 / 8 + s * 0.1, 0.01 / 8, 0.001 / 8]
-  np.testing.assert_allclose(model.rope_frequencies(cfg, 8), want, rtol=1e-5)
+  np.testing.assert_allclose(attention.rope_frequencies(cfg, 8), want, rtol=1e-5)
 
 
 def test_dense_contracts_trailing_axes_like_einsum():
@@ -240,7 +241,7 @@ def test_remat_keeps_less_for_the_backward():
   # (2 layers: measured 51.4 -> 47.1 / 47.7 MiB here, 4 layers 93 -> 85; a plain 8-layer MLP
   # under jax.checkpoint saved nothing);
   # what matters is that the update compiles with it and holds less, not how much.
-  from jaxgrpo import sharding  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
   from jaxgrpo.bench import memory as bench_memory  # pylint: disable=g-import-not-at-top
   cfg = model.ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=16, mlp_dim=256)
@@ -275,7 +276,7 @@ def test_scanned_layers_equal_unrolled_ones(variant):
   # 2e-5 relative, so gradients are compared to 1e-4 of the largest entry of each leaf).
   # test_decode.py pins the decode step (a Python loop over the stack) to `forward`, which
   # catches a layer applied out of order in both.
-  from jaxgrpo import sampling  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.rollout import sampling  # pylint: disable=g-import-not-at-top
   cfg = VARIANTS[variant]
   params = _random_params(cfg, seed=1)
   tokens, mask, _ = _padding_batch(np.random.default_rng(1))
@@ -327,7 +328,7 @@ def test_fused_attention_path_equals_the_einsum_path(variant, monkeypatch):
   # cuDNN itself needs a GPU, so here the same call runs with jax's XLA implementation:
   # the layouts, the masks and the GQA grouping handed to the kernel must reproduce the
   # einsum path (logits, the loss and its gradients; ragged completions, left padding).
-  from jaxgrpo import attention  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import attention  # pylint: disable=g-import-not-at-top
   original = attention.fused_attention
   monkeypatch.setattr(attention, "fused_attention",
                       lambda q, k, v, allowed, implementation: original(q, k, v, allowed, "xla"))
@@ -353,8 +354,8 @@ def test_fused_attention_path_equals_the_einsum_path(variant, monkeypatch):
 def test_attention_resolves_by_platform_and_dtype():
   # cuDNN's flash attention takes half-precision inputs only: a float32 model on a GPU
   # keeps the einsum path, as do TPU and CPU (XLA compiles it there).
-  assert model.resolve_attention(None, "gpu", "bfloat16") == "cudnn"
-  assert model.resolve_attention(None, "gpu", "float32") == "xla"
-  assert model.resolve_attention(None, "tpu", "bfloat16") == "xla"
-  assert model.resolve_attention(None, "cpu", "bfloat16") == "xla"
-  assert model.resolve_attention("xla", "gpu", "bfloat16") == "xla"
+  assert attention.resolve_attention(None, "gpu", "bfloat16") == "cudnn"
+  assert attention.resolve_attention(None, "gpu", "float32") == "xla"
+  assert attention.resolve_attention(None, "tpu", "bfloat16") == "xla"
+  assert attention.resolve_attention(None, "cpu", "bfloat16") == "xla"
+  assert attention.resolve_attention("xla", "gpu", "bfloat16") == "xla"

@@ -92,3 +92,61 @@ def test_no_private_name_is_used_across_modules():
           and not node.attr.startswith("__")):
         offenders.append(f"{module}: {names[node.value.id]}.{node.attr}")
   assert offenders == []
+
+
+# The package's layers, lowest first: a module imports its own layer and those below, never
+# one above. "" is the top level (the data path and the commands); bench/ measures all of it.
+LAYERS = ("runtime", "model", "rollout", "eval", "", "bench")
+
+
+def _layer(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else ""
+
+
+def _upward(graph) -> list[str]:
+  return sorted(f"{m} -> {n}" for m, deps in graph.items() for n in deps
+                if LAYERS.index(_layer(n)) > LAYERS.index(_layer(m)))
+
+
+def test_the_upward_finder_finds_an_upward_import():
+  graph = {"jaxgrpo.model.decoder": {"jaxgrpo.runtime.faults", "jaxgrpo.rewards"},
+           "jaxgrpo.trainer": {"jaxgrpo.eval.validation"}}
+  assert _upward(graph) == ["jaxgrpo.model.decoder -> jaxgrpo.rewards"]
+
+
+def test_no_module_imports_from_a_layer_above_it():
+  # eval/validation and eval/voting imported rewards (the top level) for the correctness
+  # reward and its extractor; they are now handed a rewards.Scorer.
+  modules = _modules()
+  graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+  assert set(map(_layer, modules)) == set(LAYERS)  # every folder is a known layer
+  assert _upward(graph) == []
+
+
+def _architecture_tree() -> dict[str, set[str]]:
+  """docs/architecture.md's package tree: folder ("" for the top level) -> the .py files it
+  names under it, read by indentation."""
+  text = open(os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")).read()
+  block = next(b for b in text.split("```")[1::2] if b.lstrip().startswith("jaxgrpo/"))
+  tree, folder = {"": set()}, ""
+  for line in block.splitlines()[1:]:
+    name = line.split()[0] if line.strip() else ""
+    if line.startswith("  ") and not line.startswith("    "):
+      folder = name[:-1] if name.endswith("/") else ""
+      tree.setdefault(folder, set())
+      if name.endswith(".py"):
+        tree[""].add(name)
+    elif line.startswith("    ") and name.endswith(".py"):
+      tree[folder].add(name)
+  return tree
+
+
+def test_the_architecture_page_names_every_module_where_it_lives():
+  tree = _architecture_tree()
+  on_disk = {}
+  for module, path in _modules().items():
+    if os.path.basename(path) in ("__init__.py", "__main__.py"):
+      continue
+    on_disk.setdefault(_layer(module), set()).add(os.path.basename(path))
+  assert tree == on_disk

@@ -1,4 +1,4 @@
-"""The paired comparison of two evaluations (jaxgrpo/paired.py), on hand-computed numbers."""
+"""The paired comparison of two evaluations (jaxgrpo/eval/paired.py), on hand-computed numbers."""
 
 import math
 
@@ -6,7 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import evaluator, paired, sharding, validation
+from jaxgrpo import evaluator
+from jaxgrpo.model import sharding
+from jaxgrpo.eval import paired, validation
 
 
 def per_prompt(scores, k):

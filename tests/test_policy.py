@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxgrpo
-from jaxgrpo import model as model_lib
+from jaxgrpo.model import decoder as model_lib
 
 CFG = model_lib.ModelConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=2,
                             num_kv_heads=1, head_dim=16, mlp_dim=64)

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.sampling: profiles, truncation, the compiled sampler and the engine."""
+"""Tests for jaxgrpo.rollout.sampling: profiles, truncation, the compiled sampler and the engine."""
 
 import io
 import logging
@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo import distribution
-from jaxgrpo import model
-from jaxgrpo import sampling
-from jaxgrpo import sharding
+from jaxgrpo.model import distribution, sharding
+from jaxgrpo.model import decoder as model
+from jaxgrpo.rollout import sampling
 from numpy_params import left_padded_prompts, peaked_params  # tests/numpy_params.py
 
 SP = sampling.SamplingParams
@@ -61,9 +60,9 @@ def engine_record(params):
   prefill_shapes, outputs = [], {}
   original_prefill = sampling.prefill
 
-  def recording_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args, **kwargs):
-    prefill_shapes.append(prompt_tokens_BxP.shape)  # runs at trace time only
-    return original_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args, **kwargs)
+  def recording_prefill(params, cfg, prompt_tokens_BxL, prompt_mask_BxL, *args, **kwargs):
+    prefill_shapes.append(prompt_tokens_BxL.shape)  # runs at trace time only
+    return original_prefill(params, cfg, prompt_tokens_BxL, prompt_mask_BxL, *args, **kwargs)
 
   stream = io.StringIO()
   handler = logging.StreamHandler(stream)
@@ -98,11 +97,11 @@ def mesh222():
   return sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 
 
-def _teacher_forced_logits(params, prompt_BxP, mask_BxP, completion_NxT):
+def _teacher_forced_logits(params, prompt_BxL, mask_BxL, completion_NxT):
   """Logits predicting each completion token: forward over [prompt | completion]."""
-  p = prompt_BxP.shape[1]
-  rows = np.concatenate([np.repeat(prompt_BxP, G, axis=0), np.asarray(completion_NxT)], 1)
-  mask = np.concatenate([np.repeat(mask_BxP, G, axis=0),
+  p = prompt_BxL.shape[1]
+  rows = np.concatenate([np.repeat(prompt_BxL, G, axis=0), np.asarray(completion_NxT)], 1)
+  mask = np.concatenate([np.repeat(mask_BxL, G, axis=0),
                          np.ones(completion_NxT.shape, bool)], 1)
   logits = _forward(params, CFG, rows, mask)
   return logits[:, p - 1:-1]  # position p-1+j predicts completion token j
@@ -123,17 +122,17 @@ def test_profile_rejects_bad_values():
 # ---------------------------------------------------------------------------------- sampler
 
 
-def _greedy_reference(params, prompt_BxP, mask_BxP, t):
+def _greedy_reference(params, prompt_BxL, mask_BxL, t):
   """Greedy decoding by full forward passes over the growing sequence (no KV cache).
 
-  Run on the prompts repeated G times, so that the forward has the [B * G, P + T] shape the
+  Run on the prompts repeated G times, so that the forward has the [B * G, L + T] shape the
   teacher-forced checks compile anyway; returns one row per prompt.
   """
-  prompt_BxP, mask_BxP = np.repeat(prompt_BxP, G, axis=0), np.repeat(mask_BxP, G, axis=0)
-  b, p = prompt_BxP.shape
+  prompt_BxL, mask_BxL = np.repeat(prompt_BxL, G, axis=0), np.repeat(mask_BxL, G, axis=0)
+  b, p = prompt_BxL.shape
   # One fixed-width buffer: causality makes position p-1+j ignore the unfilled tail.
-  tokens = np.concatenate([prompt_BxP, np.full((b, t), PAD, np.int32)], 1)
-  mask = np.concatenate([mask_BxP, np.ones((b, t), bool)], 1)
+  tokens = np.concatenate([prompt_BxL, np.full((b, t), PAD, np.int32)], 1)
+  mask = np.concatenate([mask_BxL, np.ones((b, t), bool)], 1)
   for j in range(t):
     logits = _forward(params, CFG, tokens, mask)[:, p - 1 + j]
     tokens[:, p + j] = np.argmax(logits, axis=-1)
@@ -292,9 +291,9 @@ def test_unshared_prefill_draws_the_same_samples(engine, params, prompts, monkey
   shapes = []
   original_prefill = sampling.prefill
 
-  def recording_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args, **kwargs):
-    shapes.append(prompt_tokens_BxP.shape)  # trace time only
-    return original_prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP, *args, **kwargs)
+  def recording_prefill(params, cfg, prompt_tokens_BxL, prompt_mask_BxL, *args, **kwargs):
+    shapes.append(prompt_tokens_BxL.shape)  # trace time only
+    return original_prefill(params, cfg, prompt_tokens_BxL, prompt_mask_BxL, *args, **kwargs)
 
   monkeypatch.setattr(sampling, "prefill", recording_prefill)
   unshared = _engine(_single_device_mesh(), share_prefix=False)

@@ -1,4 +1,4 @@
-"""Chunked log-probs (jaxgrpo.scoring): the same numbers and gradients as the full logits,
+"""Chunked log-probs (jaxgrpo.model.scoring): the same numbers and gradients as the full logits,
 without holding the [N, T, V] logits."""
 
 import functools
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxgrpo import grpo
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.rollout import sampling
 from numpy_params import assert_close_at_scale, random_params  # tests/numpy_params.py
 
 CFG = model_lib.ModelConfig(vocab_size=48, d_model=32, num_layers=2, num_heads=4,
@@ -24,9 +24,9 @@ def _batch(cfg, b=B, t=T, seed=0):
   prompt_mask = np.arange(5)[None, :] >= rng.integers(0, 3, (b, 1))
   lengths = rng.integers(1, t + 1, b * G)
   mask = np.arange(t)[None, :] < lengths[:, None]
-  return {"prompt_tokens_BxP": np.where(prompt_mask, rng.integers(1, cfg.vocab_size, (b, 5)),
+  return {"prompt_tokens_BxL": np.where(prompt_mask, rng.integers(1, cfg.vocab_size, (b, 5)),
                                         0).astype(np.int32),
-          "prompt_mask_BxP": prompt_mask,
+          "prompt_mask_BxL": prompt_mask,
           "completion_tokens_NxT": np.where(mask, rng.integers(1, cfg.vocab_size, (b * G, t)),
                                             0).astype(np.int32),
           "completion_mask_NxT": mask}

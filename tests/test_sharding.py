@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.sharding: mesh shapes, parameter placement, sharded forward."""
+"""Tests for jaxgrpo.model.sharding: mesh shapes, parameter placement, sharded forward."""
 
 import dataclasses
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxgrpo import model
-from jaxgrpo import sharding
+from jaxgrpo.model import sharding
+from jaxgrpo.model import decoder as model
 
 CFG = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_dim=8, mlp_dim=64)

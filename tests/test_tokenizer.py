@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.tokenizer: char-level ids and round trip, save/load, file errors."""
+"""Tests for jaxgrpo.model.tokenizer: char-level ids and round trip, save/load, file errors."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from jaxgrpo.tokenizer import Tokenizer
+from jaxgrpo.model.tokenizer import Tokenizer
 
 ALPHABET = "0123456789+="
 

@@ -15,7 +15,8 @@ import pytest
 
 from cli import (ARGS, MATH, ROOT, assert_clean_error,  # tests/cli.py
                  assert_smoke_run_imports_nothing_heavy, env, run_train)
-from jaxgrpo import hf, loading
+from jaxgrpo import loading
+from jaxgrpo.model import hf
 
 
 def write(path, text):
@@ -318,7 +319,7 @@ def test_unknown_token_check_samples_training_rows_evenly():
   # 3000 training rows: at most 1000 are checked, every third (0, 3, ..., 2997). Row 1 has
   # a space but is not checked; row 300 is, and is the first named. A tokenizer without an
   # unknown token (byte-level BPE) checks nothing.
-  from jaxgrpo.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
   tok = Tokenizer.char_level("0123456789+=")
   train_rows = [{"question": f"{i}+1="} for i in range(3000)]
   train_rows[1] = train_rows[300] = {"question": "1 +1="}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxgrpo import build, checkpoint, rewards, train, trainer
-from jaxgrpo import metrics as metrics_lib
+from jaxgrpo.runtime import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,8 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import data, model, rewards, sampling, sharding, validation
-from jaxgrpo.tokenizer import Tokenizer
+from jaxgrpo import data, rewards
+from jaxgrpo.model import sharding
+from jaxgrpo.model import decoder as model
+from jaxgrpo.model.tokenizer import Tokenizer
+from jaxgrpo.rollout import sampling
+from jaxgrpo.eval import validation
 
 from numpy_params import random_params  # tests/numpy_params.py
 
@@ -260,7 +264,7 @@ def test_each_prompts_rollouts_land_in_its_row(tmp_path):
 
 
 def test_per_prompt_values_follow_the_prompt_index_on_any_mesh(tmp_path):
-  # What the paired comparison (jaxgrpo/paired.py) differences: every metric's value per
+  # What the paired comparison (jaxgrpo/eval/paired.py) differences: every metric's value per
   # valid prompt, sorted by prompt index, whatever the batching and mesh (batch size 8 on
   # 8 devices pads 12 prompts to 16; the padding must not appear).
   rows = [dict(r, source="even" if i % 2 == 0 else "odd") for i, r in enumerate(ROWS)]

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.voting (maj@k) and the answer extractors in jaxgrpo.rewards."""
+"""Tests for jaxgrpo.eval.voting (maj@k) and the answer extractors in jaxgrpo.rewards."""
 
 import functools
 import operator
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxgrpo import rewards
-from jaxgrpo import voting
+from jaxgrpo.eval import voting
 
 MATH_EQUAL = functools.partial(rewards.answers_equal, "math")
 

@@ -21,11 +21,10 @@ import time
 import jax
 import numpy as np
 
+from jaxgrpo import build, loading
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
-from jaxgrpo import loading
-from jaxgrpo import sharding as sharding_lib
-from jaxgrpo import build
+from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.bench import common
 
 

@@ -6,8 +6,16 @@ import argparse
 import json
 import sys
 
-from jaxgrpo.bench import backends, common, early_stop, memory, prefill, rollout, sampler, step
-from jaxgrpo.bench import truncation, validation
+from jaxgrpo.bench import backends
+from jaxgrpo.bench import common
+from jaxgrpo.bench import early_stop
+from jaxgrpo.bench import memory
+from jaxgrpo.bench import prefill
+from jaxgrpo.bench import rollout
+from jaxgrpo.bench import sampler
+from jaxgrpo.bench import step
+from jaxgrpo.bench import truncation
+from jaxgrpo.bench import validation
 
 SUBCOMMANDS = (sampler, rollout, truncation, validation, step, memory, early_stop, backends,
                prefill)

@@ -12,8 +12,8 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.rollout import sampling
 
 PAD, BOS = 0, 1
 NUM_SAMPLES = 4
@@ -54,7 +54,7 @@ def decode(ids) -> str:
 
 
 def prompt_batch(prompts=PROMPTS):
-  """[B, P] left-padded tokens and mask, P the next power of two of the longest prompt."""
+  """[B, L] left-padded tokens and mask, L the next power of two of the longest prompt."""
   rows = [encode(p) for p in prompts]
   longest = max(len(r) for r in rows)
   width = 1 << (longest - 1).bit_length()

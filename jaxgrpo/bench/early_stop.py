@@ -32,12 +32,12 @@ import time
 import jax
 import ml_collections
 
+from jaxgrpo import build, loading, rewards, trainer
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
-from jaxgrpo import loading
-from jaxgrpo import sharding as sharding_lib
 from jaxgrpo import train as train_lib
-from jaxgrpo import build, rewards, trainer, validation
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.eval import validation
 from jaxgrpo.bench import common
 
 

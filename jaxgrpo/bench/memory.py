@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxgrpo import grpo
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
 from jaxgrpo.bench import step as bench_step
 
 SP = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
@@ -40,8 +40,8 @@ def batch_shapes(prompts: int, generations: int, prompt_len: int, new_tokens: in
   """The update's batch as ShapeDtypeStructs (grpo.BATCH_RANKS' keys)."""
   n = prompts * generations
   s = jax.ShapeDtypeStruct
-  return {"prompt_tokens_BxP": s((prompts, prompt_len), jnp.int32),
-          "prompt_mask_BxP": s((prompts, prompt_len), jnp.bool_),
+  return {"prompt_tokens_BxL": s((prompts, prompt_len), jnp.int32),
+          "prompt_mask_BxL": s((prompts, prompt_len), jnp.bool_),
           "completion_tokens_NxT": s((n, new_tokens), jnp.int32),
           "completion_mask_NxT": s((n, new_tokens), jnp.bool_),
           "old_logp_NxT": s((n, new_tokens), jnp.float32), "rewards_N": s((n,), jnp.float32),

@@ -7,10 +7,9 @@ import statistics
 import jax
 import numpy as np
 
-from jaxgrpo import roofline
-from jaxgrpo import sampling
-from jaxgrpo import sharding as sharding_lib
-from jaxgrpo.bench import common
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
+from jaxgrpo.bench import common, roofline
 
 def run_prefill(args) -> list[dict]:
   """The `prefill` subcommand: the prefill's FLOP rate against the machine's matmul rate,

@@ -22,7 +22,7 @@ host), `first_call_s` (compile + run; cold: the bench never turns the persistent
 cache on), the peak device memory (or the process's peak RSS where the device reports none),
 and the bandwidth floor: every decode step must read the weights once and each live row's K/V
 for its prompt and tokens so far, so the floor is sum over steps of (weight bytes + sum over
-live rows of (P + i) x K/V bytes per position) over the memory bandwidth: `--bandwidth_gbs`
+live rows of (L + i) x K/V bytes per position) over the memory bandwidth: `--bandwidth_gbs`
 (the device's nominal figure, e.g. 4800 for an H200) or, by default, a large reduction
 measured in the same process (roofline.memory_bandwidth). `floor_fraction` = floor / median
 call: 1 would be a sampler that only moves the bytes it must. With eos=longtail the floor
@@ -38,12 +38,11 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import model as model_lib
-from jaxgrpo import roofline
-from jaxgrpo import sampling
-from jaxgrpo import sharding as sharding_lib
 from jaxgrpo import trainer
-from jaxgrpo.bench import common
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
+from jaxgrpo.bench import common, roofline
 
 QWEN3_1_7B = dict(vocab_size=151936, d_model=2048, num_layers=28, num_heads=16,
                   num_kv_heads=8, head_dim=128, mlp_dim=6144, rope_theta=1e6, norm_eps=1e-6,
@@ -69,11 +68,11 @@ def end_ids(vocab_size: int, median: int) -> tuple[int, ...]:
 def floor_bytes(cfg: model_lib.ModelConfig, weights: int, prompt_len: int,
                 lengths_N) -> tuple[float, dict]:
   """Bytes a rollout must read: the `weights` bytes once per decode step (as many steps as
-  the longest row) and, per live row and step i, its K/V for P + i positions."""
+  the longest row) and, per live row and step i, its K/V for L + i positions."""
   itemsize = np.dtype(model_lib.DTYPES[cfg.dtype]).itemsize
   kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize  # per position
   lengths = np.asarray(lengths_N, np.float64)
-  # sum over a row's steps i < L of (P + i) = L * P + L (L - 1) / 2
+  # sum over a row's steps i < n of (L + i) = n * L + n (n - 1) / 2, L the prompt length
   positions = float(np.sum(lengths * prompt_len + lengths * (lengths - 1) / 2))
   total = lengths.max() * weights + positions * kv
   return total, dict(weight_bytes=int(weights), kv_bytes_per_position=int(kv),

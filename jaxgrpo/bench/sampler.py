@@ -10,15 +10,14 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import model as model_lib
-from jaxgrpo import policy as policy_lib
-from jaxgrpo import roofline
-from jaxgrpo.bench import common
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.rollout import policy as policy_lib
+from jaxgrpo.bench import common, roofline
 
 def sampler_flops(cfg: model_lib.ModelConfig, prompts: int, samples: int, prompt_len: int,
                   new_tokens: int) -> float:
   """Analytic FLOPs of one sampler call as computed: each prompt's prefill once, then
-  new_tokens - 1 decode steps of every row attending over the whole P + T cache (the loop
+  new_tokens - 1 decode steps of every row attending over the whole L + T cache (the loop
   masks unfilled slots rather than skipping them)."""
   return (prompts * prompt_len * roofline.model_flops_per_token(cfg, prompt_len)
           + prompts * samples * (new_tokens - 1)
@@ -32,7 +31,7 @@ def bench_sampler(policy: policy_lib.Policy, mode: str, reps: int, new_tokens: i
   def call(seed):
     tokens, mask = common.prompt_batch()
     out = policy.generate(tokens, sp, num_samples=common.NUM_SAMPLES, max_new_tokens=new_tokens,
-                          seed=seed, prompt_mask_BxP=mask)
+                          seed=seed, prompt_mask_BxL=mask)
     jax.block_until_ready(out)
     ids, lengths = jax.device_get((out.tokens_NxT, out.lengths_N))
     texts = [common.decode(row[:n]) for row, n in zip(ids, lengths)]

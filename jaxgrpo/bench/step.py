@@ -20,8 +20,8 @@ median of steps 2..N (the peer's steady_step_median_s is its median of steps 2..
 The update roofline: XLA's FLOP count of the compiled update (roofline.compiled_flops; the
 update has no loops, so the count is complete) over the median update time, divided by the
 dense matmul rate measured in the same process (roofline.matmul_rate). The rollout's FLOPs are
-counted analytically (XLA counts a while loop's body once): prefill of B x P prompt tokens, then
-N rows x (decode steps run) tokens attending the whole P + T cache (the sampler masks the
+counted analytically (XLA counts a while loop's body once): prefill of B x L prompt tokens, then
+N rows x (decode steps run) tokens attending the whole L + T cache (the sampler masks the
 unfilled slots rather than skipping them), so it is the work the sampler does, not the least
 work the tokens need.
 
@@ -46,13 +46,11 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import grpo
-from jaxgrpo import model as model_lib
-from jaxgrpo import roofline
-from jaxgrpo import sampling
-from jaxgrpo import sharding as sharding_lib
-from jaxgrpo import trainer
-from jaxgrpo.bench import common
+from jaxgrpo import grpo, trainer
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
+from jaxgrpo.bench import common, roofline
 
 SEED = 0
 PAD, EOS = common.PAD, 2
@@ -117,7 +115,7 @@ class _Setup:
                                       sp=TRAIN_SP, optimizer=optimizer, lr_schedule=lr,
                                       mesh=self.mesh, on_trace=self._count_trace)
     tokens, mask = common.prompt_batch()  # all 8 prompts fix the width at 64
-    self.prompt_tokens_BxP, self.prompt_mask_BxP = tokens[:prompts], mask[:prompts]
+    self.prompt_tokens_BxL, self.prompt_mask_BxL = tokens[:prompts], mask[:prompts]
     self.workload = dict(
         prompts=prompts, samples=NUM_SAMPLES, prompt_len=tokens.shape[1],
         new_tokens=new_tokens, sequence_len=tokens.shape[1] + new_tokens,
@@ -178,9 +176,9 @@ class _Setup:
                 **common.machine(self.devices, loadavg_start))
 
 
-def _update_batch(prompt_tokens_BxP, prompt_mask_BxP, rollout, rewards_N) -> dict:
+def _update_batch(prompt_tokens_BxL, prompt_mask_BxL, rollout, rewards_N) -> dict:
   """The batch trainer.train_step hands the update (same keys, same arrays)."""
-  return {"prompt_tokens_BxP": prompt_tokens_BxP, "prompt_mask_BxP": prompt_mask_BxP,
+  return {"prompt_tokens_BxL": prompt_tokens_BxL, "prompt_mask_BxL": prompt_mask_BxL,
           "completion_tokens_NxT": rollout.tokens_NxT, "completion_mask_NxT": rollout.mask_NxT,
           "old_logp_NxT": rollout.logp_NxT, "rewards_N": rewards_N,
           "truncated_N": rollout.truncated_N}
@@ -188,7 +186,7 @@ def _update_batch(prompt_tokens_BxP, prompt_mask_BxP, rollout, rewards_N) -> dic
 
 def rollout_flops(cfg, prompts: int, prompt_len: int, new_tokens: int, decode_steps: int):
   """Analytic FLOPs of one sampler call: the prefill, then `decode_steps` loop iterations of
-  every row over the full P + T cache (see the module docstring)."""
+  every row over the full L + T cache (see the module docstring)."""
   rows = prompts * NUM_SAMPLES
   return (prompts * prompt_len * roofline.model_flops_per_token(cfg, prompt_len)
           + rows * decode_steps * roofline.model_flops_per_token(cfg, prompt_len + new_tokens))
@@ -259,7 +257,7 @@ def update_only(preset: str, steps: int, new_tokens: int, prompts: int,
   rng = np.random.default_rng(SEED)
   ids_NxT = rng.integers(3, 259, (rows, new_tokens), dtype=np.int32)  # bytes, never EOS
   rewards_N = np.asarray([reward(common.decode(r)) for r in ids_NxT], np.float32)
-  batch = {"prompt_tokens_BxP": s.prompt_tokens_BxP, "prompt_mask_BxP": s.prompt_mask_BxP,
+  batch = {"prompt_tokens_BxL": s.prompt_tokens_BxL, "prompt_mask_BxL": s.prompt_mask_BxL,
            "completion_tokens_NxT": ids_NxT,
            "completion_mask_NxT": np.ones((rows, new_tokens), bool),
            "old_logp_NxT": np.zeros((rows, new_tokens), np.float32), "rewards_N": rewards_N,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo import distribution
+from jaxgrpo.model import distribution
 from jaxgrpo.bench import common
 
 SP = distribution.SamplingParams

@@ -8,13 +8,11 @@ import statistics
 
 import jax
 
+from jaxgrpo import build, loading, rewards
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
-from jaxgrpo import loading
-from jaxgrpo import sharding as sharding_lib
-from jaxgrpo import build
-from jaxgrpo import rewards
-from jaxgrpo import validation
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.eval import validation
 from jaxgrpo.bench import common
 
 def run_validation(args) -> list[dict]:

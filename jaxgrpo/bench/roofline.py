@@ -20,7 +20,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import model as model_lib
+from jaxgrpo.model import decoder as model_lib
 
 
 def matmul_rate(n: int | Sequence[int] = (1024, 2048), dtype=jnp.float32, reps: int = 5,

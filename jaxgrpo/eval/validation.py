@@ -53,10 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo import distributed
-from jaxgrpo import metrics as metrics_lib
-from jaxgrpo import sharding as sharding_lib
-from jaxgrpo import voting
+from jaxgrpo.runtime import distributed
+from jaxgrpo.runtime import metrics as metrics_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.eval import voting
 
 def pass_js(k: int) -> tuple[int, ...]:
   """The j of the reported pass@j: powers of two below k, and k itself."""
@@ -128,7 +128,7 @@ def grouped_metrics(scores_N, rewards_N, lengths_N, truncated_N, valid_P, source
   `<metric>/<source>`); maj_P: 1 where the prompt's majority answer is right (maj@k is
   reported when given). Each metric's per-prompt values come back too, under '_values'
   (a dict of [P] arrays, padding included): the stop metric's lower bound and the paired
-  comparison of two checkpoints (jaxgrpo/paired.py) are computed from them on the host.
+  comparison of two checkpoints (jaxgrpo/eval/paired.py) are computed from them on the host.
   """
   scores_PxK = scores_N.reshape(-1, k).astype(jnp.float32)
   c_P = jnp.sum(scores_PxK > threshold, axis=1)

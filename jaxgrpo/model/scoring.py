@@ -16,9 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import activations
-from jaxgrpo import model as model_lib
-from jaxgrpo import distribution
+from jaxgrpo.model import distribution
+from jaxgrpo.model import decoder as model_lib
 
 
 def chunked_logprobs(hidden_NxTxD, head_DxV, tokens_NxT, sps, chunk: int):
@@ -41,7 +40,7 @@ def chunked_logprobs(hidden_NxTxD, head_DxV, tokens_NxT, sps, chunk: int):
   @jax.checkpoint  # the backward recomputes this chunk's logits rather than storing them
   def one(head, hidden_NxKxD, tokens_NxK):
     logits = model_lib.dense(hidden_NxKxD, head).astype(jnp.float32)
-    logits = activations.constrain(logits, "batch", None, "act_vocab")
+    logits = model_lib.constrain(logits, "batch", None, "act_vocab")
     return tuple(distribution.token_logprobs(logits, tokens_NxK, sp) for sp in sps)
 
   outs = jax.lax.map(lambda xs: one(head_DxV, *xs), (hidden_CxNxKxD, tokens_CxNxK))

@@ -57,9 +57,9 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
   return jnp.einsum("bgrts,bsgd->btgrd", probs, v_BxSxKxD).reshape(b, t, h, d)
 
 
-def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS, implementation: str):
+def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS, implementation: str):
   """G samples' T new tokens per prompt (q [B, G, T, H, D], k/v [B, G, T, H_kv, D]) over
-  their prompt's K/V ([B, H_kv, P, D], the cache layout) and causally over themselves
+  their prompt's K/V ([B, H_kv, L, D], the cache layout) and causally over themselves
   (own_BxGxTxS); out [B, G, T, H, D].
 
   "xla": heads laid out [B, Hkv, G, R, T, D] so the prompt scores are one batched matmul
@@ -69,7 +69,7 @@ def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS, implementa
   update: 1.07x faster than the concatenated softmax, same loss.
   """
   if implementation == "cudnn":
-    return _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS,
+    return _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS,
                          implementation)
   b, g, t, h, d = q.shape
   hk = k.shape[3]
@@ -80,7 +80,7 @@ def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS, implementa
   scale = d ** -0.5
   s_prompt = jnp.einsum("bkmd,bkpd->bkmp", q_BKGRTD.reshape(b, hk, g * r * t, d),
                         prompt_k).astype(jnp.float32) * scale
-  s_prompt = jnp.where(prompt_mask_BxP[:, None, None, :], s_prompt, _NEG)
+  s_prompt = jnp.where(prompt_mask_BxL[:, None, None, :], s_prompt, _NEG)
   s_prompt = s_prompt.reshape(b, hk, g, r, t, -1)
   s_own = jnp.einsum("bkgrtd,bkgsd->bkgrts", q_BKGRTD, k_BKGSD).astype(jnp.float32) * scale
   s_own = jnp.where(own_BxGxTxS[:, None, :, None], s_own, _NEG)
@@ -96,21 +96,21 @@ def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS, implementa
   return o.reshape(b, g, t, h, d)
 
 
-def _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxP, own_BxGxTxS,
+def _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS,
                   implementation: str):
   """`extend` through one fused attention per sample over [prompt | own] keys. The fused
   kernel takes one key sequence, so each sample gets its own copy of its prompt's K/V
-  (B*G*P*H_kv*D values per layer, small beside the [B, H, T, P + T] scores it saves)."""
+  (B*G*L*H_kv*D values per layer, small beside the [B, H, T, L + T] scores it saves)."""
   b, g, t, h, d = q.shape
-  p = prompt_mask_BxP.shape[-1]
+  p = prompt_mask_BxL.shape[-1]
 
-  def with_prompt(prompt_BxKxPxD, own_BxGxTxKxD):
-    prompt = jnp.broadcast_to(prompt_BxKxPxD.transpose(0, 2, 1, 3)[:, None],
-                              (b, g, p) + prompt_BxKxPxD.shape[1:2] + (d,))
+  def with_prompt(prompt_BxKxLxD, own_BxGxTxKxD):
+    prompt = jnp.broadcast_to(prompt_BxKxLxD.transpose(0, 2, 1, 3)[:, None],
+                              (b, g, p) + prompt_BxKxLxD.shape[1:2] + (d,))
     return jnp.concatenate([prompt.astype(own_BxGxTxKxD.dtype), own_BxGxTxKxD], axis=2)
 
   keys, values = with_prompt(prompt_k, k), with_prompt(prompt_v, v)
-  allowed = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxP[:, None, None], (b, g, t, p)),
+  allowed = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxL[:, None, None], (b, g, t, p)),
                              own_BxGxTxS], axis=-1)
   o = fused_attention(q.reshape(b * g, t, h, d), keys.reshape(b * g, p + t, -1, d),
                       values.reshape(b * g, p + t, -1, d), allowed.reshape(b * g, t, p + t),

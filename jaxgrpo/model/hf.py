@@ -21,11 +21,12 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from jaxgrpo import model as model_lib
-from jaxgrpo.tokenizer import Tokenizer
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model.tokenizer import Tokenizer
 
 EMBEDDED_PREFIX = "@embedded/"
-_ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+# The package's assets folder (jaxgrpo/assets), one level above this one.
+_ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 MODEL_FILE, WEIGHTS_FILE = "model.json", "model.safetensors"
 
 
@@ -322,7 +323,7 @@ def load_hf(path: str, *, dtype: str = "float32", mesh=None):
   files, expected = _weight_files(folder), _expected_shapes(cfg)
   shardings = None
   if mesh is not None:
-    from jaxgrpo import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+    from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
     shardings = {_name(p): s for p, s in jax.tree_util.tree_leaves_with_path(
         sharding_lib.param_shardings(cfg, mesh))}
   np_dtype = np.dtype(model_lib.DTYPES[dtype])

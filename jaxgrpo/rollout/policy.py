@@ -18,9 +18,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
 
 
 class Policy:
@@ -49,7 +49,7 @@ class Policy:
     """A Hugging Face folder (Qwen2/Qwen3/Llama) or a jaxgrpo checkpoint folder, its tensors
     streamed onto `mesh` (default: one device). `policy.tokenizer` is its tokenizer; the
     pad and end-of-turn ids come from it."""
-    from jaxgrpo import hf  # pylint: disable=g-import-not-at-top
+    from jaxgrpo.model import hf  # pylint: disable=g-import-not-at-top
     mesh = mesh if mesh is not None else sharding_lib.make_mesh({"data": -1},
                                                                 jax.devices()[:1])
     if hf.is_hf_folder(path):
@@ -72,13 +72,13 @@ class Policy:
 
   def generate(self, prompts: Sequence[Sequence[int]] | np.ndarray,
                sampling_params: sampling.SamplingParams, num_samples: int,
-               max_new_tokens: int, seed: int, prompt_mask_BxP=None) -> sampling.Rollout:
+               max_new_tokens: int, seed: int, prompt_mask_BxL=None) -> sampling.Rollout:
     """Samples `num_samples` completions per prompt; rows are prompt-major.
 
-    prompts: token-id lists of any lengths (left-padded here) or a [B, P] array with its
+    prompts: token-id lists of any lengths (left-padded here) or a [B, L] array with its
     mask. Returns a `sampling.Rollout` (tokens_NxT, logp_NxT, raw_logp_NxT, mask_NxT, ...).
     """
-    tokens, mask = _as_batch(prompts, prompt_mask_BxP, self.pad_id)
+    tokens, mask = _as_batch(prompts, prompt_mask_BxL, self.pad_id)
     profile = sampling.Profile(sampling_params, num_samples, max_new_tokens)
     # The end ids are compiled in, so they are part of the key (eos_id may be reassigned).
     ends = None if self.eos_id is None else tuple(np.atleast_1d(self.eos_id).tolist())
@@ -94,7 +94,7 @@ def _as_batch(prompts, mask, pad_id):
   if isinstance(prompts, np.ndarray) or hasattr(prompts, "shape"):
     tokens = np.asarray(prompts, np.int32)
     if tokens.ndim != 2:
-      raise ValueError(f"prompts: expected a [B, P] array, got shape {tokens.shape}")
+      raise ValueError(f"prompts: expected a [B, L] array, got shape {tokens.shape}")
     mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
     return tokens, mask
   rows = [list(map(int, p)) for p in prompts]

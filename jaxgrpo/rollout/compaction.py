@@ -43,9 +43,9 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import decode
-from jaxgrpo import model as model_lib
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.model import decode
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
 
 
 def bucket_sizes(rows_per_group: int, stages: int) -> tuple[int, ...]:

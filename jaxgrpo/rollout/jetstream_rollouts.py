@@ -18,9 +18,9 @@ from typing import Mapping
 import jax
 import numpy as np
 
-from jaxgrpo import sampling
-from jaxgrpo import sharding as sharding_lib
-from jaxgrpo.engine.jetstream_engine import Engine
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
+from jaxgrpo.rollout.jetstream_engine import Engine
 
 
 class JetStreamRolloutEngine(sampling.RolloutEngine):
@@ -53,11 +53,11 @@ class JetStreamRolloutEngine(sampling.RolloutEngine):
     self._traces[name][fn] += 1
     self.compilations[name] = max(self._traces[name].values())
 
-  def _roll(self, name, params, tokens_BxP, mask_BxP, key, row_ids_B) -> sampling.Rollout:
+  def _roll(self, name, params, tokens_BxL, mask_BxL, key, row_ids_B) -> sampling.Rollout:
     if jax.process_count() > 1:
       raise ValueError("generation.backend='jetstream' runs on one process")
     engine, profile = self._samplers[name], self.profiles[name]
-    b, g, t = tokens_BxP.shape[0], profile.num_samples, profile.max_new_tokens
+    b, g, t = tokens_BxL.shape[0], profile.num_samples, profile.max_new_tokens
     ps = engine.prepare(params)
     state = engine.init_decode_state(key=key)
     out = {"tokens": np.full((b * g, t), self.pad_id, np.int32),
@@ -73,7 +73,7 @@ class JetStreamRolloutEngine(sampling.RolloutEngine):
       while waiting and free:
         p, s = waiting.popleft()
         if p not in prefixes:  # each prompt is prefilled once, for all of its samples
-          ids = tokens_BxP[p][mask_BxP[p]]
+          ids = tokens_BxL[p][mask_BxL[p]]
           prefixes[p] = engine.prefill(params=ps, padded_tokens=ids, true_length=len(ids),
                                        row_id=int(row_ids_B[p]))
         slot = free.popleft()

@@ -56,12 +56,11 @@ _root.setLevel(_level)
 for _h in [h for h in _root.handlers if h not in _handlers]:
   _root.removeHandler(_h)
 
-from jaxgrpo import compile_options
-from jaxgrpo import decode
-from jaxgrpo import distribution
-from jaxgrpo import model as model_lib
-from jaxgrpo import sampling
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.runtime import compile_options
+from jaxgrpo.model import decode, distribution
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
 
 # JetStream's prefill buckets (token_utils.pad_tokens): max_prefill_length must be one of them.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -112,11 +111,11 @@ class Params(NamedTuple):
 
 @struct.dataclass
 class Prefix:
-  """One prompt after prefill (batch 1); P = max_prefill_length, left-aligned."""
+  """One prompt after prefill (batch 1); L = max_prefill_length, left-aligned."""
 
-  prompt_k: tuple          # per layer [1, H_kv, D, P]
-  prompt_v: tuple          # per layer [1, H_kv, P, D]
-  prompt_bias: jax.Array   # [1, 1, 1, P]: 0 on the prompt, -1e30 on padding
+  prompt_k: tuple          # per layer [1, H_kv, D, L]
+  prompt_v: tuple          # per layer [1, H_kv, L, D]
+  prompt_bias: jax.Array   # [1, 1, 1, L]: 0 on the prompt, -1e30 on padding
   logits_1xV: jax.Array    # predicts the first new token
   length: jax.Array        # [] int32, the prompt's true length
   row_id: jax.Array        # [] int32: the random stream (the native sampler's row id)

@@ -1,10 +1,10 @@
 """The sampler's decode step: one new token for each of G samples of B prompts, in few ops.
 
-`model.Decoder` is the reference implementation of the network; this module computes the
+`decoder.Decoder` is the reference implementation of the network; this module computes the
 same function of the same parameters for the one place where speed is everything, the
 token-by-token loop of the sampler. On CPU every op inside that loop costs a few
 microseconds of dispatch on top of its work, and the matmuls are tiny (B*G rows), so the
-number of ops per token decides the speed (DESIGN.md; BENCHMARKS.md has the figures). Here:
+number of ops per token decides the speed (BENCHMARKS.md has the figures). Here:
 
   * the weights are rearranged once per sampler call (`prepare`), outside the loop: q, k
     and v are one matmul ([d_model, H_kv, r + 2, head_dim]: each KV head's r query heads,
@@ -21,8 +21,8 @@ number of ops per token decides the speed (DESIGN.md; BENCHMARKS.md has the figu
     copy per call), and the output projection is one 2-D matmul over [H_kv * r * D] inputs
     (as an einsum over [H_kv, r, D], XLA copied its weight into a new layout every token);
   * the caches are laid out so each attention contraction is a plain batched matmul with no
-    transpose: prompt keys [B, H_kv, D, P] (stored transposed), prompt values
-    [B, H_kv, P, D], and the samples' own keys [B, H_kv, G, D, T] and values
+    transpose: prompt keys [B, H_kv, D, L] (stored transposed), prompt values
+    [B, H_kv, L, D], and the samples' own keys [B, H_kv, G, D, T] and values
     [B, H_kv, G, T, D]. The prompt's keys and values are held once per prompt and read by
     all G samples: a prompt is never copied G times;
   * the softmax over [prompt | generated] keys is taken without concatenating them;
@@ -44,7 +44,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import model as model_lib
+from jaxgrpo.model import attention as attention_lib
+from jaxgrpo.model import decoder as model_lib
 
 _NEG = -1e30  # as in attention.py: finite, so a fully masked row cannot produce NaN
 
@@ -74,9 +75,9 @@ class Weights(NamedTuple):
 class Cache(NamedTuple):
   """Per-layer tuples of keys and values; see the module docstring for the layouts."""
 
-  prompt_k: tuple        # [B, H_kv, D, P]
-  prompt_v: tuple        # [B, H_kv, P, D]
-  prompt_bias: jax.Array  # [B, 1, 1, P]: 0 on real prompt tokens, -1e30 on left padding
+  prompt_k: tuple        # [B, H_kv, D, L]
+  prompt_v: tuple        # [B, H_kv, L, D]
+  prompt_bias: jax.Array  # [B, 1, 1, L]: 0 on real prompt tokens, -1e30 on left padding
   gen_k: tuple           # [B, H_kv, G, D, T]
   gen_v: tuple           # [B, H_kv, G, T, D]
 
@@ -121,22 +122,22 @@ def prepare(params, cfg: model_lib.ModelConfig, stacked: bool = False) -> Weight
   head = embedding if cfg.tie_embeddings else params["lm_head"].T.astype(dt)
   return Weights(embedding=embedding, layers=layers,
                  final_norm=params["final_norm"]["scale"][:, None], head=head,
-                 inv_freq=model_lib.rope_frequencies(cfg, cfg.head_dim)[:, None, None])
+                 inv_freq=attention_lib.rope_frequencies(cfg, cfg.head_dim)[:, None, None])
 
 
-def init_cache(prompt_k, prompt_v, prompt_mask_BxP, cfg: model_lib.ModelConfig,
+def init_cache(prompt_k, prompt_v, prompt_mask_BxL, cfg: model_lib.ModelConfig,
                num_samples: int, max_new_tokens: int, stacked: bool = False,
                block: int = 0) -> Cache:
-  """The cache after prefill: prefill's per-layer K/V, tuples of [B, H_kv, P, D].
+  """The cache after prefill: prefill's per-layer K/V, tuples of [B, H_kv, L, D].
 
-  stacked: the prefill's K/V stacked, [num_layers, B, H_kv, P, D] (sampling.prefill with
+  stacked: the prefill's K/V stacked, [num_layers, B, H_kv, L, D] (sampling.prefill with
   stacked_kv), and each field one array with a leading [num_layers] axis instead of a
   tuple (for `prepare(stacked=True)`). block: `step`'s key block; the generated slots are
   rounded up to whole blocks (the extra slots are never written, never attended)."""
   dt = model_lib.DTYPES[cfg.dtype]
-  b, hk, d = prompt_mask_BxP.shape[0], cfg.num_kv_heads, cfg.head_dim
+  b, hk, d = prompt_mask_BxL.shape[0], cfg.num_kv_heads, cfg.head_dim
   g, t = num_samples, gen_slots(max_new_tokens, block)
-  bias = jnp.where(prompt_mask_BxP, 0.0, _NEG).astype(jnp.float32)[:, None, None]
+  bias = jnp.where(prompt_mask_BxL, 0.0, _NEG).astype(jnp.float32)[:, None, None]
   if stacked:
     num = cfg.num_layers
     return Cache(prompt_k=jnp.swapaxes(prompt_k, 3, 4).astype(dt), prompt_v=prompt_v.astype(dt),
@@ -167,7 +168,7 @@ def _norm(x, scale, cfg: model_lib.ModelConfig, axis: int = 0):
 
 
 def _rope(x, cos2, sin2):
-  """Hugging Face's rotate-half RoPE (model.rope) along axis 2 of [H_kv, r+1, D, B, G]."""
+  """Hugging Face's rotate-half RoPE (attention.rope) along axis 2 of [H_kv, r+1, D, B, G]."""
   hk, r1, d, b, g = x.shape
   x6 = x.astype(jnp.float32).reshape(hk, r1, 2, d // 2, b, g)
   return (x6 * cos2 + jnp.flip(x6, axis=2) * sin2).reshape(x.shape).astype(x.dtype)

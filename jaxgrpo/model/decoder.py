@@ -13,14 +13,25 @@ The sampler's token-by-token step lives in decode.py: the same function of the s
 parameters, arranged for speed and pinned to `forward` by tests/test_decode.py. The
 attention maths (einsums or cuDNN's fused kernel) and RoPE live in attention.py.
 
-The layers' parameters are stacked ([num_layers, ...] under `layers`) and a scan runs one
-block over them, compiled once or unrolled (`scan_layers`; layers.py). Every parameter
-carries logical axis names (see sharding.py for the rules mapping them to
-mesh axes).
+The layers' parameters are stacked ([num_layers, ...] under `layers`, the leading axis named
+"layers" and never sharded) and a scan runs one block over them (`over_layers`): one
+compiled layer body in a loop (`scan_layers` True, MaxText's scan_layers) or the same scan
+unrolled. Files on disk (jaxgrpo's own folders and Hugging Face's) name each layer's
+tensors apart; `stack_layers` and `unstack_layers` convert.
+
+Every parameter carries logical axis names, and `constrain` pins the activations' layouts
+by the same names (sharding.py maps them to mesh axes). Under FSDP (weights split on
+`embed` over `fsdp`, rows split over `fsdp` too) the partitioner may resolve the conflict
+by computing whole-batch activations on every chip, so per-chip memory grew as chips were
+added (tests/test_sharding.py measures it). Pinned to rows over the data axes, with the
+model dimension whole, every chip gathers a layer's weights and computes its own rows, as
+MaxText does. `sharding.activation_sharding(mesh)` switches the pinning on while a step is
+traced; outside it (a forward without a mesh: tests, `Policy.logits`) nothing changes.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from typing import Any
@@ -28,17 +39,84 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxgrpo import attention as attention_lib
-from jaxgrpo import layers as layers_lib
-from jaxgrpo.activations import constrain, constrain_rows
-# The stacked layers' layout and execution (layers.py), re-exported for callers of model.
-from jaxgrpo.layers import (LAYER_PREFIX, PARAM_LAYOUT, resolve_scan_layers,  # noqa: F401
-                            stack_layers, unstack_layers)
-from jaxgrpo.attention import (ATTENTION, resolve_attention, rope,  # noqa: F401
-                               rope_frequencies)
+from jaxgrpo.model import attention as attention_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# --- Where activations live. ----------------------------------------------------------------
+# The mesh `constrain` pins activations to, set while a step is traced (jax's own mesh
+# context cannot be entered inside jit, where the trace happens).
+ACTIVATION_MESH: contextvars.ContextVar = contextvars.ContextVar("activation_mesh",
+                                                                default=None)
+
+
+def constrain(x, *logical_axes):
+  """Pins an activation's layout by logical axis names (sharding.RULES: `batch` over the data
+  axes, `act_mlp` / `act_vocab` over `tensor`, an unnamed axis whole); a no-op unless a
+  mesh is set (module docstring)."""
+  mesh = ACTIVATION_MESH.get()
+  if mesh is None:
+    return x
+  return nn.with_logical_constraint(x, logical_axes, mesh=mesh)
+
+
+def constrain_rows(x):
+  """`constrain` for a [rows..., D] activation: split by its first (batch) axis only."""
+  return constrain(x, "batch", *([None] * (x.ndim - 1)))
+
+
+# --- The layers as one stack. --------------------------------------------------------------
+LAYER_PREFIX = "layer_"
+# A train-state checkpoint's meta names its layout; those written before the layers were
+# stacked have none (their trees hold layer_0 ... and cannot restore into this one).
+PARAM_LAYOUT = "stacked_layers"
+
+
+def resolve_scan_layers(value: bool | None, platform: str) -> bool:
+  """`model.scan_layers`; None picks by platform. Unrolled on CPU, where the steady update
+  measured 1.12x and the tiny preset's rollout 1.45x faster unrolled (BENCHMARKS.md) and a
+  model small enough for CPU compiles quickly either way; scanned on TPU and GPU, where a
+  real model's 28+ layers would otherwise each be compiled (a 7B compile check: 308 s
+  unrolled, 95 s scanned; MaxText's scan_layers default)."""
+  return platform != "cpu" if value is None else bool(value)
+
+
+def over_layers(body, num_layers: int, scan_layers: bool, num_broadcast: int):
+  """`body` run over the stacked layers: params["layers"] holds every layer's parameters
+  with a leading [num_layers] axis (logical name "layers"), sliced one layer per step.
+
+  scan_layers=True compiles one layer body in a loop (MaxText's scan_layers); False unrolls
+  the same scan into num_layers copies, as a Python loop over layers would, which lets XLA
+  schedule and fuse across layers at the price of a compile that grows with depth. Both
+  read the same parameter tree, so the choice is the compiler's, never the checkpoint's.
+  """
+  return nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+                 in_axes=(nn.broadcast,) * num_broadcast, length=num_layers,
+                 unroll=1 if scan_layers else num_layers,
+                 metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+def unstack_layers(params) -> dict:
+  """{..., "layers": {...[L, ...]}} -> {..., "layer_0": {...}, ..., "layer_{L-1}": {...}}."""
+  out = {k: v for k, v in params.items() if k != "layers"}
+  stacked = params["layers"]
+  num = len(jax.tree.leaves(stacked)[0])
+  for i in range(num):
+    out[f"{LAYER_PREFIX}{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
+  return out
+
+
+def stack_layers(params) -> dict:
+  """The inverse of `unstack_layers` on a host tree of numpy arrays (layer_0 ...
+  layer_{L-1} must all be there)."""
+  names = [k for k in params if k.startswith(LAYER_PREFIX)]
+  out = {k: v for k, v in params.items() if not k.startswith(LAYER_PREFIX)}
+  layers = [params[f"{LAYER_PREFIX}{i}"] for i in range(len(names))]
+  out["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +274,8 @@ class Attention(nn.Module):
       q, k, v = q + self.bq.astype(dt), k + self.bk.astype(dt), v + self.bv.astype(dt)
     if self.cfg.qk_norm:  # Qwen3 normalises each head before the rotation.
       q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = rope_frequencies(self.cfg, self.cfg.head_dim)
-    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+    inv_freq = attention_lib.rope_frequencies(self.cfg, self.cfg.head_dim)
+    return attention_lib.rope(q, positions, inv_freq), attention_lib.rope(k, positions, inv_freq), v
 
   def _out(self, o):
     return dense(o, self.wo.astype(DTYPES[self.cfg.dtype]), in_dims=2)
@@ -211,14 +289,14 @@ class Attention(nn.Module):
     # K/V returned in the cache layout [B, H_kv, T, D] for prefill.
     return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
-  def extend(self, x_BxGxTxD, positions_BxGxT, prompt_k, prompt_v, prompt_mask_BxP,
+  def extend(self, x_BxGxTxD, positions_BxGxT, prompt_k, prompt_v, prompt_mask_BxL,
              mask_BxGxT):
     """T new tokens per sample, attending to the shared prompt K/V and causally to
     themselves (the training-time twin of decode.step); see attention.extend."""
     t = x_BxGxTxD.shape[2]
     q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
     own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
-    return self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxP,
+    return self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
                                           own_BxGxTxS, self.attention))
 
 
@@ -297,7 +375,7 @@ class Decoder(nn.Module):
       self.lm_head = _param(self, "lm_head", (c.d_model, c.vocab_size),
                             ("embed", "vocab"), c)
     # One block's parameters, stacked [num_layers, ...] by the scan.
-    self.layers = Block(c, resolve_attention(self.attention, jax.default_backend(), c.dtype))
+    self.layers = Block(c, attention_lib.resolve_attention(self.attention, jax.default_backend(), c.dtype))
     self.final_norm = RMSNorm(c, c.d_model)
 
   def _embed(self, tokens):
@@ -319,7 +397,7 @@ class Decoder(nn.Module):
     return_kv="stacked": (K, V) as the scan makes them, [num_layers, B, Hkv, T, D] each.
     """
     x = self._embed(tokens_BxT)
-    layers = layers_lib.over_layers(_prefill_layer, self.cfg.num_layers, self._scan(), 2)
+    layers = over_layers(_prefill_layer, self.cfg.num_layers, self._scan(), 2)
     x, (k_L, v_L) = layers(self.layers, x, positions_BxT, mask_BxT)
     if return_kv == "stacked":
       return self._logits(x[:, -1]), (k_L, v_L)
@@ -329,15 +407,15 @@ class Decoder(nn.Module):
                                       tuple(v_L[i] for i in range(num)))
     return self._logits(x)
 
-  def score_groups(self, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
+  def score_groups(self, prompt_tokens_BxL, prompt_mask_BxL, completion_BxGxT,
                    completion_mask_BxGxT):
     """Logits [B, G, T, V] predicting each of G completions' T tokens (teacher forcing).
 
     The prompt runs once per prompt and its K/V are shared by the G completions, so the
-    training loss costs B*P + B*G*T token positions instead of B*G*(P+T). Completion token
+    training loss costs B*L + B*G*T token positions instead of B*G*(L+T). Completion token
     t sits at position prompt_length + t, exactly as in sampling.
     """
-    first_BxD, rest_BxGxTxD = self._score_hidden(prompt_tokens_BxP, prompt_mask_BxP,
+    first_BxD, rest_BxGxTxD = self._score_hidden(prompt_tokens_BxL, prompt_mask_BxL,
                                                  completion_BxGxT, completion_mask_BxGxT)
     first_BxV = self._logits(first_BxD)  # the prompt's last position predicts token 0
     rest = self._logits(rest_BxGxTxD[:, :, :-1])   # completion token t predicts token t + 1
@@ -346,27 +424,27 @@ class Decoder(nn.Module):
                                                         first_BxV.shape[-1]))
     return jnp.concatenate([first, rest], axis=2)
 
-  def score_hidden(self, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
+  def score_hidden(self, prompt_tokens_BxL, prompt_mask_BxL, completion_BxGxT,
                    completion_mask_BxGxT):
     """The final-normed hidden states [B, G, T, D] that predict each completion token, and
     the head [D, V]: `score_groups` without the [B, G, T, V] logits, for a loss that
     projects a chunk of positions at a time (grpo.completion_logprobs)."""
-    first_BxD, rest_BxGxTxD = self._score_hidden(prompt_tokens_BxP, prompt_mask_BxP,
+    first_BxD, rest_BxGxTxD = self._score_hidden(prompt_tokens_BxL, prompt_mask_BxL,
                                                  completion_BxGxT, completion_mask_BxGxT)
     b, g = completion_BxGxT.shape[:2]
     first = jnp.broadcast_to(first_BxD[:, None, None], (b, g, 1, first_BxD.shape[-1]))
     hidden = jnp.concatenate([first, rest_BxGxTxD[:, :, :-1]], axis=2)
     return self.final_norm(hidden), self._head()
 
-  def _score_hidden(self, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
+  def _score_hidden(self, prompt_tokens_BxL, prompt_mask_BxL, completion_BxGxT,
                     completion_mask_BxGxT):
     """The last layer's output at the prompt's last position [B, D] and at every completion
     position [B, G, T, D] (not normed)."""
-    positions_BxP = positions_from_mask(prompt_mask_BxP)
-    prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
+    positions_BxL = positions_from_mask(prompt_mask_BxL)
+    prompt_len_B = jnp.sum(prompt_mask_BxL, axis=-1).astype(jnp.int32)
     t = completion_BxGxT.shape[-1]
     positions_BxGxT = prompt_len_B[:, None, None] + jnp.arange(t, dtype=jnp.int32)
-    x_p = constrain_rows(self._embed(prompt_tokens_BxP))
+    x_p = constrain_rows(self._embed(prompt_tokens_BxL))
     x_c = constrain_rows(self._embed(completion_BxGxT))
 
     body = _train_layer
@@ -374,13 +452,13 @@ class Decoder(nn.Module):
       # Inside a scan the loop already keeps XLA from merging the recomputation with the
       # forward; unrolled, prevent_cse must (jax.checkpoint's documentation).
       body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
-    layers = layers_lib.over_layers(body, self.cfg.num_layers, self._scan(), 4)
-    (x_p, x_c), _ = layers(self.layers, (x_p, x_c), positions_BxP, prompt_mask_BxP,
+    layers = over_layers(body, self.cfg.num_layers, self._scan(), 4)
+    (x_p, x_c), _ = layers(self.layers, (x_p, x_c), positions_BxL, prompt_mask_BxL,
                            positions_BxGxT, completion_mask_BxGxT)
     return x_p[:, -1], x_c
 
   def _scan(self) -> bool:
-    return layers_lib.resolve_scan_layers(self.scan_layers, jax.default_backend())
+    return resolve_scan_layers(self.scan_layers, jax.default_backend())
 
   def _head(self):
     """The output projection [D, V] in the compute dtype (the tied embedding, transposed)."""
@@ -400,21 +478,21 @@ def forward(params, cfg: ModelConfig, tokens_BxT, mask_BxT, scan_layers: bool | 
       {"params": params}, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
 
 
-def score_groups(params, cfg: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
+def score_groups(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
                  scan_layers: bool | None = None, attention: str | None = None):
   """Teacher-forced logits of G completions per prompt, the prompt computed once."""
   return Decoder(cfg, remat, scan_layers, attention).apply(
-      {"params": params}, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
+      {"params": params}, prompt_tokens_BxL, prompt_mask_BxL, completion_BxGxT,
       completion_mask_BxGxT, method=Decoder.score_groups)
 
 
-def score_hidden(params, cfg: ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
+def score_hidden(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
                  scan_layers: bool | None = None, attention: str | None = None):
   """(hidden [B, G, T, D], head [D, V]): `score_groups` before the output projection."""
   return Decoder(cfg, remat, scan_layers, attention).apply(
-      {"params": params}, prompt_tokens_BxP, prompt_mask_BxP, completion_BxGxT,
+      {"params": params}, prompt_tokens_BxL, prompt_mask_BxL, completion_BxGxT,
       completion_mask_BxGxT, method=Decoder.score_hidden)
 
 

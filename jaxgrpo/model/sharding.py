@@ -33,9 +33,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgrpo import activations
-from jaxgrpo import decode
-from jaxgrpo import model as model_lib
+from jaxgrpo.model import decode
+from jaxgrpo.model import decoder as model_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -139,13 +138,13 @@ def logical_sharding(mesh: Mesh, *logical_axes: str | None) -> NamedSharding:
 
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh):
-  """Within it, `activations.constrain` pins activations to RULES on `mesh` (trace under it)."""
-  token = activations.ACTIVATION_MESH.set(mesh)
+  """Within it, `decoder.constrain` pins activations to RULES on `mesh` (trace under it)."""
+  token = model_lib.ACTIVATION_MESH.set(mesh)
   try:
     with nn.logical_axis_rules(RULES):
       yield
   finally:
-    activations.ACTIVATION_MESH.reset(token)
+    model_lib.ACTIVATION_MESH.reset(token)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

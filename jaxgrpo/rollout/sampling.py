@@ -5,7 +5,7 @@ arguments of its compiled sampler, so each profile compiles exactly once. The en
 exactly two profiles, `train` and `val`: the trainer can only roll out with the training
 distribution (the on-policy guard), and validation gets its own, typically near-greedy one.
 
-One call: prefill the B distinct prompts once ([B, P], never [B*G, P]), then decode G samples
+One call: prefill the B distinct prompts once ([B, L], never [B*G, L]), then decode G samples
 per prompt in a `lax.while_loop` that stops when every row has emitted EOS or after
 `max_new_tokens` (with `compact_stages`, the live rows move into smaller batches on the way:
 compaction.py). Rows come out prompt-major (row b*G + g), so `rewards.reshape(B, G)` groups
@@ -27,12 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo import compaction
-from jaxgrpo import compile_options
-from jaxgrpo import decode
-from jaxgrpo import distribution
-from jaxgrpo import model as model_lib
-from jaxgrpo import sharding as sharding_lib
+from jaxgrpo.runtime import compile_options
+from jaxgrpo.model import decode, distribution
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import compaction
 
 PROFILE_NAMES = ("train", "val")
 # The profile's draw settings live with the distribution they define; re-exported here,
@@ -68,17 +67,17 @@ class Rollout(NamedTuple):
   truncated_N: jax.Array    # True when the row hit max_new_tokens without EOS
 
 
-def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxP, prompt_mask_BxP,
+def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
             scan_layers: bool | None = None, attention: str | None = None,
             stacked_kv: bool = False):
   """Runs the prompts once: the last position's logits and each layer's K/V (tuples of
-  [B, H_kv, P, D]; stacked_kv: two [num_layers, B, H_kv, P, D] arrays).
+  [B, H_kv, L, D]; stacked_kv: two [num_layers, B, H_kv, L, D] arrays).
 
   A module-level function so tests can watch the shapes it is traced with.
   """
-  positions = model_lib.positions_from_mask(prompt_mask_BxP)
+  positions = model_lib.positions_from_mask(prompt_mask_BxL)
   return model_lib.Decoder(cfg, scan_layers=scan_layers, attention=attention).apply(
-      {"params": params}, prompt_tokens_BxP, positions, prompt_mask_BxP,
+      {"params": params}, prompt_tokens_BxL, positions, prompt_mask_BxL,
       return_kv="stacked" if stacked_kv else True)
 
 
@@ -99,7 +98,7 @@ def row_uniform(key, row_id, step, num_samples: int):
                             (num_samples,))
 
 
-def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
+def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
            cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
            mesh=None, share_prefix: bool = True,
            scan_layers: bool | None = None, attention: str | None = None,
@@ -125,22 +124,22 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   without computing rows that ended); 0 computes every row until the longest ends.
   """
   sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
-  b = prompt_tokens_BxP.shape[0]
+  b = prompt_tokens_BxL.shape[0]
   if row_ids_B is None:
     row_ids_B = jnp.arange(b, dtype=jnp.int32)
   # The decode loop's view: pb prompts with pg samples each (pb * pg = b * g rows).
   pb, pg = (b, g) if share_prefix else (b * g, 1)
   if not share_prefix:
-    prompt_tokens_BxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
-    prompt_mask_BxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
+    prompt_tokens_BxL = jnp.repeat(prompt_tokens_BxL, g, axis=0)
+    prompt_mask_BxL = jnp.repeat(prompt_mask_BxL, g, axis=0)
   # Scanned layers: the decode step loops over one compiled block too (decode.step), over
   # the caches as the prefill's scan stacked them.
   stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
-  logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxP, prompt_mask_BxP,
+  logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxL, prompt_mask_BxL,
                                  scan_layers, attention, stacked_kv=stacked)
-  prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
+  prompt_len_B = jnp.sum(prompt_mask_BxL, axis=-1).astype(jnp.int32)
   weights = decode.prepare(params, cfg, stacked)
-  cache = decode.init_cache(ks, vs, prompt_mask_BxP, cfg, pg, t, stacked, decode_block)
+  cache = decode.init_cache(ks, vs, prompt_mask_BxL, cfg, pg, t, stacked, decode_block)
   if mesh is not None:  # keep caches split by rows (and KV heads) through the loop
     # One sharding per field is a tree prefix: it applies to every layer's array.
     cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh, stacked))
@@ -219,10 +218,10 @@ def sample(params, prompt_tokens_BxP, prompt_mask_BxP, key, row_ids_B=None, *,
   return Rollout(tokens, logps, raws, masks, lengths, truncated)
 
 
-def left_pad(prompt_tokens_BxP, prompt_mask_BxP, width: int, pad_id: int):
+def left_pad(prompt_tokens_BxL, prompt_mask_BxL, width: int, pad_id: int):
   """Host-side: left-pads prompts to `width` so every call has the same compiled shape."""
-  tokens = np.asarray(prompt_tokens_BxP)
-  mask = np.asarray(prompt_mask_BxP, bool)
+  tokens = np.asarray(prompt_tokens_BxL)
+  mask = np.asarray(prompt_mask_BxL, bool)
   extra = width - tokens.shape[1]
   if extra > 0:
     tokens = np.pad(tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
@@ -301,7 +300,7 @@ class RolloutEngine:
       raise ValueError(f"unknown rollout profile {name!r}; allowed {list(PROFILE_NAMES)}")
     return self.profiles[name]
 
-  def sample(self, name: str, params, prompt_tokens_BxP, prompt_mask_BxP, *,
+  def sample(self, name: str, params, prompt_tokens_BxL, prompt_mask_BxL, *,
              step: int | None = None, key=None, row_ids_B=None) -> Rollout:
     """Samples with profile `name`. Without `step` or `key` each call draws a fresh key
     (a per-profile counter); pass `key` to reuse one on purpose (fixed validation key).
@@ -312,11 +311,11 @@ class RolloutEngine:
     self.profile(name)
     if key is not None and step is not None:
       raise ValueError("pass either step= (a key folded from the run seed) or key=, not both")
-    width = np.shape(prompt_tokens_BxP)[1]
+    width = np.shape(prompt_tokens_BxL)[1]
     if width > self.max_prompt_length:
       raise ValueError(f"prompt length {width} exceeds max_prompt_length="
                        f"{self.max_prompt_length}")
-    rows = np.shape(prompt_tokens_BxP)[0]  # this process's prompts
+    rows = np.shape(prompt_tokens_BxL)[0]  # this process's prompts
     procs = jax.process_count()
     multiple = sharding_lib.batch_size_multiple(self.mesh)
     if (rows * procs) % multiple:
@@ -326,7 +325,7 @@ class RolloutEngine:
       step = self._calls[name] if step is None else step
       key = self.key(name, step)
       self._calls[name] = step + 1
-    tokens, mask = left_pad(prompt_tokens_BxP, prompt_mask_BxP, self.max_prompt_length,
+    tokens, mask = left_pad(prompt_tokens_BxL, prompt_mask_BxL, self.max_prompt_length,
                             self.pad_id)
     if row_ids_B is None:  # the global batch's row numbers (each process holds a slice)
       row_ids_B = np.arange(rows, dtype=np.int32) + jax.process_index() * rows
@@ -335,9 +334,9 @@ class RolloutEngine:
       raise ValueError(f"row_ids_B has shape {row_ids_B.shape}; expected ({rows},)")
     return self._roll(name, params, tokens, mask, key, row_ids_B)
 
-  def _roll(self, name: str, params, tokens_BxP, mask_BxP, key, row_ids_B) -> Rollout:
+  def _roll(self, name: str, params, tokens_BxL, mask_BxL, key, row_ids_B) -> Rollout:
     """The rollout itself, from this process's left-padded prompts (numpy)."""
     tokens, mask, row_ids_B = sharding_lib.to_global(self.mesh,
-                                                     (tokens_BxP, mask_BxP, row_ids_B))
+                                                     (tokens_BxL, mask_BxL, row_ids_B))
     return self._samplers[name](params, tokens, mask, sharding_lib.replicate_key(self.mesh, key),
                                 row_ids_B)
