@@ -80,23 +80,79 @@ def load_jsonl(path: str, question_key: str = "question",
         raise DataError(f"{where}: not valid JSON ({e.msg})") from None
       if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-      row = {k: v for k, v in obj.items() if k not in (question_key, answer_key)}
-      clash = sorted(set(row) & set(rewards.RESERVED_COLUMNS))
-      if clash:  # every column reaches the rewards as a keyword (rewards.Scorer)
-        raise DataError(f"{where}: column {clash[0]!r} is a name the rewards are given "
-                        f"already; rename it (reserved: {', '.join(rewards.RESERVED_COLUMNS)})")
-      row["question"] = _text_field(obj, question_key, where)
-      row["answer"] = _text_field(obj, answer_key, where)
-      rows.append(row)
+      rows.append(_row(obj, question_key, answer_key, where))
+  if not rows:
+    raise DataError(f"{path}: empty dataset (0 usable rows)")
+  return rows
+
+
+def _row(obj: dict[str, Any], question_key: str, answer_key: str, where: str) -> dict:
+  """A data row: `question` and `answer` as text, read from their keys (a dotted key reads
+  a nested field: `reward_model.ground_truth`), and every other column unchanged."""
+  row = {k: v for k, v in obj.items() if k not in (question_key, answer_key)}
+  clash = sorted(set(row) & set(rewards.RESERVED_COLUMNS))
+  if clash:  # every column reaches the rewards as a keyword (scorer.Scorer)
+    raise DataError(f"{where}: column {clash[0]!r} is a name the rewards are given "
+                    f"already; rename it (reserved: {', '.join(rewards.RESERVED_COLUMNS)})")
+  row["question"] = _text_field(obj, question_key, where)
+  row["answer"] = _text_field(obj, answer_key, where)
+  return row
+
+
+def _field(obj: dict[str, Any], key: str, where: str):
+  """obj[key], a dotted key walking into nested objects."""
+  if key in obj:
+    return obj[key]
+  value, path = obj, []
+  for part in key.split("."):
+    if not isinstance(value, dict) or part not in value:
+      fields = ", ".join(value) if isinstance(value, dict) else type(value).__name__
+      raise DataError(f"{where}: missing field {key!r} (fields"
+                      f"{' of ' + '.'.join(path) if path else ''}: {fields})")
+    value, path = value[part], path + [part]
+  return value
+
+
+def load_rows(path: str, question_key: str = "question",
+              answer_key: str = "answer") -> list[dict[str, Any]]:
+  """Every row of a data file: JSONL, Parquet (`.parquet`), or a folder that Hugging Face
+  `datasets` wrote with `save_to_disk` (its Arrow files); the same keys and rules as
+  `load_jsonl`. Parquet and Arrow need pyarrow (`pip install -e '.[parquet]'`)."""
+  resolved = resolve_path(path)
+  is_folder = os.path.isdir(resolved) and os.path.isfile(os.path.join(resolved, "state.json"))
+  if not (resolved.endswith(".parquet") or is_folder):
+    return load_jsonl(path, question_key, answer_key)
+  if not os.path.exists(resolved):
+    raise DataError(f"{path}: no such file")
+  try:
+    import pyarrow  # pylint: disable=g-import-not-at-top
+    import pyarrow.ipc  # pylint: disable=g-import-not-at-top,unused-import
+    import pyarrow.parquet  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    raise DataError(f"{path}: reading Parquet and Arrow needs pyarrow; "
+                    "pip install -e '.[parquet]'") from None
+  try:
+    if is_folder:
+      with open(os.path.join(resolved, "state.json")) as f:
+        files = [os.path.join(resolved, d["filename"]) for d in json.load(f)["_data_files"]]
+      table = pyarrow.concat_tables([pyarrow.ipc.open_stream(p).read_all() for p in files])
+    else:
+      table = pyarrow.parquet.read_table(resolved)
+  except (OSError, ValueError, KeyError, pyarrow.ArrowException) as e:
+    raise DataError(f"{path}: not a readable {'datasets folder' if is_folder else 'Parquet file'}"
+                    f" ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+  for key in (question_key, answer_key):
+    if key.split(".")[0] not in table.column_names:
+      raise DataError(f"{path}: no column {key!r} (columns: {', '.join(table.column_names)})")
+  rows = [_row(obj, question_key, answer_key, f"{path}: row {i}")
+          for i, obj in enumerate(table.to_pylist())]
   if not rows:
     raise DataError(f"{path}: empty dataset (0 usable rows)")
   return rows
 
 
 def _text_field(obj: dict[str, Any], key: str, where: str) -> str:
-  if key not in obj:
-    raise DataError(f"{where}: missing field {key!r} (fields: {', '.join(obj)})")
-  value = obj[key]
+  value = _field(obj, key, where)
   if isinstance(value, (int, float)) and not isinstance(value, bool):
     return str(value)
   if not isinstance(value, str):
@@ -225,7 +281,7 @@ def _prepare(rows: Sequence[dict[str, Any]], row_ids: Sequence[int], tokenizer: 
   # A chat template writes its own begin-of-text marker, so no second BOS is added.
   ids_list = tokenizer.encode_batch(prompts, add_bos=getattr(template, "add_bos", True))
   _check_lengths(ids_list, prompts, row_ids, max_prompt_length)
-  # `row`: every column reaches the rewards (rewards.Scorer).
+  # `row`: every column reaches the rewards (scorer.Scorer).
   return [{"prompt": p, "ids": ids, "row_id": i, "row": rows[i], "question": rows[i]["question"],
            "answer": rows[i]["answer"],
            "source": str(rows[i]["source"]) if "source" in rows[i] else None}
@@ -394,7 +450,8 @@ def make_sources(data_config: Any) -> tuple[list[dict[str, Any]], list[dict[str,
   Fields: `source` is 'arithmetic' or 'jsonl'.
   - arithmetic: `num_train_examples` and `num_val_examples` problems of `num_digits`
     digits from `arithmetic_examples` (disjoint splits), drawn with `seed` (default 0).
-  - jsonl: rows of `train_path` and `val_path`, read with `question_key`/`answer_key`.
+  - jsonl: rows of `train_path` and `val_path` (JSONL, Parquet or a `datasets` folder:
+    `load_rows`), read with `question_key`/`answer_key` (dotted for a nested field).
     A path `@gsm8k/train.jsonl` or `@gsm8k/test.jsonl` names the packaged GSM8K files.
     `num_train_examples` > 0 keeps the first that many train rows (0: all). With a
     `val_path`, `num_val_examples` > 0 keeps its first that many rows (0: all) of each of
@@ -418,11 +475,11 @@ def make_sources(data_config: Any) -> tuple[list[dict[str, Any]], list[dict[str,
   val_path = getattr(data_config, "val_path", "")
   if not train_path:
     raise DataError("data.train_path is empty; source='jsonl' needs a JSONL file")
-  train = load_jsonl(train_path, **keys)
+  train = load_rows(train_path, **keys)
   if val_path:
     val = []
     for name, path in val_files(val_path):
-      rows = load_jsonl(path, **keys)
+      rows = load_rows(path, **keys)
       rows = rows[:num_val] if num_val > 0 else rows
       if name is not None:  # a row's own `source` column wins over its file's name
         rows = [{**r, "source": r.get("source", name)} for r in rows]

@@ -87,6 +87,59 @@ def test_load_jsonl_non_object_line(tmp_path):
     data.load_jsonl(path)
 
 
+# Parquet and `datasets` folders (verl's data lives in Parquet, with nested columns).
+
+VERL_ROWS = [
+    {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
+     "reward_model": {"style": "rule", "ground_truth": 2}, "extra_info": {"index": 0},
+     "question": "1+1?"},
+    {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "2+3?"}],
+     "reward_model": {"style": "rule", "ground_truth": 5}, "extra_info": {"index": 1},
+     "question": "2+3?"},
+]
+
+
+def test_parquet_rows_with_a_nested_answer_key(tmp_path):
+  pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+  path = tmp_path / "train.parquet"
+  pq.write_table(pa.Table.from_pylist(VERL_ROWS), path)
+  rows = data.load_rows(str(path), answer_key="reward_model.ground_truth")
+  # The question and the nested answer (a number turned into text, as in JSONL); every
+  # column stays, nested ones as dicts, for the rewards.
+  assert [(r["question"], r["answer"]) for r in rows] == [("1+1?", "2"), ("2+3?", "5")]
+  assert rows[1]["extra_info"] == {"index": 1} and rows[1]["data_source"] == "gsm8k"
+  assert rows[0]["reward_model"]["style"] == "rule"
+
+
+def test_a_parquet_file_without_the_question_column_is_one_line(tmp_path):
+  pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+  path = tmp_path / "t.parquet"
+  pq.write_table(pa.Table.from_pylist([{"problem": "q", "answer": "a"}]), path)
+  with pytest.raises(DataError) as err:
+    data.load_rows(str(path))
+  assert str(err.value) == f"{path}: no column 'question' (columns: problem, answer)"
+  with pytest.raises(DataError, match=r"t\.parquet: row 0: missing field 'answer\.value' "
+                     r"\(fields of answer: str\)"):
+    data.load_rows(str(path), "problem", "answer.value")
+  with pytest.raises(DataError, match=r"nope\.parquet: no such file"):
+    data.load_rows(str(tmp_path / "nope.parquet"))
+
+
+def test_a_datasets_folder_is_read_from_its_arrow_files(tmp_path):
+  # What `datasets.Dataset.save_to_disk` writes: Arrow stream files named in state.json.
+  pa = pytest.importorskip("pyarrow")
+  folder = tmp_path / "ds"
+  folder.mkdir()
+  for i, part in enumerate((VERL_ROWS[:1], VERL_ROWS[1:])):
+    table = pa.Table.from_pylist(part)
+    with pa.ipc.new_stream(folder / f"data-0000{i}-of-00002.arrow", table.schema) as w:
+      w.write_table(table)
+  (folder / "state.json").write_text(json.dumps({"_data_files": [
+      {"filename": "data-00000-of-00002.arrow"}, {"filename": "data-00001-of-00002.arrow"}]}))
+  rows = data.load_rows(str(folder), answer_key="reward_model.ground_truth")
+  assert [r["answer"] for r in rows] == ["2", "5"]
+
+
 def test_load_jsonl_bad_utf8_names_line(tmp_path):
   path = tmp_path / "t.jsonl"
   path.write_bytes(b'{"question": "a", "answer": "b"}\n{"question": "\xff"}\n')
