@@ -118,7 +118,8 @@ def main():
            "completion_mask_NxT": np.ones((b * g, t), bool),
            "old_logp_NxT": np.full((b * g, t), -5.0, np.float32),
            "rewards_N": rng.random(b * g).astype(np.float32),
-           "truncated_N": np.zeros(b * g, bool)}
+           "truncated_N": np.zeros(b * g, bool),
+           "scored_N": np.ones(b * g, bool)}
   batch = sharding_lib.to_global(mesh, batch)
   sp = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
   optimizer, lr = grpo.make_optimizer(1e-6, 0, 100, 0.0, 1.0, "constant")

@@ -68,6 +68,17 @@ def get_config(arg=None):
   # can be switched on with --config.rewards.format=0.1.
   c.rewards = ml_collections.ConfigDict(dict(exact_match=0.0, math=1.0, format=0.0))
 
+  # Your own code, imported before the config is checked: comma-separated Python files or
+  # module names whose @jaxgrpo.rewards.register(...) rewards `rewards` may then weight.
+  c.user_modules = ""
+  # Rewards run in this many worker processes (-1: one per core, at most 8; 0: in the main
+  # process, without timeouts, for debugging), each call limited to reward_timeout_s
+  # seconds; a reward that raises or times out scores None for its rows, and a run whose
+  # every reward row fails reward_max_failed_steps steps in a row stops.
+  c.reward_workers = -1
+  c.reward_timeout_s = 60.0
+  c.reward_max_failed_steps = 3
+
   c.generation = ml_collections.ConfigDict(dict(
       temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=512, backend="native",
       # jetstream only: decode slots (0: one per row of a rollout, so a call is one wave).

@@ -55,6 +55,17 @@ def get_config(arg=None):
   # Reward name -> weight; zero-weight rewards are not computed.
   c.rewards = ml_collections.ConfigDict(dict(exact_match=1.0, math=0.0, format=0.0))
 
+  # Your own code, imported before the config is checked: comma-separated Python files or
+  # module names whose @jaxgrpo.rewards.register(...) rewards `rewards` may then weight.
+  c.user_modules = ""
+  # Rewards run in this many worker processes (-1: one per core, at most 8; 0: in the main
+  # process, without timeouts, for debugging), each call limited to reward_timeout_s
+  # seconds; a reward that raises or times out scores None for its rows, and a run whose
+  # every reward row fails reward_max_failed_steps steps in a row stops.
+  c.reward_workers = -1
+  c.reward_timeout_s = 60.0
+  c.reward_max_failed_steps = 3
+
   # Two sampling profiles, every field explicit (no model defaults). val_* left unset
   # (None) follow the training value, also when that is overridden on the command line;
   # setting one, e.g. --config.generation.val_temperature=0.3, never moves the training value.

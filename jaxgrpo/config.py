@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import ml_collections
 
-from jaxgrpo import rewards
+from jaxgrpo import plugins, rewards
 
 # The loss options (grpo.py implements them; the docstring there says what each means).
 SCALE_REWARDS = ("group", "batch", "none")
@@ -101,6 +101,9 @@ BACKEND_LIMITS: dict[str, dict[str, Callable[[Any], str | None]]] = {"native": {
 SCHEMA: dict[str, Any] = {
     "seed": _int(0),
     "compilation_cache_dir": _str,
+    "user_modules": _str,
+    "reward_workers": _int(-1), "reward_timeout_s": _num(0, lo_open=True),
+    "reward_max_failed_steps": _int(1),
     # Architecture keys may be None: then the checkpoint says (and a random init refuses).
     "model": {
         "checkpoint": _str, "hf_checkpoint": _str,
@@ -208,6 +211,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collecti
   config = ml_collections.ConfigDict(config.to_dict())  # a copy: the caller's stays as is
   _check_keys("", config, SCHEMA)
   _resolve_val_profile(config.generation)
+  try:  # before the reward names are checked: these register the user's rewards
+    plugins.import_modules(config.user_modules)
+  except plugins.PluginError as e:
+    raise ConfigError(str(e)) from None
   _check_rewards(config.rewards)
   _check_cross_fields(config, num_devices)
   config.lock()
@@ -220,8 +227,9 @@ def _check_rewards(weights):
                       f"names: {', '.join(sorted(rewards.REGISTRY))}")
   for name, weight in weights.items():
     if name not in rewards.REGISTRY:
-      raise ConfigError(f"config.rewards.{name}: unknown reward; allowed: "
-                        f"{', '.join(sorted(rewards.REGISTRY))}")
+      raise ConfigError(f"config.rewards.{name}: unknown reward; registered rewards: "
+                        f"{', '.join(sorted(rewards.REGISTRY))} (config.user_modules "
+                        "registers your own)")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
       _fail(f"rewards.{name}", weight, "a number >= 0")
   if not any(w > 0 for w in weights.values()):

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, plot, rewards
+from jaxgrpo import build, checkpoint, plot, scorer
 from jaxgrpo.runtime import metrics as metrics_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import paired, validation
@@ -77,7 +77,7 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   if key not in validators:
     engine = build.make_engine(c, side.model_cfg, side.tokenizer, mesh)
     validators[key] = validation.Validator(
-        engine, side.val_batches, rewards.Scorer(c.rewards.to_dict(), side.tokenizer),
+        engine, side.val_batches, scorer.from_config(c, side.tokenizer),
         threshold=g.val_pass_threshold, seed=g.val_seed, mesh=mesh, sources=sources,
         stop_metric=g.stop_at_validation_metric, confidence=g.stop_at_validation_confidence,
         collect=True)

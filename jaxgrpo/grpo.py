@@ -58,6 +58,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxgrpo import microbatch
@@ -103,38 +104,61 @@ class TrainState(NamedTuple):
 STD_FLOOR_ULPS = 16
 
 
-def flat_groups(rewards_BxG):
-  """True for each group whose rewards are all equal (bitwise): no signal to learn from.
+def _scored_or_reference(rewards_BxG, scored_BxG):
+  """(rewards with each unscored row replaced by its group's first scored reward, that
+  reference [B, 1]): an unscored row then neither breaks a flat group nor moves a
+  difference. Array methods and `np`/`jnp` by input, for the host and the device alike."""
+  xp = np if isinstance(rewards_BxG, np.ndarray) else jnp
+  first_Bx1 = xp.argmax(scored_BxG, axis=1)[:, None]
+  reference_Bx1 = xp.take_along_axis(rewards_BxG, first_Bx1, axis=1)
+  return xp.where(scored_BxG, rewards_BxG, reference_Bx1), reference_Bx1
 
-  Array methods only, so numpy rewards give a numpy answer: the trainer's
-  `zero_std_group_fraction` uses the same rule on the host.
+
+def flat_groups(rewards_BxG, scored_BxG=None):
+  """True for each group whose (scored) rewards are all equal (bitwise): no signal to learn
+  from. A group with at most one scored row is flat.
+
+  numpy rewards give a numpy answer: the trainer's `zero_std_group_fraction` uses the same
+  rule on the host.
   """
+  if scored_BxG is not None:
+    rewards_BxG = _scored_or_reference(rewards_BxG, scored_BxG)[0]
   return (rewards_BxG == rewards_BxG[:, :1]).all(axis=1)
 
 
-def group_advantages(rewards_N, group_size: int, scale_rewards: str):
+def group_advantages(rewards_N, group_size: int, scale_rewards: str, scored_N=None):
   """Â_i = (r_i - mean_group(r)) / std, rewards reshaped to (B, G) on device (rows b*G+g).
 
   Flat groups get exactly 0; the divisor is max(std, STD_FLOOR_ULPS ulps of max|r|) (module
   docstring). Means and stds are taken of differences from a reference reward (the group's
-  first; the batch's first for the batch std), exact for nearby rewards, so a constant
-  added to every reward does not change them.
+  first scored one; the batch's first for the batch std), exact for nearby rewards, so a
+  constant added to every reward does not change them.
+
+  scored_N (default all True): rows that no reward could score (scorer.py) get advantage 0
+  and leave their group's mean, std and largest |r|, as if they had not been sampled.
   """
   rewards_BxG = rewards_N.reshape(-1, group_size).astype(jnp.float32)
+  scored_BxG = (jnp.ones(rewards_BxG.shape, bool) if scored_N is None
+                else scored_N.reshape(-1, group_size))
+  rewards_BxG, reference_Bx1 = _scored_or_reference(rewards_BxG, scored_BxG)
   flat_Bx1 = flat_groups(rewards_BxG)[:, None]
-  diffs_BxG = rewards_BxG - rewards_BxG[:, :1]
-  centered_BxG = jnp.where(
-      flat_Bx1, 0.0, diffs_BxG - diffs_BxG.mean(axis=1, keepdims=True))
+  diffs_BxG = rewards_BxG - reference_Bx1
+  mean_Bx1 = diffs_BxG.mean(axis=1, keepdims=True, where=scored_BxG)
+  centered_BxG = jnp.where(flat_Bx1 | ~scored_BxG, 0.0, diffs_BxG - mean_Bx1)
   if scale_rewards == "group":
-    std = jnp.std(diffs_BxG, axis=1, keepdims=True, ddof=1)
+    std = jnp.std(diffs_BxG, axis=1, keepdims=True, ddof=1, where=scored_BxG)
     magnitude = jnp.max(jnp.abs(rewards_BxG), axis=1, keepdims=True)
   elif scale_rewards == "batch":
-    std = jnp.std(rewards_BxG - rewards_BxG[0, 0], ddof=1)
+    # The batch's first scored reward is the reference (any scored row: the std is the same).
+    batch_ref = rewards_BxG.reshape(-1)[jnp.argmax(scored_BxG.reshape(-1))]
+    std = jnp.std(rewards_BxG - batch_ref, ddof=1, where=scored_BxG)
     magnitude = jnp.max(jnp.abs(rewards_BxG))
   elif scale_rewards == "none":
     return centered_BxG.reshape(-1)
   else:
     raise ValueError(f"scale_rewards={scale_rewards!r}: allowed {list(SCALE_REWARDS)}")
+  # Fewer than two scored rows have no std (NaN); their centred values are 0 already.
+  std = jnp.where(jnp.isnan(std), 0.0, std)
   divisor = jnp.maximum(std, STD_FLOOR_ULPS * float(jnp.finfo(jnp.float32).eps) * magnitude)
   # A zero divisor means every reward it covers is 0, so every centred value is 0 already.
   return (centered_BxG / jnp.where(divisor > 0, divisor, 1.0)).reshape(-1)
@@ -237,9 +261,9 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
 
 
 def loss_mask(batch, loss: LossConfig):
-  """The completion tokens the loss counts: truncated rows leave under
-  mask_truncated_completions."""
-  mask = batch["completion_mask_NxT"]
+  """The completion tokens the loss counts: rows that no reward scored leave (scorer.py), and
+  truncated rows under mask_truncated_completions."""
+  mask = batch["completion_mask_NxT"] & batch["scored_N"][:, None]
   if loss.mask_truncated_completions:
     mask = mask & ~batch["truncated_N"][:, None]
   return mask
@@ -287,10 +311,11 @@ def _prepare_rows(batch, loss: LossConfig):
   """What only the whole batch can give, computed once: (rows for `micro_loss`, the loss
   mask, the advantages)."""
   mask = loss_mask(batch, loss)
-  advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards)
+  advantages = group_advantages(batch["rewards_N"], loss.num_generations, loss.scale_rewards,
+                                batch["scored_N"])
   rows = dict(batch, advantages_N=advantages, mask_NxT=mask,
               weights_NxT=token_weights(mask, loss.loss_agg, loss.max_new_tokens))
-  del rows["rewards_N"], rows["truncated_N"]
+  del rows["rewards_N"], rows["truncated_N"], rows["scored_N"]
   return rows, mask, advantages
 
 
@@ -363,7 +388,7 @@ def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, 
   """One optimizer update on one rollout batch (pure; jit it with `compile_update`).
 
   batch: prompt_tokens_BxL, prompt_mask_BxL, completion_tokens_NxT, completion_mask_NxT,
-  old_logp_NxT, rewards_N, truncated_N (N = B * G, prompt-major rows).
+  old_logp_NxT, rewards_N, truncated_N, scored_N (N = B * G, prompt-major rows).
   With loss.micro_batch_size < N the gradient is accumulated over micro-batches
   (`micro_batch_loss`); mesh: where their rows go (None: one device).
   """
@@ -425,4 +450,5 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
 
 
 BATCH_RANKS = {"prompt_tokens_BxL": 2, "prompt_mask_BxL": 2, "completion_tokens_NxT": 2,
-               "completion_mask_NxT": 2, "old_logp_NxT": 2, "rewards_N": 1, "truncated_N": 1}
+               "completion_mask_NxT": 2, "old_logp_NxT": 2, "rewards_N": 1, "truncated_N": 1,
+               "scored_N": 1}

@@ -17,9 +17,9 @@ A reward reads the columns it needs and ignores the rest (the built-ins use
 none), so any registered reward is called the same way. A reward never raises
 on odd model text: anything it cannot read scores 0.0.
 
-`Scorer` is the one seam from a rollout to rewards: training and validation both
-call it with the sampled tokens and the batch's rows, and read the total, each
-reward's values and the correctness from what it returns.
+A reward may also return, per row, None (it could not score the row) or a dict
+with a `score` and more numbers to log; scorer.py, the one seam from a rollout to
+rewards for training and validation, says how those and a reward's failures count.
 
 Built-ins: `exact_match` (string equality, for the arithmetic task), `math`
 (final-answer equivalence through math-verify, with a numeric fast path) and
@@ -40,7 +40,6 @@ so a vote and a reward can never disagree on what a completion answered.
 """
 
 from collections.abc import Callable, Mapping
-import dataclasses
 import decimal
 import functools
 import math as _math
@@ -48,13 +47,14 @@ import re
 import threading
 from typing import Any
 
-import numpy as np
 
 RewardFn = Callable[..., list[float]]
 
 REGISTRY: dict[str, RewardFn] = {}
 # The correctness rewards' names, in registration order (the last active one wins).
 CORRECTNESS: list[str] = []
+# Rewards registered with pred=True: their dict rows carry the answer maj@k votes on.
+PREDS: set[str] = set()
 # Keyword names the scorer passes itself; a data column may not take one of them.
 RESERVED_COLUMNS = ("completions", "answers", "prompts", "completion_ids")
 
@@ -85,11 +85,14 @@ class UnknownRewardError(KeyError, ValueError):
     return str(self.args[0]) if self.args else ""
 
 
-def register(name: str, *, correctness: bool = False) -> Callable[[RewardFn], RewardFn]:
+def register(name: str, *, correctness: bool = False,
+             pred: bool = False) -> Callable[[RewardFn], RewardFn]:
   """Returns a decorator that adds a reward function to REGISTRY as `name`.
 
   correctness: the reward says whether a completion's answer is right (0 or 1, or a score
   that `val_pass_threshold` cuts), so accuracy, pass@j, maj@k and the stop rule read it.
+  pred: its rows are dicts whose `pred` is the answer it compared, which maj@k votes on
+  (equal when ==), as the built-ins' answer extractors give theirs.
   """
 
   def decorator(fn: RewardFn) -> RewardFn:
@@ -98,6 +101,8 @@ def register(name: str, *, correctness: bool = False) -> Callable[[RewardFn], Re
     REGISTRY[name] = fn
     if correctness:
       CORRECTNESS.append(name)
+    if pred:
+      PREDS.add(name)
     return fn
 
   return decorator
@@ -457,74 +462,7 @@ def correctness_reward(weights: Mapping[str, float]) -> str | None:
 
 
 def majority_reward(weights: Mapping[str, float]) -> str | None:
-  """The correctness reward whose answers maj@k votes on: None when there is none, or it
-  has no answer extractor (then there is no maj@k)."""
+  """The correctness reward whose answers maj@k votes on: None when there is none, or it has
+  neither an answer extractor nor `pred`s (then there is no maj@k)."""
   name = correctness_reward(weights)
-  return name if name in EXTRACTORS else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Scores:
-  """A rollout's N rows scored: what training's metrics and validation read."""
-
-  completions: list[str]
-  total_N: np.ndarray            # float32, the weighted sum: the reward GRPO's advantages use
-  breakdown: dict[str, np.ndarray]  # float32, each active reward's unweighted values
-  # The correctness reward's values, else the total (validation passes a row above
-  # val_pass_threshold); correct_N: the same values, else total > 0 as 0/1 (accuracy).
-  validation_N: np.ndarray
-  correct_N: np.ndarray
-  answers: list[Any] | None      # the correctness reward's extracted answers, when asked
-
-
-class Scorer:
-  """The one seam from a rollout to rewards, for training and validation alike.
-
-  `scorer(tokens_NxT, lengths_N, batch, repeats)` decodes the N completions, passes every
-  column of the batch's rows (`batch["rows"]`, each repeated for its `repeats` consecutive
-  completions) to the active rewards, and returns their `Scores`.
-  """
-
-  def __init__(self, weights: Mapping[str, float], tokenizer):
-    self.weights = dict(weights)
-    _checked_weights(self.weights)
-    self.tokenizer = tokenizer
-    self.correctness = correctness_reward(self.weights)
-    self.majority = majority_reward(self.weights)
-
-  def columns(self, batch: Mapping[str, Any], repeats: int) -> dict[str, list[Any]]:
-    """Every row field but `answer`, and `prompts`, one entry per completion."""
-    rows = batch["rows"]
-    names = sorted({k for row in rows for k in row} - {"answer"})
-    clash = sorted(set(names) & set(RESERVED_COLUMNS))
-    if clash:
-      raise ValueError(f"data column {clash[0]!r} is a name the scorer passes itself; "
-                       f"rename it (reserved: {', '.join(RESERVED_COLUMNS)})")
-    out = {k: [row.get(k) for row in rows for _ in range(repeats)] for k in names}
-    out["prompts"] = [p for p in batch["prompts"] for _ in range(repeats)]
-    return out
-
-  def __call__(self, tokens_NxT, lengths_N, batch: Mapping[str, Any], repeats: int,
-               extract: bool = False) -> Scores:
-    """extract: also return the correctness reward's extracted answers (for maj@k and the
-    validation samples); None when it has no extractor."""
-    tokens_NxT, lengths_N = np.asarray(tokens_NxT), np.asarray(lengths_N)
-    completions = self.tokenizer.decode_batch(tokens_NxT)
-    answers = [row["answer"] for row in batch["rows"] for _ in range(repeats)]
-    columns = self.columns(batch, repeats)
-    columns["completion_ids"] = [t[:n] for t, n in zip(tokens_NxT, lengths_N)]
-    total, breakdown = compute(self.weights, completions, answers, **columns)
-    total_N = np.asarray(total, np.float32)
-    breakdown = {k: np.asarray(v, np.float32) for k, v in breakdown.items()}
-    if self.correctness is not None:
-      validation_N = correct_N = breakdown[self.correctness]
-    else:
-      validation_N, correct_N = total_N, (total_N > 0).astype(np.float32)
-    found = None
-    if extract and self.majority is not None:
-      found = [EXTRACTORS[self.majority](c) for c in completions]
-    return Scores(completions, total_N, breakdown, validation_N, correct_N, found)
-
-  def answers_equal(self, a: Any, b: Any) -> bool:
-    """`answers_equal` of the voting reward (an error when there is none)."""
-    return answers_equal(self.majority, a, b)
+  return name if name in EXTRACTORS or name in PREDS else None

@@ -26,7 +26,6 @@ from ml_collections import config_flags
 
 # Light imports only (no jax, grain or flax): the start-up line is printed before jax loads,
 # and flag errors answer without it. The host-side loading (loading.py) is imported after.
-from jaxgrpo import rewards
 from jaxgrpo import config as config_lib
 from jaxgrpo.runtime import distributed
 
@@ -57,15 +56,21 @@ class Setup:
   val_sources: list = dataclasses.field(default_factory=list)  # names, [] for one source
 
   @functools.cached_property
-  def scorer(self) -> rewards.Scorer:
-    """The run's one scoring seam, for its training steps and its validations."""
-    return rewards.Scorer(self.config.rewards.to_dict(), self.tokenizer)
+  def scorer(self):
+    """The run's one scoring seam (scorer.Scorer), for its training steps and validations;
+    its reward workers start on first use."""
+    from jaxgrpo import scorer  # pylint: disable=g-import-not-at-top
+    return scorer.from_config(self.config, self.tokenizer)
 
 
 def parse_config(argv, announce=None):
   """The config file with its command-line overrides (not yet validated); joins the other
   processes of a multi-host run first. Raises ConfigError. `announce(raw config)`, if given,
   runs once the flags are read, before jax is imported."""
+  # Reward weights are set here, not by config_flags, which refuses a key the config file
+  # lacks: a reward of config.user_modules is registered only once the config is read.
+  weights = [a for a in argv[1:] if a.startswith("--config.rewards.")]
+  argv = [a for a in argv if a not in weights]
   saved_argv, sys.argv = sys.argv, list(argv)  # config_flags finds overrides in sys.argv
   try:
     flags.FLAGS(argv)
@@ -77,6 +82,14 @@ def parse_config(argv, announce=None):
     sys.argv = saved_argv
   if _CONFIG.value is None:
     raise config_lib.ConfigError("--config is required, e.g. --config=configs/math.py")
+  for arg in weights:
+    name, _, value = arg[len("--config.rewards."):].partition("=")
+    try:
+      with _CONFIG.value.unlocked():  # config_flags locks it; a new name is a new key
+        _CONFIG.value.rewards[name] = float(value)
+    except ValueError:
+      raise config_lib.ConfigError(f"config.rewards.{name}={value}: allowed: a number (the "
+                                   "reward's weight)") from None
   if announce is not None:
     announce(_CONFIG.value)
   try:  # before any other JAX call, so every later call sees the whole pod
@@ -260,11 +273,7 @@ def flag_error(e: Exception, argv) -> str:
     flag = next((a.split("=")[0][2:] for a in argv if a.startswith("--config.")
                  and key in a.split("=")[0].split(".")), f"config.{key}")
     hint = re.search(r'Did you mean "(\w+)"', text)
-    line = f"{flag}: unknown key" + (f" (did you mean {hint.group(1)}?)" if hint else "")
-    if flag.startswith("config.rewards."):  # a weight for a reward that is not registered
-      from jaxgrpo import rewards  # pylint: disable=g-import-not-at-top
-      line += f"; registered rewards: {', '.join(sorted(rewards.REGISTRY))}"
-    return line
+    return f"{flag}: unknown key" + (f" (did you mean {hint.group(1)}?)" if hint else "")
   boolean = re.search(r"Non-boolean argument to boolean flag', '([^']*)'", text)
   if boolean:  # absl's message is a tuple: ('Non-boolean argument to boolean flag', 'maybe')
     flag = next((a.split("=")[0][2:] for a in argv if a.startswith("--config.")

@@ -3,7 +3,7 @@
 build.py makes the engine and the update step once; each step then runs
     data.next()                                  host    prompts_B, rows_B
     engine.sample("train", params, prompts)      device  tokens_NxT, logp_NxT, mask_NxT
-    scorer(tokens, rows) (rewards.Scorer)        host    rewards_N
+    scorer(tokens, rows) (scorer.Scorer)         host    rewards_N
     update(state, batch) x num_iterations        device  advantages from rewards.reshape(B, G)
 """
 
@@ -40,40 +40,69 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
   tokens_NxT, lengths_N, truncated_N = sharding_lib.to_local(
       (rollout.tokens_NxT, rollout.lengths_N, rollout.truncated_N))
   t_rollout = time.perf_counter() - t0
-  scores = setup.scorer(tokens_NxT, lengths_N, batch, g)
+  scores = setup.scorer(tokens_NxT, lengths_N, batch, g, label=f"step {step}")
+  t_reward = time.perf_counter() - t0 - t_rollout
   rewards_N = scores.total_N
   if step == faults.nan_injection_step():  # test hook (faults.py): a poisoned update
     rewards_N = np.full_like(rewards_N, np.nan)
-  t1 = time.perf_counter()
-  update_batch = sharding_lib.to_global(engine.mesh, {
-      "prompt_tokens_BxL": batch["prompt_tokens_BxL"],
-      "prompt_mask_BxL": batch["prompt_mask_BxL"],
-      "completion_tokens_NxT": rollout.tokens_NxT, "completion_mask_NxT": rollout.mask_NxT,
-      "old_logp_NxT": rollout.logp_NxT, "rewards_N": rewards_N,
-      "truncated_N": rollout.truncated_N})
-  for _ in range(c.grpo.num_iterations):
-    state, aux = update(state, update_batch, ref_params)
-  aux = jax.device_get(aux)
-  t_update = time.perf_counter() - t1
+  # Every process's rows: whether any row was scored is the whole batch's question, and
+  # every process must agree on it (a skipped update on one host only would deadlock).
   names = sorted(scores.breakdown)
-  rewards_N, correct_N, lengths_N, truncated_N, *parts = distributed.gather_rows(
-      rewards_N, scores.correct_N, lengths_N, truncated_N,
-      *(scores.breakdown[k] for k in names))
-  groups = rewards_N.reshape(-1, g)
+  # The dict keys any process's rows returned (a key one host never saw is NaN there).
+  extras = sorted({k for part in distributed.gather_objects(sorted(scores.extras))
+                   for k in part})
+  nan_N = np.full(len(rewards_N), np.nan, np.float32)
+  rows_N, correct_N, lengths_all_N, truncated_all_N, scored_N, *parts = distributed.gather_rows(
+      rewards_N, scores.correct_N, lengths_N, truncated_N, scores.scored_N,
+      *(scores.breakdown[k] for k in names), *(scores.errors[k] for k in names),
+      *(scores.extras.get(k, nan_N) for k in extras))
+  t1 = time.perf_counter()
+  aux = {}
+  if scored_N.any():  # no scored row: nothing to learn from, and no update (say so below)
+    update_batch = sharding_lib.to_global(engine.mesh, {
+        "prompt_tokens_BxL": batch["prompt_tokens_BxL"],
+        "prompt_mask_BxL": batch["prompt_mask_BxL"],
+        "completion_tokens_NxT": rollout.tokens_NxT, "completion_mask_NxT": rollout.mask_NxT,
+        "old_logp_NxT": rollout.logp_NxT, "rewards_N": rewards_N,
+        "truncated_N": rollout.truncated_N, "scored_N": scores.scored_N})
+    for _ in range(c.grpo.num_iterations):
+      state, aux = update(state, update_batch, ref_params)
+    aux = jax.device_get(aux)
+  t_update = time.perf_counter() - t1
+  scored_rewards = rows_N[scored_N]
   out = {
-      "reward_mean": float(rewards_N.mean()), "reward_std": float(rewards_N.std()),
-      "accuracy": float(correct_N.mean()),
+      # Over the rows some reward scored (all of them unless a reward returned None or
+      # failed: reward_unscored_fraction says how many did not count).
+      "reward_mean": _mean(scored_rewards), "reward_std": _mean(scored_rewards, np.std),
+      "accuracy": _mean(correct_N[~np.isnan(correct_N)]),
+      "reward_unscored_fraction": float(1.0 - scored_N.mean()),
       # Equal rewards, not std == 0 (numpy's float32 std of seven 0.1s is 7.5e-9).
-      "zero_std_group_fraction": float(np.mean(grpo.flat_groups(groups))),
-      "completion_length_mean": float(lengths_N.mean()),
-      "completion_length_max": int(lengths_N.max()),
-      "truncated_fraction": float(truncated_N.mean()),
-      "rollout_tokens_per_s": float(lengths_N.sum() / max(t_rollout, 1e-9)),
-      "rollout_s": t_rollout, "update_s": t_update,
+      "zero_std_group_fraction": float(np.mean(grpo.flat_groups(
+          rows_N.reshape(-1, g), scored_N.reshape(-1, g)))),
+      "completion_length_mean": float(lengths_all_N.mean()),
+      "completion_length_max": int(lengths_all_N.max()),
+      "truncated_fraction": float(truncated_all_N.mean()),
+      "rollout_tokens_per_s": float(lengths_all_N.sum() / max(t_rollout, 1e-9)),
+      "rollout_s": t_rollout, "reward_s": t_reward, "update_s": t_update,
   }
   out.update({k: float(v) for k, v in aux.items()})
-  out.update({f"reward/{k}": float(np.mean(v)) for k, v in zip(names, parts)})
+  values, errors, more = parts[:len(names)], parts[len(names):2 * len(names)], parts[2 * len(
+      names):]
+  out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in zip(names, values)})
+  out.update({f"reward_errors/{k}": float(e.mean()) for k, e in zip(names, errors)})
+  out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in zip(extras, more)})
   return state, out
+
+
+def _every_reward_failed(step_metrics) -> bool:
+  """Every active reward lost every row of the step to an error or a timeout."""
+  errors = [v for k, v in step_metrics.items() if k.startswith("reward_errors/")]
+  return bool(errors) and all(v == 1.0 for v in errors)
+
+
+def _mean(values, fn=np.mean) -> float:
+  """fn over the values, NaN when there are none (a step whose rows all went unscored)."""
+  return float(fn(values)) if len(values) else float("nan")
 
 
 def run(setup) -> int:
@@ -84,6 +113,7 @@ def run(setup) -> int:
   """
   c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
   t_start = time.time()
+  setup.scorer  # pylint: disable=pointless-statement  (its workers start while jax compiles)
   engine, state, ref_params, update = build.training(setup)
   primary = jax.process_index() == 0
   checkpoints = checkpoint.Checkpoints(
@@ -142,7 +172,7 @@ def run(setup) -> int:
       stop = _logged_stop(setup.workdir, start, stop_rule)
     # A signal may reach one host only: every host must see it at the same step (or the
     # others wait forever in the next collective), so the flag is agreed on before use.
-    preempted = False
+    preempted, failed_steps = False, 0
     while (stop is None and step < g.max_num_steps
            and not (preempted := distributed.any_process(preemption.requested))):
       step += 1
@@ -157,6 +187,14 @@ def run(setup) -> int:
         faults.check_finite(step_metrics, step)
       except faults.NumericalFault as e:
         fault = e
+        break
+      failed_steps = failed_steps + 1 if _every_reward_failed(step_metrics) else 0
+      if failed_steps >= c.reward_max_failed_steps:
+        fault = faults.RewardFault(
+            f"every reward failed on every row for {failed_steps} steps in a row (steps "
+            f"{step - failed_steps + 1}-{step}; reward_max_failed_steps="
+            f"{c.reward_max_failed_steps}): a broken reward, not a learning problem (its "
+            "first error is printed above)")
         break
       result = None
       if (g.val_period and step % g.val_period == 0) or (g.val_at_end and
@@ -207,7 +245,8 @@ def run(setup) -> int:
         print(message, file=sys.stderr, flush=True)
       else:
         print(_summary_line(summary, setup.workdir, preemption.name), flush=True)
-    # 0, 1 on a numerical fault, 128 + a second signal's number when one waited.
+    setup.scorer.close()
+    # 0, 1 on a fault, 128 + a second signal's number when one waited.
     return 1 if fault else preemption.exit_status or 0
 
 

@@ -365,7 +365,7 @@ def _programs(c, model_cfg, tokenizer, mesh, which):
            "completion_tokens_NxT": sds((n, t), jnp.int32),
            "completion_mask_NxT": sds((n, t), bool),
            "old_logp_NxT": sds((n, t), jnp.float32), "rewards_N": sds((n,), jnp.float32),
-           "truncated_N": sds((n,), bool)}
+           "truncated_N": sds((n,), bool), "scored_N": sds((n,), bool)}
   assert set(batch) == set(grpo.BATCH_RANKS), "grpo's update batch changed its keys"
   if "update" in which:
     yield "update step", update.lower(state, batch, ref_params), 0

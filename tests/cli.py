@@ -10,15 +10,22 @@ so "no compilation before the error" is checked, not assumed.
 temperature override that the unset validation temperature must follow.
 """
 
+import glob
 import json
 import os
+import struct
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MATH = os.path.join(ROOT, "configs", "math.py")
+# With a user's reward file (tests/fixtures/user_rewards.py, scoring 0): every run, resumed
+# and interrupted one of the fault tests imports it, and the smoke test reads what it logs.
+USER = ("--config.user_modules=tests/fixtures/user_rewards.py",
+        "--config.rewards.fixture_columns=1.0")
 ARGS = (f"--config={MATH}:smoke", "--config.grpo.max_num_steps=8",
-        "--config.generation.temperature=0.9", "--config.checkpoint.best_metric=accuracy")
+        "--config.generation.temperature=0.9", "--config.checkpoint.best_metric=accuracy",
+        *USER)
 
 
 # Tests compile for speed of compiling, not of running: the suite is mostly CPU compilation
@@ -129,3 +136,21 @@ def assert_smoke_run_imports_nothing_heavy(workdir):
                                                   workdir=workdir)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert attempted == [] and loaded == [], (attempted, loaded)
+
+
+def tb_scalars(event_dir):
+  """Reads (tag, step, value) from TFRecord event files without TensorFlow or TensorBoard."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  scalars = []
+  for path in glob.glob(os.path.join(event_dir, "events.out.tfevents.*")):
+    with open(path, "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos < len(data):
+      # TFRecord framing: u64 length, u32 length crc, payload, u32 payload crc.
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+      pos += 12 + length + 4
+      for value in event.summary.value:
+        scalars.append((value.tag, event.step, value.simple_value))
+  return scalars

@@ -60,7 +60,8 @@ def test_sampler_and_update_compile_with_the_options(mesh, monkeypatch):
            "completion_tokens_NxT": np.ones((2, 2), np.int32),
            "completion_mask_NxT": np.ones((2, 2), bool),
            "old_logp_NxT": np.zeros((2, 2), np.float32), "rewards_N": np.zeros(2, np.float32),
-           "truncated_N": np.zeros(2, bool)}
+           "truncated_N": np.zeros(2, bool),
+           "scored_N": np.ones(2, bool)}
   with pytest.raises(Exception, match="xla_jaxgrpo_no_such_option"):
     update.lower(state, batch, None).compile()
 

@@ -23,7 +23,7 @@ from jaxgrpo import checkpoint
 from jaxgrpo.runtime import faults
 from jaxgrpo.runtime import metrics as metrics_lib
 
-TIMING = ("time", "rollout_tokens_per_s", "rollout_s", "update_s", "wall_time_s")
+TIMING = ("time", "rollout_tokens_per_s", "rollout_s", "reward_s", "update_s", "wall_time_s")
 
 
 def rows(workdir):

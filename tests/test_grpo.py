@@ -53,7 +53,8 @@ def _batch(rewards, lengths, *, num_prompts, truncated=None, seed=0):
           "completion_mask_NxT": completion_mask,
           "old_logp_NxT": np.zeros((n, T), np.float32),
           "rewards_N": np.asarray(rewards, np.float32),
-          "truncated_N": np.asarray(truncated, bool)}
+          "truncated_N": np.asarray(truncated, bool),
+          "scored_N": np.ones(len(truncated), bool)}
 
 
 BETA = 0.1  # the KL coefficient of the beta > 0 entry of _evaluate's table
@@ -136,6 +137,35 @@ def test_group_advantages_batch_scaling_uses_whole_batch_std():
   # sqrt = 0.46291. .5 / 0.46291 = 1.08012.
   np.testing.assert_allclose(adv, [1.08012, -1.08012, -1.08012, 1.08012, 0, 0, 0, 0],
                              atol=1e-5)
+
+
+def test_unscored_rows_leave_their_groups_statistics():
+  # Rows no reward could score (scorer.py) get 0 and leave the mean and the std. Group 1
+  # [1, 0, (9), 1]: the scored [1, 0, 1] have mean 2/3, ddof=1 std sqrt((2 * (1/3)^2 +
+  # (2/3)^2) / 2) = sqrt(1/3) = 0.57735, so 1 -> (1/3) / 0.57735 = 0.57735 and
+  # 0 -> -1.15470; the unscored 9 would otherwise have dominated both. Group 2 [0, 0, 0, 1],
+  # all scored: mean .25, std sqrt((3 * .0625 + .5625) / 3) = .5 -> [-.5, -.5, -.5, 1.5].
+  # Group 3: one scored row, nothing to compare it with: all 0.
+  rewards_N = jnp.array([1, 0, 9, 1, 0, 0, 0, 1, 5, 7, 7, 7], jnp.float32)
+  scored_N = jnp.array([1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0], bool)
+  adv = grpo.group_advantages(rewards_N, 4, "group", scored_N)
+  np.testing.assert_allclose(adv, [0.57735, -1.15470, 0, 0.57735, -0.5, -0.5, -0.5, 1.5,
+                                   0, 0, 0, 0], atol=1e-5)
+  # Whole groups unscored: zeros, no NaN; and the host's flat-group rule agrees.
+  assert not np.isnan(grpo.group_advantages(rewards_N, 4, "batch", scored_N)).any()
+  np.testing.assert_array_equal(grpo.flat_groups(np.asarray(rewards_N).reshape(3, 4),
+                                                 np.asarray(scored_N).reshape(3, 4)),
+                                [False, False, True])
+  # All scored: bitwise what the unmasked formula (before unscored rows existed) gives.
+  r = jax.random.normal(jax.random.key(0), (64, 8)) * 3 + 10
+  diffs = r - r[:, :1]
+  centered = jnp.where(grpo.flat_groups(r)[:, None], 0.0,
+                       diffs - diffs.mean(axis=1, keepdims=True))
+  floor = grpo.STD_FLOOR_ULPS * float(jnp.finfo(jnp.float32).eps)
+  divisor = jnp.maximum(jnp.std(diffs, axis=1, keepdims=True, ddof=1),
+                        floor * jnp.max(jnp.abs(r), axis=1, keepdims=True))
+  np.testing.assert_array_equal(grpo.group_advantages(r.reshape(-1), 8, "group"),
+                                (centered / divisor).reshape(-1))
 
 
 def test_group_advantages_none_only_centres():
@@ -555,7 +585,8 @@ def test_kl_penalty_uses_untruncated_distributions_under_top_k(monkeypatch):
            "completion_mask_NxT": np.ones((2, 1), bool),
            "old_logp_NxT": np.full((2, 1), -math.log(1 + math.e), np.float32),
            "rewards_N": np.array([1.0, 0.0], np.float32),
-           "truncated_N": np.zeros(2, bool)}
+           "truncated_N": np.zeros(2, bool),
+           "scored_N": np.ones(2, bool)}
   sp = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=2)
   total, aux = grpo.loss_fn(policy, reference, batch, cfg=CFG, loss=_loss_config(beta=BETA),
                             sp=sp)

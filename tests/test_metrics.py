@@ -5,10 +5,11 @@ import io
 import json
 import math
 import os
-import struct
 
 import numpy as np
 import pytest
+
+import cli
 
 from jaxgrpo.runtime import metrics
 
@@ -24,24 +25,6 @@ def _run(workdir, **kwargs):
     writer.write(3, "train", {"reward_mean": 0.75, "loss": 0.5})
     writer.write(3, "val", {"accuracy": 0.55, "pass@k": float("inf")})
   return stream.getvalue()
-
-
-def _tb_scalars(event_dir):
-  """Reads (tag, step, value) from TFRecord event files without TensorFlow or TensorBoard."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  scalars = []
-  for path in glob.glob(os.path.join(event_dir, "events.out.tfevents.*")):
-    with open(path, "rb") as f:
-      data = f.read()
-    pos = 0
-    while pos < len(data):
-      # TFRecord framing: u64 length, u32 length crc, payload, u32 payload crc.
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-      pos += 12 + length + 4
-      for value in event.summary.value:
-        scalars.append((value.tag, event.step, value.simple_value))
-  return scalars
 
 
 def test_jsonl_lines_parse_with_step_split_and_keys(tmp_path):
@@ -80,10 +63,10 @@ def test_tensorboard_event_files_per_split(tmp_path):
   for split in ("train", "val"):
     files = glob.glob(str(tmp_path / "tb" / split / "events.out.tfevents.*"))
     assert files and all(os.path.getsize(p) > 0 for p in files)
-  train = _tb_scalars(str(tmp_path / "tb" / "train"))
+  train = cli.tb_scalars(str(tmp_path / "tb" / "train"))
   assert ("reward_mean", 3, 0.75) in train
   assert any(tag == "loss" and step == 2 and math.isnan(v) for tag, step, v in train)
-  val = _tb_scalars(str(tmp_path / "tb" / "val"))
+  val = cli.tb_scalars(str(tmp_path / "tb" / "val"))
   assert ("accuracy", 2, pytest.approx(0.61)) in val
 
 

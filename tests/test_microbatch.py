@@ -43,7 +43,8 @@ def _batch(seed=0):
           "old_logp_NxT": np.where(mask, -3.5 + 0.3 * rng.standard_normal((B * G, T)),
                                    0).astype(np.float32),
           "rewards_N": np.asarray(REWARDS, np.float32),
-          "truncated_N": np.asarray(TRUNCATED)}
+          "truncated_N": np.asarray(TRUNCATED),
+          "scored_N": np.ones(len(TRUNCATED), bool)}
 
 
 def test_token_mean_of_micro_batch_means_would_be_wrong_here():

@@ -18,13 +18,14 @@ import cli  # tests/cli.py
 
 pytestmark = pytest.mark.slow
 
-ARGS = (f"--config={cli.MATH}:smoke", "--config.grpo.max_num_steps=2")
+ARGS = (f"--config={cli.MATH}:smoke", "--config.grpo.max_num_steps=2", *cli.USER)
 # Computed on device from the global batch, so they must agree; the host-side numbers
 # (reward_mean, accuracy, lengths) are gathered over processes and must agree too.
 TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "reward_mean", "reward_std", "accuracy",
-              "zero_std_group_fraction", "completion_length_mean", "learning_rate")
+              "zero_std_group_fraction", "completion_length_mean", "learning_rate",
+              "reward/fixture_columns/aligned", "reward_errors/fixture_columns")
 VAL_KEYS = ("accuracy", "accuracy_stderr", "pass@1", "pass@2", "pass_k", "avg_length",
-            "num_prompts")
+            "num_prompts", "reward/fixture_columns/aligned", "reward_errors/fixture_columns")
 
 
 def _free_port() -> int:
@@ -96,6 +97,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(runs):
   two, one = _rows(runs["two"]), _rows(runs["one"])
   assert set(two) == {("val", 0), ("train", 1), ("train", 2), ("val", 2)}
   _assert_same(two, one)
+  # The user's reward (cli.USER) got each row's own columns on both processes.
+  assert all(row["reward/fixture_columns/aligned"] == 1.0 for row in two.values())
   # The same prompts in the same order, gathered from both processes.
   with open(runs["two"] / "train_prompts.jsonl") as f2, open(runs["one"] /
                                                              "train_prompts.jsonl") as f1:

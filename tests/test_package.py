@@ -117,7 +117,7 @@ def test_the_upward_finder_finds_an_upward_import():
 
 def test_no_module_imports_from_a_layer_above_it():
   # eval/validation and eval/voting imported rewards (the top level) for the correctness
-  # reward and its extractor; they are now handed a rewards.Scorer.
+  # reward and its extractor; they are now handed a scorer.Scorer.
   modules = _modules()
   graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
   assert set(map(_layer, modules)) == set(LAYERS)  # every folder is a known layer

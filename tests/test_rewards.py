@@ -5,7 +5,6 @@ import os
 import re
 import threading
 
-import numpy as np
 import pytest
 
 from jaxgrpo import rewards
@@ -169,48 +168,8 @@ def registry(monkeypatch):
   """A private copy of the registry, so a test's rewards leave no trace."""
   monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
   monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
+  monkeypatch.setattr(rewards, "PREDS", set(rewards.PREDS))
   return rewards.REGISTRY
-
-
-class _Chars:
-  """A tokenizer stand-in: token t is chr(t), pad 0 stops a row."""
-
-  def decode_batch(self, tokens_NxT):
-    return ["".join(chr(t) for t in row if t) for row in np.asarray(tokens_NxT)]
-
-
-def test_the_scorer_gives_every_reward_every_column_of_the_rows(registry):
-  seen = {}
-
-  @rewards.register("_test_columns")
-  def columns(completions, answers, **kwargs):
-    seen.update(kwargs, answers=answers, completions=completions)
-    return [float(len(t)) for t in kwargs["tests"]]
-
-  # Two prompts, G = 2 completions each; the second row has no `source`.
-  batch = {"prompts": ["Q: 1+1", "Q: 2+2"],
-           "rows": [{"question": "1+1", "answer": "2", "source": "easy", "tests": ["a"]},
-                    {"question": "2+2", "answer": "4", "tests": ["b", "c"]}]}
-  tokens_NxT = np.array([[50, 0, 0], [51, 52, 0], [52, 0, 0], [57, 57, 57]], np.int32)
-  lengths_N = np.array([1, 2, 1, 3])
-  scores = rewards.Scorer({"_test_columns": 2.0, "exact_match": 1.0}, _Chars())(
-      tokens_NxT, lengths_N, batch, 2)
-  assert seen["completions"] == ["2", "34", "4", "999"]
-  assert seen["answers"] == ["2", "2", "4", "4"]
-  assert seen["question"] == ["1+1", "1+1", "2+2", "2+2"]
-  assert seen["source"] == ["easy", "easy", None, None]  # a row without it: None
-  assert seen["tests"] == [["a"], ["a"], ["b", "c"], ["b", "c"]]
-  assert seen["prompts"] == ["Q: 1+1", "Q: 1+1", "Q: 2+2", "Q: 2+2"]
-  assert [list(ids) for ids in seen["completion_ids"]] == [[50], [51, 52], [52], [57, 57, 57]]
-  assert sorted(seen) == ["answers", "completion_ids", "completions", "prompts", "question",
-                          "source", "tests"]
-  # total = 2 * len(tests) + exact_match: rows 0 and 2 are right.
-  np.testing.assert_array_equal(scores.total_N, [3.0, 2.0, 5.0, 4.0])
-  np.testing.assert_array_equal(scores.breakdown["_test_columns"], [1, 1, 2, 2])
-  # exact_match is the correctness reward: validation and accuracy read it, not the total.
-  assert scores.correct_N is scores.breakdown["exact_match"]
-  np.testing.assert_array_equal(scores.validation_N, [1, 0, 1, 0])
-  assert scores.answers is None  # not asked for
 
 
 def test_the_last_registered_active_correctness_reward_wins(registry):
@@ -218,26 +177,18 @@ def test_the_last_registered_active_correctness_reward_wins(registry):
   def right(completions, answers, **columns):
     return [0.5] * len(completions)
 
+  @rewards.register("_test_voted", correctness=True, pred=True)
+  def voted(completions, answers, **columns):
+    return [{"score": 1.0, "pred": c} for c in completions]
+
   assert rewards.correctness_reward({"math": 1.0, "exact_match": 1.0}) == "math"
   assert rewards.correctness_reward({"math": 0.0, "exact_match": 1.0}) == "exact_match"
   assert rewards.correctness_reward({"math": 1.0, "_test_right": 0.1}) == "_test_right"
   assert rewards.correctness_reward({"format": 1.0}) is None
-  # maj@k needs an answer extractor: the user's reward has none, so there is no vote.
+  # maj@k needs an answer to vote on: an extractor, or a reward's `pred`s.
   assert rewards.majority_reward({"math": 1.0}) == "math"
   assert rewards.majority_reward({"math": 1.0, "_test_right": 1.0}) is None
-  batch = {"prompts": ["p", "p"], "rows": [{"question": "q", "answer": "7"}] * 2}
-  tokens_NxT = np.array([[55], [56]], np.int32)  # "7", "8"
-  scores = rewards.Scorer({"math": 1.0, "_test_right": 1.0}, _Chars())(
-      tokens_NxT, [1, 1], batch, 1, extract=True)
-  np.testing.assert_array_equal(scores.validation_N, [0.5, 0.5])
-  assert scores.answers is None
-  # Without a correctness reward, validation reads the total and accuracy its sign.
-  scores = rewards.Scorer({"format": 1.0}, _Chars())(tokens_NxT, [1, 1], batch, 1)
-  np.testing.assert_array_equal(scores.validation_N, [0.0, 0.0])
-  np.testing.assert_array_equal(scores.correct_N, [0.0, 0.0])
-  scores = rewards.Scorer({"math": 1.0}, _Chars())(tokens_NxT, [1, 1], batch, 1, extract=True)
-  assert scores.answers == ["7", "8"] and rewards.Scorer({"math": 1}, None).answers_equal(
-      "7", "7.0")
+  assert rewards.majority_reward({"_test_right": 1.0, "_test_voted": 1.0}) == "_test_voted"
 
 
 def test_combine_unknown_name():

@@ -3,6 +3,7 @@
 The CLI runs in subprocesses (as a user runs it), through tests/cli.py.
 """
 
+import glob
 import json
 import os
 import re
@@ -11,10 +12,14 @@ import subprocess
 import sys
 import textwrap
 
+import ml_collections
+import numpy as np
 import pytest
 
+import cli
 from cli import (ARGS, MATH, ROOT, assert_clean_error,  # tests/cli.py
                  assert_smoke_run_imports_nothing_heavy, env, run_train)
+from jaxgrpo import data as data_lib
 from jaxgrpo import loading
 from jaxgrpo.model import hf
 
@@ -41,6 +46,36 @@ def test_missing_data_file(tmp_path):
   proc = run_train(f"--config={MATH}:smoke", "--config.data.source=jsonl",
                    f"--config.data.train_path={tmp_path}/nope.jsonl", workdir=tmp_path / "w")
   assert_clean_error(proc, "nope.jsonl", "no such file")
+
+
+@pytest.mark.parametrize("case", ["missing", "raises", "twice", "unregistered", "parquet"])
+def test_a_bad_user_module_or_data_file_is_one_line_before_compiling(tmp_path, case):
+  # config.user_modules and Parquet data: each problem is one line, exit 2, before any
+  # compilation, naming the file (and line) at fault.
+  module = write(tmp_path / "my_rewards.py", {
+      "raises": "import json\nraise ImportError('needs a GPU')\n",
+      "twice": "import jaxgrpo.rewards\n@jaxgrpo.rewards.register('exact_match')\n"
+               "def again(c, a, **k):\n  return [0.0] * len(c)\n"}.get(case, "x = 1\n"))
+  args = [f"--config={MATH}:smoke", f"--config.user_modules={module}"]
+  if case == "missing":
+    args[1] = f"--config.user_modules={tmp_path}/nope.py"
+    expect = (f"{tmp_path}/nope.py: no such file",)
+  elif case == "raises":
+    expect = (f"{module}:2: ImportError: needs a GPU",)
+  elif case == "twice":
+    expect = (f"{module}:2: ValueError: reward 'exact_match' is already registered",)
+  elif case == "unregistered":
+    args.append("--config.rewards.unit_tests=1.0")
+    expect = ("config.rewards.unit_tests", "registered rewards: exact_match, format, math")
+  else:
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist([{"problem": "1+1=", "answer": "0002"}]),
+                   tmp_path / "train.parquet")
+    args += ["--config.data.source=jsonl", f"--config.data.train_path={tmp_path}/train.parquet"]
+    expect = (f"{tmp_path}/train.parquet: no column 'question' (columns: problem, answer)",)
+  proc = run_train(*args, workdir=tmp_path / "w")
+  assert_clean_error(proc, *expect)
+  assert "Compiling" not in proc.stderr and not os.path.exists(tmp_path / "w")
 
 
 def test_bad_jsonl_line_names_file_and_line(tmp_path):
@@ -167,6 +202,16 @@ def test_smoke_run_writes_results(straight_run):
   assert "final_val_accuracy" in summary and summary["stopped_early"] is False
   assert summary["checkpoint"].endswith(os.path.join("checkpoints", "8"))
   assert os.listdir(workdir / "tb" / "train")
+  # The user's reward file (cli.USER) was imported, got every row's own columns (on the
+  # run's one device; tests/test_multihost.py: 2 processes of 2), and its dict
+  # keys are logged, train and val, in metrics.jsonl and TensorBoard.
+  for row in train + val:
+    assert row["reward/fixture_columns/aligned"] == 1.0, row
+    assert row["reward_errors/fixture_columns"] == row["reward_unscored_fraction"] == 0.0
+  assert all(r["reward/fixture_columns"] == 0.0 and r["reward_s"] >= 0 for r in train)
+  tags = {tag for tag, _, _ in cli.tb_scalars(str(workdir / "tb" / "train"))}
+  assert {"reward/fixture_columns/aligned", "reward/fixture_columns/ids",
+          "reward_errors/fixture_columns", "reward_errors/exact_match"} <= tags
   plot = subprocess.run([sys.executable, "-m", "jaxgrpo.plot", str(workdir)],
                         capture_output=True, text=True, timeout=120)
   assert plot.returncode == 0 and plot.stdout.strip() == str(workdir / "validation.png")
@@ -266,6 +311,37 @@ def test_readme_own_data_example_trains_on_a_real_newline(tmp_path):
   assert ("Question: Sam has 0 apples and buys 2 more. How many now?\nAnswer:"
           in first["prompt"]), first["prompt"]
   assert "cannot encode" not in proc.stderr  # a byte-level BPE encodes any text
+
+
+@pytest.mark.slow
+def test_readme_own_reward_example_trains_validates_and_evaluates(tmp_path):
+  # The README's reward file is the shipped one, and its two commands run as shown (2
+  # steps, into tmp_path): the user's reward scores, logs its own key and drives validation,
+  # and `evaluate` imports the same file and gives the run's validation back.
+  section = open(os.path.join(ROOT, "README.md")).read().split("## Your own reward", 1)[1]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  assert code == open(os.path.join(ROOT, "examples", "close_enough", "rewards.py")).read()
+  commands = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+  commands = (commands.replace("max_num_steps=200", "max_num_steps=2")
+              .replace("runs/close", str(tmp_path / "close"))
+              .replace("python -m", f"{sys.executable} -m"))
+  proc = subprocess.run(["bash", "-ec", commands], capture_output=True, text=True, env=env(),
+                        cwd=ROOT, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "finished 2 steps" in proc.stdout and "results in" in proc.stdout
+  rows = [json.loads(l) for l in open(tmp_path / "close" / "metrics.jsonl")]
+  for row in rows:
+    assert row["reward_errors/close_enough"] == 0.0
+    assert 0 <= row["reward/close_enough/abs_error"], row
+  val = [r for r in rows if r["split"] == "val"]
+  assert [r["step"] for r in val] == [0, 2]
+  # The correctness reward is the user's: validation's accuracy is its mean score.
+  samples = [json.loads(l) for l in open(tmp_path / "close" / "val_samples" / "step_2.jsonl")]
+  assert val[-1]["accuracy"] == pytest.approx(
+      sum(sum(s["rewards"]) for s in samples) / sum(len(s["rewards"]) for s in samples))
+  evals = glob.glob(str(tmp_path / "close" / "eval" / "step_2-*" / "eval.json"))
+  doc = json.load(open(evals[0]))
+  assert doc["metrics"]["accuracy"] == val[-1]["accuracy"]
 
 
 def arithmetic_rows(path, spaced_every=0):
@@ -474,5 +550,74 @@ def test_a_bad_boolean_and_an_unregistered_reward_are_sentences(tmp_path):
   assert_clean_error(proc, "config.logging.plots=maybe: allowed: true or false")
   assert "(" not in proc.stderr.split("allowed")[0]
   proc = run_train(f"--config={MATH}:smoke", "--config.rewards.foo=1", workdir=tmp_path / "b")
-  assert_clean_error(proc, "config.rewards.foo: unknown key",
+  assert_clean_error(proc, "config.rewards.foo: unknown reward",
                      "registered rewards: exact_match, format, math")
+
+
+FLAKY_REWARDS = """
+import time
+
+import jaxgrpo.rewards
+
+@jaxgrpo.rewards.register("flaky_raises")
+def raises(completions, answers, *, question, **columns):
+  if any(q.startswith("1") for q in question):
+    raise ValueError("cannot score a question that starts with 1")
+  return [1.0] * len(completions)
+
+@jaxgrpo.rewards.register("flaky_sleeps")
+def sleeps(completions, answers, **columns):
+  time.sleep(30)
+  return [1.0] * len(completions)
+
+@jaxgrpo.rewards.register("flaky_short")
+def short(completions, answers, **columns):
+  return [1.0]
+
+@jaxgrpo.rewards.register("always_raises")
+def always(completions, answers, **columns):
+  raise RuntimeError("the verifier is down")
+"""
+
+
+@pytest.mark.slow
+def test_rewards_that_raise_hang_or_miscount_never_stop_a_run(tmp_path):
+  # Three broken rewards beside exact_match: the run finishes; each loses exactly the rows it
+  # failed (the raising one only the questions starting with 1: a failed call is retried
+  # row by row), and each one's first traceback is printed once.
+  module = write(tmp_path / "flaky.py", FLAKY_REWARDS)
+  workdir = tmp_path / "w"
+  proc = run_train(f"--config={MATH}:smoke", "--config.grpo.max_num_steps=2",
+                   f"--config.user_modules={module}", "--config.reward_timeout_s=1",
+                   "--config.reward_workers=2", "--config.rewards.flaky_raises=1",
+                   "--config.rewards.flaky_sleeps=1", "--config.rewards.flaky_short=1",
+                   workdir=workdir)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "finished 2 steps" in proc.stdout
+  config = json.load(open(workdir / "config.json"))
+  rows = data_lib.make_sources(ml_collections.ConfigDict(config["data"]))[0]
+  steps = [json.loads(l) for l in open(workdir / "train_prompts.jsonl")]
+  train = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  train = [r for r in train if r["split"] == "train"]
+  for row, step in zip(train, steps):
+    ones = np.mean([rows[i]["question"].startswith("1") for i in step["row_ids"]])
+    assert row["reward_errors/flaky_raises"] == pytest.approx(ones), row
+    assert row["reward_errors/flaky_sleeps"] == row["reward_errors/flaky_short"] == 1.0
+    assert row["reward_errors/exact_match"] == row["reward_unscored_fraction"] == 0.0
+  for name, text in (("flaky_raises", "ValueError: cannot score a question that starts"),
+                     ("flaky_sleeps", "within reward_timeout_s=1 s"),
+                     ("flaky_short", "returned 1 values for")):
+    assert proc.stderr.count(f"warning: reward '{name}' failed") >= 2  # each step, validation
+    assert proc.stderr.count(text) >= 2
+  assert proc.stderr.count("Traceback") == 1  # the raising reward's, once
+  # A reward that fails on every row: the run stops after reward_max_failed_steps, saving
+  # nothing (smoke would save step 2; the stop comes first), with one line.
+  proc = run_train(f"--config={MATH}:smoke", f"--config.user_modules={module}",
+                   "--config.rewards.exact_match=0", "--config.rewards.always_raises=1",
+                   "--config.reward_max_failed_steps=2", workdir=tmp_path / "broken")
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: every reward failed on every row for 2 steps in a row "
+                         "(steps 1-2; reward_max_failed_steps=2): a broken reward"), last
+  saved = tmp_path / "broken" / "checkpoints"
+  assert not saved.exists() or not os.listdir(saved)

@@ -41,9 +41,11 @@ def test_reference_policy_only_when_beta_positive(smoke, beta, monkeypatch):
   state, metrics = trainer.train_step(setup, engine, state, ref_params, update, batch, step=1)
   assert int(state.step) == 1
   g = config.grpo.num_generations_per_prompt
-  assert seen[0]["question"] == [q for q in batch["questions"] for _ in range(g)]
-  assert seen[0]["prompts"] == [p for p in batch["prompts"] for _ in range(g)]
-  assert len(seen[0]["completion_ids"]) == len(batch["prompts"]) * g
+  # The rows come in calls of consecutive rows (one per reward worker), in order.
+  got = {k: [x for call in seen for x in call[k]] for k in seen[0]}
+  assert got["question"] == [q for q in batch["questions"] for _ in range(g)]
+  assert got["prompts"] == [p for p in batch["prompts"] for _ in range(g)]
+  assert len(got["completion_ids"]) == len(batch["prompts"]) * g
   for key in ("loss", "policy_loss", "kl", "clip_fraction", "grad_norm", "learning_rate",
               "reward_mean", "accuracy", "zero_std_group_fraction", "rollout_tokens_per_s"):
     assert np.isfinite(metrics[key]), key

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import data, rewards
+from jaxgrpo import data, rewards, scorer
 from jaxgrpo.model import sharding
 from jaxgrpo.model import decoder as model
 from jaxgrpo.model.tokenizer import Tokenizer
@@ -196,7 +196,7 @@ def make_validator(val_sp, k, batch_size, tmp_path=None, devices=1, seed=0, rows
       max_prompt_length=9, eos_id=TOK.eos_id, pad_id=TOK.pad_id, seed=123)
   batches = data.validation_batches(rows, TOK, batch_size, 9, process_index=0, process_count=1)
   validator = validation.Validator(
-      engine, batches, rewards.Scorer(weights or {"exact_match": 1.0}, TOK), threshold=0.0, seed=seed,
+      engine, batches, scorer.Scorer(weights or {"exact_match": 1.0}, TOK), threshold=0.0, seed=seed,
       mesh=mesh,
       samples_dir=None if tmp_path is None else str(tmp_path / "val_samples"),
       **validator_kwargs)
@@ -217,7 +217,8 @@ def test_val_profile_reaches_the_sampler(tmp_path, monkeypatch):
   greedy, params = make_validator(sampling.SamplingParams(0.0, 1.0, 0), 4, 4, tmp_path,
                                   weights={"exact_match": 1.0, "_test_seen": 1.0})
   metrics = greedy(params, step=0)
-  assert [len(s["question"]) for s in seen] == [16, 16, 16]  # 3 batches of 4 prompts x 4
+  # 3 batches of 4 prompts x 4 samples (no workers here: one call per batch).
+  assert [len(s["question"]) for s in seen] == [16, 16, 16]
   assert seen[0]["question"][:5] == [ROWS[0]["question"]] * 4 + [ROWS[1]["question"]]
   records = samples_of(tmp_path)
   assert [r["prompt_index"] for r in records] == list(range(12))  # padding rows left out
@@ -289,3 +290,37 @@ def test_per_prompt_values_follow_the_prompt_index_on_any_mesh(tmp_path):
   eight(params8, 0)
   for name, values in per.items():
     np.testing.assert_array_equal(eight.per_prompt[name], values)
+
+
+def test_maj_at_k_votes_on_a_user_rewards_pred(tmp_path, monkeypatch):
+  # A correctness reward registered with pred=True: its dicts' `pred` is what maj@k votes
+  # on. Here the pred is the completion's first character, right when it is 0-4.
+  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
+  monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
+  monkeypatch.setattr(rewards, "PREDS", set(rewards.PREDS))
+
+  @rewards.register("_test_vote", correctness=True, pred=True)
+  def vote(completions, answers, **columns):
+    return [{"score": float(c[:1] in tuple("01234")) if c else 0.0, "pred": c[:1] or None}
+            for c in completions]
+
+  validator, params = make_validator(sampling.SamplingParams(1.0, 1.0, 0), 4, 4, tmp_path,
+                                     weights={"_test_vote": 1.0})
+  metrics = validator(params, step=0)
+  records = samples_of(tmp_path)
+  right = []
+  for r in records:  # the vote by hand: most frequent pred, first occurrence on ties
+    preds = [p for p in r["extracted"] if p is not None]
+    if not preds:
+      right.append(0.0)
+      continue
+    counts = {p: preds.count(p) for p in preds}
+    top = max(counts.values())
+    winner = next(p for p in r["extracted"] if p is not None and counts[p] == top)
+    right.append(r["rewards"][r["extracted"].index(winner)])
+  assert metrics["maj@4"] == pytest.approx(sum(right) / len(right))
+  # accuracy and pass@j read the user's reward too.
+  scores = [x for r in records for x in r["rewards"]]
+  assert metrics["accuracy"] == pytest.approx(sum(scores) / len(scores))
+  assert 0 < metrics["accuracy"] < 1 and metrics["reward_errors/_test_vote"] == 0.0
+

@@ -11,6 +11,7 @@ from jaxgrpo.bench import common
 from jaxgrpo.bench import early_stop
 from jaxgrpo.bench import memory
 from jaxgrpo.bench import prefill
+from jaxgrpo.bench import rewards
 from jaxgrpo.bench import rollout
 from jaxgrpo.bench import sampler
 from jaxgrpo.bench import step
@@ -18,7 +19,7 @@ from jaxgrpo.bench import truncation
 from jaxgrpo.bench import validation
 
 SUBCOMMANDS = (sampler, rollout, truncation, validation, step, memory, early_stop, backends,
-               prefill)
+               prefill, rewards)
 
 
 def run_all(args) -> list[dict]:

@@ -32,7 +32,7 @@ import time
 import jax
 import ml_collections
 
-from jaxgrpo import build, loading, rewards, trainer
+from jaxgrpo import build, loading, scorer, trainer
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo import train as train_lib
@@ -64,7 +64,7 @@ def _validator(config, model_cfg, tokenizer, mesh, rows, k, confidence, seed):
                                         template=d.prompt_template, process_index=0,
                                         process_count=1)
   return engine, validation.Validator(
-      engine, batches, rewards.Scorer(config.rewards.to_dict(), tokenizer), threshold=g.val_pass_threshold,
+      engine, batches, scorer.from_config(config, tokenizer), threshold=g.val_pass_threshold,
       seed=seed, mesh=mesh, stop_metric="accuracy" if confidence else None,
       confidence=confidence)
 

@@ -45,7 +45,7 @@ def batch_shapes(prompts: int, generations: int, prompt_len: int, new_tokens: in
           "completion_tokens_NxT": s((n, new_tokens), jnp.int32),
           "completion_mask_NxT": s((n, new_tokens), jnp.bool_),
           "old_logp_NxT": s((n, new_tokens), jnp.float32), "rewards_N": s((n,), jnp.float32),
-          "truncated_N": s((n,), jnp.bool_)}
+          "truncated_N": s((n,), jnp.bool_), "scored_N": s((n,), jnp.bool_)}
 
 
 def update_memory(cfg: model_lib.ModelConfig, mesh, *, prompts: int, generations: int,

@@ -181,7 +181,8 @@ def _update_batch(prompt_tokens_BxL, prompt_mask_BxL, rollout, rewards_N) -> dic
   return {"prompt_tokens_BxL": prompt_tokens_BxL, "prompt_mask_BxL": prompt_mask_BxL,
           "completion_tokens_NxT": rollout.tokens_NxT, "completion_mask_NxT": rollout.mask_NxT,
           "old_logp_NxT": rollout.logp_NxT, "rewards_N": rewards_N,
-          "truncated_N": rollout.truncated_N}
+          "truncated_N": rollout.truncated_N,
+          "scored_N": np.ones(rollout.truncated_N.shape, bool)}
 
 
 def rollout_flops(cfg, prompts: int, prompt_len: int, new_tokens: int, decode_steps: int):
@@ -261,7 +262,8 @@ def update_only(preset: str, steps: int, new_tokens: int, prompts: int,
            "completion_tokens_NxT": ids_NxT,
            "completion_mask_NxT": np.ones((rows, new_tokens), bool),
            "old_logp_NxT": np.zeros((rows, new_tokens), np.float32), "rewards_N": rewards_N,
-           "truncated_N": np.ones((rows,), bool)}
+           "truncated_N": np.ones((rows,), bool),
+           "scored_N": np.ones((rows,), bool)}
   old_logp_NxT, fwd = s.forward(batch, forward_reps)
   batch["old_logp_NxT"] = np.asarray(old_logp_NxT)
   update_s, aux = [], {}

@@ -8,7 +8,7 @@ import statistics
 
 import jax
 
-from jaxgrpo import build, loading, rewards
+from jaxgrpo import build, loading, scorer
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -35,7 +35,7 @@ def run_validation(args) -> list[dict]:
     engine = build.make_engine(config, model_cfg, tokenizer, mesh, val_k=k)
     val_sp = engine.profile("val").sampling
     validator = validation.Validator(engine, batches,
-                                     rewards.Scorer(config.rewards.to_dict(), tokenizer),
+                                     scorer.from_config(config, tokenizer),
                                      threshold=g.val_pass_threshold, seed=0, mesh=mesh)
     first = validator(params, 0)["wall_time_s"]  # compiles the sampler and the metrics
     runs = []

@@ -1,3 +1,3 @@
 """Measuring a policy: grouped validation with pass@j (validation), majority voting (voting),
 and paired comparisons of two policies (paired). It is handed a scorer
-(rewards.Scorer) and imports only model/ and runtime/."""
+(scorer.Scorer) and imports only model/ and runtime/."""

@@ -241,7 +241,7 @@ class Validator:
   def __init__(self, engine, batches: Sequence[dict], scorer, *, threshold: float, seed: int, mesh, samples_dir: str | None = None,
                sources: Sequence[str] = (), stop_metric: str | None = None,
                confidence: float | None = None, collect: bool = False):
-    """scorer: rewards.Scorer, the seam training scores through too. collect: keep `records`
+    """scorer: scorer.Scorer, the seam training scores through too. collect: keep `records`
     without writing them (the evaluation command writes its own samples.jsonl)."""
     self.engine, self.batches, self.scorer = engine, list(batches), scorer
     self.threshold, self.seed = threshold, seed
@@ -271,13 +271,16 @@ class Validator:
                                    key=self.key, row_ids_B=b["row_ids_B"])
                 for b in self.batches]
     scores, totals, lengths, truncated, majs, records = [], [], [], [], [], []
+    reward_rows = []  # per batch: its valid rows' Scores (for reward_errors/, reward/<key>)
     total_prompts = int(sum(b["valid_B"].sum() for b in self.batches))
     done = tokens_done = 0
     for batch, rollout in zip(self.batches, rollouts):
       tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
                                                    rollout.truncated_N))
       extract = self.extractor is not None and (self.majority or self.collect)
-      scored = self.scorer(tokens, lens, batch, self.k, extract=extract)
+      scored = self.scorer(tokens, lens, batch, self.k, extract=extract,
+                           label=f"validation at step {step}")
+      reward_rows.append((np.repeat(batch["valid_B"], self.k), scored))
       completions, score = scored.completions, scored.validation_N
       scores.append(score)
       totals.append(scored.total_N)
@@ -326,6 +329,9 @@ class Validator:
     # In metric_names order (device_get sorts dict keys): accuracy first on every console line.
     out = {name: (int(metrics[name]) if name.split("/")[0].startswith("num_")
                   else float(metrics[name])) for name in self.names}
+    # The rewards' own figures before the stop metric's bound, which stays last.
+    lcb = {k: out.pop(k) for k in list(out) if k.endswith("_lcb")}
+    out.update(reward_metrics(reward_rows), **lcb)
     if self.samples_dir is not None:
       metrics_lib.write_jsonl(os.path.join(self.samples_dir, f"step_{step}.jsonl"), records)
     return out
@@ -357,6 +363,29 @@ class Validator:
         record["source"] = batch["sources"][b] or "other"
       out.append(record)
     return out
+
+
+def reward_metrics(batches) -> dict[str, float]:
+  """`reward_unscored_fraction`, `reward_errors/<name>` and the rewards' own dict keys
+  `reward/<name>/<key>` over the valid rows of (valid_N, scorer.Scores) batches, every
+  process's rows together (a collective: every process calls it)."""
+  names = sorted(batches[0][1].breakdown) if batches else []
+  extras = sorted({k for part in distributed.gather_objects(
+      sorted({k for _, s in batches for k in s.extras})) for k in part})
+
+  def rows(get):
+    return np.concatenate([np.asarray(get(s), np.float32)[valid] for valid, s in batches])
+
+  nan = lambda s: np.full(len(s.total_N), np.nan, np.float32)
+  unscored, *parts = distributed.gather_rows(
+      rows(lambda s: ~s.scored_N), *(rows(lambda s, k=k: s.errors[k]) for k in names),
+      *(rows(lambda s, k=k: s.extras.get(k, nan(s))) for k in extras))
+  out = {"reward_unscored_fraction": float(unscored.mean())}
+  out.update({f"reward_errors/{k}": float(v.mean()) for k, v in zip(names, parts)})
+  for k, v in zip(extras, parts[len(names):]):
+    v = v[~np.isnan(v)]
+    out[f"reward/{k}"] = float(v.mean()) if len(v) else float("nan")
+  return out
 
 
 def unbiased_pass_at_j(n: int, c: int, j: int) -> float:

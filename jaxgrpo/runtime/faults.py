@@ -40,6 +40,10 @@ class NumericalFault(RuntimeError):
   """A non-finite training quantity; the message names which, and the step."""
 
 
+class RewardFault(RuntimeError):
+  """Every reward failed on every row for several steps in a row: a broken reward."""
+
+
 def check_finite(metrics: Mapping[str, float], step: int) -> None:
   bad = {k: metrics[k] for k in WATCHED if k in metrics and not math.isfinite(metrics[k])}
   if bad:

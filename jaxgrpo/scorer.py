@@ -1,0 +1,369 @@
+"""The scoring seam: a rollout's tokens and its batch's rows -> rewards, for training and
+validation alike.
+
+`Scorer(...)(tokens_NxT, lengths_N, batch, repeats)` decodes the N completions and calls every
+active reward with them, the reference answers and every column of the batch's rows
+(`batch["rows"]`, each repeated for its `repeats` consecutive completions), the rendered
+`prompts` and the `completion_ids` (rewards.py's docstring has the signature).
+
+What a reward may return, per row:
+  * a number: its score;
+  * a dict with a `score` key (a number or None): its other numeric keys are logged as
+    `reward/<name>/<key>` (train and val), and `pred` is the answer maj@k votes on when the
+    reward is the correctness reward (registered with `pred=True`);
+  * None: this reward could not score the row.
+A row's total is the weighted sum of the rewards that scored it. A row that no reward scored
+has `scored_N` False: GRPO leaves it out of the loss and out of its group's mean and std
+(grpo.py), as a masked truncated row leaves the loss. In validation such a row does not pass.
+
+A reward's failure never stops a run. Each reward call runs in a worker process
+(`reward_workers`) with a time limit (`reward_timeout_s`); the rows are split into one call
+per worker, so the rewards run side by side. A call that raises is retried row by row, so
+only the rows that raise lose their score; a call that times out (its worker is killed and
+replaced), returns the wrong number of values, or a value that is not a number, a dict with
+a score or None: those rows score None for that reward, an error. `errors[name]` flags
+them (the trainer logs `reward_errors/<name>`, the fraction of rows), the first traceback
+of each reward is printed once in full and later failures one line each.
+
+Workers are spawned (a fork of a process that runs jax can deadlock) and import
+`config.user_modules` before their first call; a reward goes to them as a reference to its
+function (module and name), so it must be a module-level function of an importable module
+or of a user module. Any other (a lambda, a closure) runs in the main process, as every
+reward does with `reward_workers=0`: without a time limit, its exceptions still caught.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import multiprocessing
+from multiprocessing import connection
+import os
+import pickle
+import sys
+import time
+import traceback
+from typing import Any, Mapping
+
+import numpy as np
+
+from jaxgrpo import plugins, rewards
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """A rollout's N rows scored: what training's metrics and the update, and validation,
+  read."""
+
+  completions: list[str]
+  total_N: np.ndarray        # float32, weighted sum of the rewards that scored the row, else 0
+  scored_N: np.ndarray       # bool, some reward scored the row (the others leave the loss)
+  breakdown: dict[str, np.ndarray]  # float32 per active reward, unweighted, NaN: not scored
+  extras: dict[str, np.ndarray]     # "<reward>/<key>" from dict returns, NaN where absent
+  errors: dict[str, np.ndarray]     # bool per active reward: the row was lost to an error
+  # Validation passes a row above val_pass_threshold: the correctness reward's values (else
+  # the total), 0 where unscored. correct_N: the same values (else total > 0 as 0/1), NaN
+  # where unscored, for training's accuracy.
+  validation_N: np.ndarray
+  correct_N: np.ndarray
+  answers: list[Any] | None  # the voting reward's answers per row, when asked for
+
+
+def resolve_workers(workers: int) -> int:
+  """config.reward_workers: -1 is one per core, at most 8."""
+  return min(8, os.cpu_count() or 1) if workers < 0 else workers
+
+
+def from_config(config, tokenizer) -> "Scorer":
+  """The scorer of a validated run config."""
+  return Scorer(config.rewards.to_dict(), tokenizer,
+                workers=resolve_workers(config.reward_workers),
+                timeout_s=config.reward_timeout_s, user_modules=config.user_modules)
+
+
+def _normalize(item) -> tuple[float | None, dict[str, float], Any]:
+  """One row's return -> (score or None, numeric extras, pred). Raises ValueError on a value
+  that is none of the allowed forms."""
+  extras, pred = {}, None
+  if isinstance(item, dict):
+    if "score" not in item:
+      raise ValueError(f"returned a dict without a 'score' key ({', '.join(map(str, item))})")
+    pred = item.get("pred")
+    for key, value in item.items():
+      if key not in ("score", "pred") and _is_number(value) and math.isfinite(value):
+        extras[str(key)] = float(value)
+    item = item["score"]
+  if item is None:
+    return None, extras, pred
+  if not _is_number(item):
+    raise ValueError(f"returned {type(item).__name__} {item!r:.40}; allowed: a number, None or "
+                     "a dict with a 'score' key")
+  if not math.isfinite(item):
+    raise ValueError(f"returned {float(item)}")
+  return float(item), extras, pred
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, str)
+
+
+def _call(payload: bytes):
+  """One reward call, as a worker runs it: ("ok", values) or ("error", traceback)."""
+  try:
+    fn, completions, answers, columns = pickle.loads(payload)
+    out = fn(completions, answers, **columns)
+    return ("ok", None if out is None else list(out))
+  except BaseException:  # pylint: disable=broad-except
+    return ("error", traceback.format_exc())
+
+
+def _serve(conn, user_modules: str) -> None:
+  """A worker process: import the user's modules, then answer calls until the pipe closes."""
+  try:
+    plugins.import_modules(user_modules)
+  except plugins.PluginError:
+    pass  # the main process checked them; a call that needs one reports its own error
+  while True:
+    try:
+      payload = conn.recv_bytes()
+    except (EOFError, OSError):
+      return
+    result = _call(payload)
+    try:
+      conn.send(result)
+    except Exception:  # pylint: disable=broad-except
+      conn.send(("error", traceback.format_exc()))  # a value that does not pickle
+
+
+class RewardPool:
+  """Worker processes that run reward calls, each call limited to `timeout_s` seconds from
+  when its worker starts it; a worker that times out or dies is replaced."""
+
+  def __init__(self, workers: int, timeout_s: float, user_modules: str):
+    self.timeout_s, self.user_modules = timeout_s, user_modules
+    self._context = multiprocessing.get_context("spawn")
+    self._workers = [self._start() for _ in range(workers)]
+
+  def _start(self):
+    parent, child = self._context.Pipe()
+    proc = self._context.Process(target=_serve, args=(child, self.user_modules), daemon=True,
+                                 name="jaxgrpo-reward")
+    proc.start()
+    child.close()
+    return proc, parent
+
+  def _replace(self, w: int) -> None:
+    proc, conn = self._workers[w]
+    proc.kill()
+    proc.join(1)
+    conn.close()
+    self._workers[w] = self._start()
+
+  def run(self, payloads: list[bytes]) -> list[tuple]:
+    """Each payload's result, in order: ("ok", values), ("error", traceback) or
+    ("timeout", why)."""
+    results: list[tuple | None] = [None] * len(payloads)
+    queue, idle, busy = collections.deque(range(len(payloads))), collections.deque(
+        range(len(self._workers))), {}
+    while queue or busy:
+      while idle and queue:
+        w, i = idle.popleft(), queue.popleft()
+        self._workers[w][1].send_bytes(payloads[i])
+        busy[w] = (i, time.monotonic())
+      deadline = min(start for _, start in busy.values()) + self.timeout_s
+      ready = connection.wait([self._workers[w][1] for w in busy],
+                              timeout=max(0.0, deadline - time.monotonic()))
+      for w in list(busy):
+        i, start = busy[w]
+        proc, conn = self._workers[w]
+        if conn in ready:
+          try:
+            results[i] = conn.recv()
+          except (EOFError, OSError):
+            proc.join(1)
+            results[i] = ("error", f"the reward's worker process died (exit code "
+                                   f"{proc.exitcode}) during the call\n")
+            self._replace(w)
+        elif time.monotonic() - start >= self.timeout_s:
+          results[i] = ("timeout", f"the call did not return within reward_timeout_s="
+                                   f"{self.timeout_s:g} s (its worker was replaced)\n")
+          self._replace(w)
+        else:
+          continue
+        del busy[w]
+        idle.append(w)
+    return results
+
+  def close(self) -> None:
+    for proc, conn in self._workers:
+      conn.close()
+      proc.kill()
+      proc.join(1)
+    self._workers = []
+
+
+class Scorer:
+  """The one seam from a rollout to rewards (module docstring)."""
+
+  def __init__(self, weights: Mapping[str, float], tokenizer, *, workers: int = 0,
+               timeout_s: float = 60.0, user_modules: str = "", log=None):
+    self.weights = {n: float(w) for n, w in weights.items() if w != 0}
+    rewards.combine(self.weights)  # checks the names and weights
+    self.tokenizer = tokenizer
+    self.correctness = rewards.correctness_reward(self.weights)
+    self.majority = rewards.majority_reward(self.weights)
+    self.workers = workers
+    self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    self._pool = RewardPool(workers, timeout_s, user_modules) if workers > 0 else None
+    self._reported: set[str] = set()
+    # A function goes to the workers by reference; what cannot be pickled runs here.
+    self._inline = set()
+    for name in self.weights:
+      try:
+        pickle.dumps(rewards.get(name))
+      except Exception:  # pylint: disable=broad-except
+        self._inline.add(name)
+    if self._pool is not None and self._inline:
+      self._log(f"warning: reward{'s' * (len(self._inline) > 1)} "
+                f"{', '.join(sorted(self._inline))} cannot be sent to a worker process (not a "
+                "module-level function); it runs in the main process, without reward_timeout_s")
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.close()
+      self._pool = None
+
+  def columns(self, batch: Mapping[str, Any], repeats: int) -> dict[str, list[Any]]:
+    """Every row field but `answer`, and `prompts`, one entry per completion."""
+    rows = batch["rows"]
+    names = sorted({k for row in rows for k in row} - {"answer"})
+    clash = sorted(set(names) & set(rewards.RESERVED_COLUMNS))
+    if clash:
+      raise ValueError(f"data column {clash[0]!r} is a name the scorer passes itself; "
+                       f"rename it (reserved: {', '.join(rewards.RESERVED_COLUMNS)})")
+    out = {k: [row.get(k) for row in rows for _ in range(repeats)] for k in names}
+    out["prompts"] = [p for p in batch["prompts"] for _ in range(repeats)]
+    return out
+
+  def _run(self, calls: list[tuple[str, int, int]], completions, answers, columns):
+    """The results of reward calls (name, first row, end row), in order."""
+    results, payloads, remote = [None] * len(calls), [], []
+    for i, (name, a, b) in enumerate(calls):
+      task = (rewards.get(name), completions[a:b], answers[a:b],
+              {k: v[a:b] for k, v in columns.items()})
+      if self._pool is None or name in self._inline:
+        results[i] = self._call_here(task)
+      else:
+        payloads.append(pickle.dumps(task))
+        remote.append(i)
+    for i, result in zip(remote, self._pool.run(payloads) if payloads else []):
+      results[i] = result
+    return results
+
+  @staticmethod
+  def _call_here(task):
+    fn, completions, answers, columns = task
+    try:
+      out = fn(completions, answers, **columns)
+      return ("ok", None if out is None else list(out))
+    except Exception:  # pylint: disable=broad-except
+      return ("error", traceback.format_exc())
+
+  def __call__(self, tokens_NxT, lengths_N, batch: Mapping[str, Any], repeats: int,
+               extract: bool = False, label: str = "") -> Scores:
+    """label: where the failures printed happened (e.g. "step 12")."""
+    tokens_NxT, lengths_N = np.asarray(tokens_NxT), np.asarray(lengths_N)
+    completions = self.tokenizer.decode_batch(tokens_NxT)
+    n = len(completions)
+    answers = [row["answer"] for row in batch["rows"] for _ in range(repeats)]
+    columns = self.columns(batch, repeats)
+    columns["completion_ids"] = [t[:k] for t, k in zip(tokens_NxT, lengths_N)]
+    chunks = max(1, min(self.workers, n))
+    bounds = [(n * c // chunks, n * (c + 1) // chunks) for c in range(chunks)]
+    calls = [(name, a, b) for name in self.weights for a, b in bounds if b > a]
+    # float64 as the rewards return them: the total is rounded to float32 once, at the end.
+    values = {name: np.full(n, np.nan) for name in self.weights}
+    errors = {name: np.zeros(n, bool) for name in self.weights}
+    extras, preds, first_error = {}, [None] * n, {}
+
+    def take(name, a, b, result):
+      """Writes one call's result; returns the rows to retry one by one, if any."""
+      status, out = result
+      if status == "ok" and (out is None or len(out) != b - a):
+        status, out = "error", (f"returned {'None' if out is None else len(out)} values for "
+                                f"{b - a} completions\n")
+        errors[name][a:b] = True
+        first_error.setdefault(name, out)
+        return []
+      if status != "ok":
+        if status == "error" and b - a > 1:
+          return [(name, r, r + 1) for r in range(a, b)]
+        errors[name][a:b] = True
+        first_error.setdefault(name, out)
+        return []
+      for r, item in zip(range(a, b), out):
+        try:
+          score, more, pred = _normalize(item)
+        except ValueError as e:
+          errors[name][r] = True
+          first_error.setdefault(name, f"row {r}: {e}\n")
+          continue
+        values[name][r] = np.nan if score is None else score
+        for key, value in more.items():
+          extras.setdefault(f"{name}/{key}", np.full(n, np.nan, np.float32))[r] = value
+        if name == self.majority and pred is not None:
+          preds[r] = pred
+      return []
+
+    retry = []
+    for call, result in zip(calls, self._run(calls, completions, answers, columns)):
+      retry += take(*call, result)
+    if retry:
+      for call, result in zip(retry, self._run(retry, completions, answers, columns)):
+        take(*call, result)
+    self._report(errors, first_error, n, label)
+    scored_N, total = np.zeros(n, bool), np.zeros(n)
+    for name, weight in self.weights.items():  # in the config's order, in float64
+      ok = ~np.isnan(values[name])
+      scored_N |= ok
+      total = np.where(ok, total + weight * values[name], total)
+    total_N = total.astype(np.float32)
+    values = {name: v.astype(np.float32) for name, v in values.items()}
+    if self.correctness is not None:
+      correct_N = values[self.correctness]
+      validation_N = np.nan_to_num(correct_N, nan=0.0)
+    else:
+      correct_N = np.where(scored_N, (total_N > 0).astype(np.float32), np.nan)
+      validation_N = np.where(scored_N, total_N, 0.0).astype(np.float32)
+    answers_out = None
+    if extract and self.majority is not None:
+      if self.majority in rewards.EXTRACTORS:
+        answers_out = [rewards.EXTRACTORS[self.majority](c) for c in completions]
+      else:
+        answers_out = preds
+    return Scores(completions, total_N, scored_N, values, extras, errors,
+                  validation_N.astype(np.float32), correct_N.astype(np.float32), answers_out)
+
+  def _report(self, errors, first_error, n: int, label: str) -> None:
+    for name, rows in errors.items():
+      if not rows.any():
+        continue
+      where = f" at {label}" if label else ""
+      text = first_error.get(name, "")
+      if name not in self._reported:
+        self._reported.add(name)
+        self._log(f"warning: reward {name!r} failed on {int(rows.sum())} of {n} rows{where}; "
+                  f"they score None for it (its first error, in full; later ones in one "
+                  f"line):\n{text.rstrip()}")
+      else:
+        last = [line for line in text.strip().splitlines() if line.strip()][-1:] or [""]
+        self._log(f"warning: reward {name!r} failed on {int(rows.sum())} of {n} rows{where}: "
+                  f"{last[0].strip()}")
+
+  def answers_equal(self, a: Any, b: Any) -> bool:
+    """Whether two of the voting reward's answers are the same answer (None equals
+    nothing): its registered equality, else ==."""
+    if self.majority in rewards.EXTRACTORS:
+      return rewards.answers_equal(self.majority, a, b)
+    return a is not None and b is not None and bool(a == b)
