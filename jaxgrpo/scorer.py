@@ -25,11 +25,12 @@ a score or None: those rows score None for that reward, an error. `errors[name]`
 them (the trainer logs `reward_errors/<name>`, the fraction of rows), the first traceback
 of each reward is printed once in full and later failures one line each.
 
-Workers are spawned (a fork of a process that runs jax can deadlock) and import
-`config.user_modules` before their first call; a reward goes to them as a reference to its
-function (module and name), so it must be a module-level function of an importable module
-or of a user module. Any other (a lambda, a closure) runs in the main process, as every
-reward does with `reward_workers=0`: without a time limit, its exceptions still caught.
+Workers are fresh Python processes (RewardPool says why) that import `config.user_modules`
+before their first call; a reward goes to them as a reference to its function (module and
+name), so it must be a module-level function of an importable module or of a user module.
+Any other (a lambda, a closure, a function of the main script) runs in the main process, as
+every reward does with `reward_workers=0`: without a time limit, its exceptions still
+caught.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import multiprocessing
 from multiprocessing import connection
 import os
 import pickle
+import subprocess
 import sys
 import time
 import traceback
@@ -118,46 +119,63 @@ def _call(payload: bytes):
     return ("error", traceback.format_exc())
 
 
-def _serve(conn, user_modules: str) -> None:
-  """A worker process: import the user's modules, then answer calls until the pipe closes."""
+def worker_main() -> None:
+  """A reward worker process (`python -c ...` by RewardPool, file descriptors of its two
+  pipes in argv): import the user's modules, then answer calls until the pipe closes."""
+  calls = connection.Connection(int(sys.argv[1]), writable=False)
+  answers = connection.Connection(int(sys.argv[2]), readable=False)
   try:
-    plugins.import_modules(user_modules)
+    plugins.import_modules(sys.argv[3])
   except plugins.PluginError:
     pass  # the main process checked them; a call that needs one reports its own error
   while True:
     try:
-      payload = conn.recv_bytes()
+      payload = calls.recv_bytes()
     except (EOFError, OSError):
       return
     result = _call(payload)
     try:
-      conn.send(result)
+      answers.send(result)
+    except (EOFError, OSError):
+      return
     except Exception:  # pylint: disable=broad-except
-      conn.send(("error", traceback.format_exc()))  # a value that does not pickle
+      answers.send(("error", traceback.format_exc()))  # a value that does not pickle
 
 
 class RewardPool:
   """Worker processes that run reward calls, each call limited to `timeout_s` seconds from
-  when its worker starts it; a worker that times out or dies is replaced."""
+  when its worker starts it; a worker that times out or dies is replaced.
+
+  A worker is a fresh `python -c` process talking over two pipes, not a multiprocessing
+  child: it never re-imports the parent's main script (a launcher, a notebook, stdin), and
+  a fork of a process that runs jax could deadlock. It sees the parent's sys.path.
+  """
 
   def __init__(self, workers: int, timeout_s: float, user_modules: str):
     self.timeout_s, self.user_modules = timeout_s, user_modules
-    self._context = multiprocessing.get_context("spawn")
+    self._env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.abspath(p) for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]))
     self._workers = [self._start() for _ in range(workers)]
 
   def _start(self):
-    parent, child = self._context.Pipe()
-    proc = self._context.Process(target=_serve, args=(child, self.user_modules), daemon=True,
-                                 name="jaxgrpo-reward")
-    proc.start()
-    child.close()
-    return proc, parent
+    """(process, connection it reads calls from us on, connection we read answers on)."""
+    from_parent, to_worker = os.pipe()
+    from_worker, to_parent = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from jaxgrpo import scorer; scorer.worker_main()",
+         str(from_parent), str(to_parent), self.user_modules],
+        pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, env=self._env)
+    os.close(from_parent)
+    os.close(to_parent)
+    return (proc, connection.Connection(to_worker, readable=False),
+            connection.Connection(from_worker, writable=False))
 
   def _replace(self, w: int) -> None:
-    proc, conn = self._workers[w]
+    proc, calls, answers = self._workers[w]
     proc.kill()
-    proc.join(1)
-    conn.close()
+    proc.wait()
+    calls.close()
+    answers.close()
     self._workers[w] = self._start()
 
   def run(self, payloads: list[bytes]) -> list[tuple]:
@@ -166,25 +184,37 @@ class RewardPool:
     results: list[tuple | None] = [None] * len(payloads)
     queue, idle, busy = collections.deque(range(len(payloads))), collections.deque(
         range(len(self._workers))), {}
+
+    def died(w: int) -> tuple:
+      proc = self._workers[w][0]
+      proc.kill()
+      code = proc.wait()
+      self._replace(w)
+      return ("error", f"the reward's worker process died (exit code {code}) during the "
+                       "call\n")
+
     while queue or busy:
       while idle and queue:
         w, i = idle.popleft(), queue.popleft()
-        self._workers[w][1].send_bytes(payloads[i])
+        try:
+          self._workers[w][1].send_bytes(payloads[i])
+        except OSError:  # it died between calls (at its start: a module it cannot import)
+          results[i] = died(w)
+          idle.append(w)
+          continue
         busy[w] = (i, time.monotonic())
+      if not busy:
+        continue
       deadline = min(start for _, start in busy.values()) + self.timeout_s
-      ready = connection.wait([self._workers[w][1] for w in busy],
+      ready = connection.wait([self._workers[w][2] for w in busy],
                               timeout=max(0.0, deadline - time.monotonic()))
       for w in list(busy):
         i, start = busy[w]
-        proc, conn = self._workers[w]
-        if conn in ready:
+        if self._workers[w][2] in ready:
           try:
-            results[i] = conn.recv()
+            results[i] = self._workers[w][2].recv()
           except (EOFError, OSError):
-            proc.join(1)
-            results[i] = ("error", f"the reward's worker process died (exit code "
-                                   f"{proc.exitcode}) during the call\n")
-            self._replace(w)
+            results[i] = died(w)
         elif time.monotonic() - start >= self.timeout_s:
           results[i] = ("timeout", f"the call did not return within reward_timeout_s="
                                    f"{self.timeout_s:g} s (its worker was replaced)\n")
@@ -196,10 +226,11 @@ class RewardPool:
     return results
 
   def close(self) -> None:
-    for proc, conn in self._workers:
-      conn.close()
+    for proc, calls, answers in self._workers:
+      calls.close()
+      answers.close()
       proc.kill()
-      proc.join(1)
+      proc.wait()
     self._workers = []
 
 
@@ -220,9 +251,12 @@ class Scorer:
     # A function goes to the workers by reference; what cannot be pickled runs here.
     self._inline = set()
     for name in self.weights:
+      fn = rewards.get(name)
       try:
-        pickle.dumps(rewards.get(name))
+        pickle.dumps(fn)  # by reference: its module and name
       except Exception:  # pylint: disable=broad-except
+        self._inline.add(name)
+      if getattr(fn, "__module__", None) == "__main__":  # a worker has another __main__
         self._inline.add(name)
     if self._pool is not None and self._inline:
       self._log(f"warning: reward{'s' * (len(self._inline) > 1)} "
