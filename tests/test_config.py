@@ -234,6 +234,35 @@ def test_stop_rule_needs_both_halves_and_pass_k_needs_k_above_one():
   assert config_lib.validate(c, num_devices=8).grpo.stop_at_validation_metric == "pass_k"
 
 
+def test_user_modules_register_before_the_names_and_the_stop_rule_are_checked(tmp_path,
+                                                                             monkeypatch):
+  # A user correctness reward with preds (config.user_modules): its name is accepted, and
+  # maj@k, which votes on its preds, is a stop metric; without preds maj@k is refused.
+  from jaxgrpo import rewards  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
+  monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
+  monkeypatch.setattr(rewards, "PREDS", set(rewards.PREDS))
+  path = tmp_path / "mine.py"
+  path.write_text("import jaxgrpo.rewards\n"
+                  "@jaxgrpo.rewards.register('voted', correctness=True, pred=True)\n"
+                  "def voted(c, a, **k):\n  return [{'score': 1.0, 'pred': x} for x in c]\n"
+                  "@jaxgrpo.rewards.register('unvoted', correctness=True)\n"
+                  "def unvoted(c, a, **k):\n  return [1.0] * len(c)\n")
+  c = math_config()
+  c.user_modules = str(path)
+  c.rewards.voted = 1.0
+  c.grpo.val_num_generations_per_prompt = 4
+  c.grpo.stop_at_validation_metric, c.grpo.stop_at_validation_threshold = "maj@4", 0.9
+  assert config_lib.validate(c, num_devices=8).rewards.voted == 1.0
+  c.rewards.voted, c.rewards.unvoted = 0.0, 1.0
+  with pytest.raises(config_lib.ConfigError, match="maj@4"):
+    config_lib.validate(c, num_devices=8)
+  c.user_modules = str(tmp_path / "nope.py")
+  with pytest.raises(config_lib.ConfigError, match=r"^config\.user_modules: \S*nope\.py: no "
+                     r"such file$"):
+    config_lib.validate(c, num_devices=8)
+
+
 def test_a_backend_limit_is_refused_with_backend_and_key(monkeypatch):
   # The native sampler honours every setting; an adapter with limits (issue 10's JetStream)
   # registers them, and a config asking for more is refused, never silently ignored.
