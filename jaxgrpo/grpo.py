@@ -135,33 +135,49 @@ def group_advantages(rewards_N, group_size: int, scale_rewards: str, scored_N=No
   constant added to every reward does not change them.
 
   scored_N (default all True): rows that no reward could score (scorer.py) get advantage 0
-  and leave their group's mean, std and largest |r|, as if they had not been sampled.
+  and leave their group's mean, std and largest |r|, as if they had not been sampled. While
+  every row is scored the unmasked statistics are used, whose float rounding is the one
+  runs had before rows could go unscored (a masked reduction rounds differently).
   """
   rewards_BxG = rewards_N.reshape(-1, group_size).astype(jnp.float32)
-  scored_BxG = (jnp.ones(rewards_BxG.shape, bool) if scored_N is None
-                else scored_N.reshape(-1, group_size))
-  rewards_BxG, reference_Bx1 = _scored_or_reference(rewards_BxG, scored_BxG)
+  plain = _advantages_BxG(rewards_BxG, None, scale_rewards)
+  if scored_N is None:
+    return plain.reshape(-1)
+  scored_BxG = scored_N.reshape(-1, group_size)
+  masked = _advantages_BxG(rewards_BxG, scored_BxG, scale_rewards)
+  return jnp.where(scored_BxG.all(), plain, masked).reshape(-1)
+
+
+def _advantages_BxG(rewards_BxG, scored_BxG, scale_rewards: str):
+  """group_advantages on [B, G] rewards; scored_BxG None: every row scored."""
+  if scored_BxG is None:
+    reference_Bx1, where = rewards_BxG[:, :1], None
+  else:
+    rewards_BxG, reference_Bx1 = _scored_or_reference(rewards_BxG, scored_BxG)
+    where = scored_BxG
   flat_Bx1 = flat_groups(rewards_BxG)[:, None]
   diffs_BxG = rewards_BxG - reference_Bx1
-  mean_Bx1 = diffs_BxG.mean(axis=1, keepdims=True, where=scored_BxG)
-  centered_BxG = jnp.where(flat_Bx1 | ~scored_BxG, 0.0, diffs_BxG - mean_Bx1)
+  mean_Bx1 = diffs_BxG.mean(axis=1, keepdims=True, where=where)
+  dropped_BxG = flat_Bx1 if where is None else flat_Bx1 | ~where
+  centered_BxG = jnp.where(dropped_BxG, 0.0, diffs_BxG - mean_Bx1)
   if scale_rewards == "group":
-    std = jnp.std(diffs_BxG, axis=1, keepdims=True, ddof=1, where=scored_BxG)
+    std = jnp.std(diffs_BxG, axis=1, keepdims=True, ddof=1, where=where)
     magnitude = jnp.max(jnp.abs(rewards_BxG), axis=1, keepdims=True)
   elif scale_rewards == "batch":
     # The batch's first scored reward is the reference (any scored row: the std is the same).
-    batch_ref = rewards_BxG.reshape(-1)[jnp.argmax(scored_BxG.reshape(-1))]
-    std = jnp.std(rewards_BxG - batch_ref, ddof=1, where=scored_BxG)
+    batch_ref = (rewards_BxG[0, 0] if where is None
+                 else rewards_BxG.reshape(-1)[jnp.argmax(where.reshape(-1))])
+    std = jnp.std(rewards_BxG - batch_ref, ddof=1, where=where)
     magnitude = jnp.max(jnp.abs(rewards_BxG))
   elif scale_rewards == "none":
-    return centered_BxG.reshape(-1)
+    return centered_BxG
   else:
     raise ValueError(f"scale_rewards={scale_rewards!r}: allowed {list(SCALE_REWARDS)}")
-  # Fewer than two scored rows have no std (NaN); their centred values are 0 already.
-  std = jnp.where(jnp.isnan(std), 0.0, std)
+  if where is not None:  # fewer than two scored rows: no std (NaN), every value is 0 already
+    std = jnp.where(jnp.isnan(std), 0.0, std)
   divisor = jnp.maximum(std, STD_FLOOR_ULPS * float(jnp.finfo(jnp.float32).eps) * magnitude)
   # A zero divisor means every reward it covers is 0, so every centred value is 0 already.
-  return (centered_BxG / jnp.where(divisor > 0, divisor, 1.0)).reshape(-1)
+  return centered_BxG / jnp.where(divisor > 0, divisor, 1.0)
 
 
 def clipped_surrogate(logp_NxT, old_logp_NxT, advantages_N, epsilon, epsilon_high):
