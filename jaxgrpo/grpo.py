@@ -151,23 +151,24 @@ def group_advantages(rewards_N, group_size: int, scale_rewards: str, scored_N=No
 def _advantages_BxG(rewards_BxG, scored_BxG, scale_rewards: str):
   """group_advantages on [B, G] rewards; scored_BxG None: every row scored."""
   if scored_BxG is None:
-    reference_Bx1, where = rewards_BxG[:, :1], None
+    reference_Bx1, where, masked = rewards_BxG[:, :1], None, {}
   else:
     rewards_BxG, reference_Bx1 = _scored_or_reference(rewards_BxG, scored_BxG)
     where = scored_BxG
+    masked = {"where": where}  # absent, not None, unmasked: numpy's mean takes no None
   flat_Bx1 = flat_groups(rewards_BxG)[:, None]
   diffs_BxG = rewards_BxG - reference_Bx1
-  mean_Bx1 = diffs_BxG.mean(axis=1, keepdims=True, where=where)
+  mean_Bx1 = diffs_BxG.mean(axis=1, keepdims=True, **masked)
   dropped_BxG = flat_Bx1 if where is None else flat_Bx1 | ~where
   centered_BxG = jnp.where(dropped_BxG, 0.0, diffs_BxG - mean_Bx1)
   if scale_rewards == "group":
-    std = jnp.std(diffs_BxG, axis=1, keepdims=True, ddof=1, where=where)
+    std = jnp.std(diffs_BxG, axis=1, keepdims=True, ddof=1, **masked)
     magnitude = jnp.max(jnp.abs(rewards_BxG), axis=1, keepdims=True)
   elif scale_rewards == "batch":
     # The batch's first scored reward is the reference (any scored row: the std is the same).
     batch_ref = (rewards_BxG[0, 0] if where is None
                  else rewards_BxG.reshape(-1)[jnp.argmax(where.reshape(-1))])
-    std = jnp.std(rewards_BxG - batch_ref, ddof=1, where=where)
+    std = jnp.std(rewards_BxG - batch_ref, ddof=1, **masked)
     magnitude = jnp.max(jnp.abs(rewards_BxG))
   elif scale_rewards == "none":
     return centered_BxG
