@@ -107,7 +107,7 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                 pad_id=tokenizer.pad_id, seed=c.seed)
   if gen.backend == "jetstream":
     # Imported here and only here: it imports JetStream and, through it, TensorFlow.
-    from jaxgrpo.engine import jetstream_rollouts  # pylint: disable=g-import-not-at-top
+    from jaxgrpo.rollout import jetstream_rollouts  # pylint: disable=g-import-not-at-top
     # Default: one slot per row of this process's rollout, so a call is one wave.
     prompts = {"train": g.num_prompts_per_step, "val": g.val_batch_size}
     slots = {name: gen.max_concurrent_decodes

@@ -54,7 +54,7 @@ def build_engine(workdir: str, step: int | None, *, max_concurrent_decodes: int,
   except export.ExportError as e:
     raise ServeError(str(e)) from None
 
-  from jaxgrpo.engine import jetstream_engine  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.rollout import jetstream_engine  # pylint: disable=g-import-not-at-top
   gen = config.generation
   get = lambda key, fallback: gen.get(key) if gen.get(key) is not None else gen[fallback]
   sp = sampling.SamplingParams(get("val_temperature", "temperature"),

@@ -24,8 +24,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 # First, so that the root logger it restores is the one before JetStream's orchestrator
 # reconfigured it (DEBUG to stdout).
-from jaxgrpo.engine import jetstream_engine as je  # noqa: E402
-from jaxgrpo.engine import jetstream_rollouts as jr  # noqa: E402
+from jaxgrpo.rollout import jetstream_engine as je  # noqa: E402
+from jaxgrpo.rollout import jetstream_rollouts as jr  # noqa: E402
 from jetstream.core import orchestrator  # noqa: E402
 from jetstream.core.proto import jetstream_pb2  # noqa: E402
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2  # noqa: E402
