@@ -99,6 +99,12 @@ def get_config(arg=None):
       num_prompts_per_step=64, num_generations_per_prompt=8, num_iterations=1,
       beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28, loss_agg="token_mean",
       scale_rewards="group", mask_truncated_completions=True,
+      # Dynamic sampling (DAPO): 'filter' samples generation batches of ceil(oversample_factor
+      # x num_prompts_per_step) prompts, up to max_generation_batches per step, and updates
+      # on the first groups whose rewards differ (by the total reward, or by the reward
+      # dynamic_sampling_metric names); 'off' updates on every group sampled.
+      dynamic_sampling="off", oversample_factor=2.0, max_generation_batches=3,
+      dynamic_sampling_metric=config_dict.placeholder(str),
       # Rollouts per forward/backward pass (0 = all 512; a multiple of 8 x the chips), and
       # completion positions per output projection: 512 rollouts x 128 positions x 151,936
       # float32 logits is a chunk of 37 GiB over the slice, not 264 GiB for all 912.

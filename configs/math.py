@@ -90,6 +90,12 @@ def get_config(arg=None):
       num_prompts_per_step=32, num_generations_per_prompt=8, num_iterations=1,
       beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28, loss_agg="token_mean",
       scale_rewards="group", mask_truncated_completions=False,
+      # Dynamic sampling (DAPO): 'filter' samples generation batches of ceil(oversample_factor
+      # x num_prompts_per_step) prompts, up to max_generation_batches per step, and updates
+      # on the first groups whose rewards differ (by the total reward, or by the reward
+      # dynamic_sampling_metric names); 'off' updates on every group sampled.
+      dynamic_sampling="off", oversample_factor=2.0, max_generation_batches=3,
+      dynamic_sampling_metric=config_dict.placeholder(str),
       # Memory, not maths: rollouts per forward/backward pass (0 = all), and completion
       # positions per output projection (None = all; a chunk never holds [N, T, vocab]).
       micro_batch_size=0, logprob_chunk_size=config_dict.placeholder(int),

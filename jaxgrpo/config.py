@@ -147,6 +147,9 @@ SCHEMA: dict[str, Any] = {
         "loss_agg": _choice(*LOSS_AGGS),
         "scale_rewards": _choice(*SCALE_REWARDS),
         "mask_truncated_completions": _bool,
+        # Dynamic sampling (dynamic.py): 'filter' keeps the groups whose rewards differ.
+        "dynamic_sampling": _choice("off", "filter"), "oversample_factor": _num(1),
+        "max_generation_batches": _int(1), "dynamic_sampling_metric": _optional(_str),
         # How the update is computed (the same result): rollouts per forward and backward
         # pass (0: the whole batch), completion positions per output projection (None: all).
         "micro_batch_size": _int(0), "logprob_chunk_size": _optional(_int(1)),
@@ -358,6 +361,7 @@ def _check_cross_fields(c, num_devices: int):
   _check_model_shapes(c, m, sizes)
   _check_attention(m)
   _check_backend(c.generation, rows)
+  _check_dynamic_sampling(c)
   _check_stop_rule(g, c.rewards)
   _check_checkpoint(c.checkpoint, g, c.rewards)
   d = c.data
@@ -403,6 +407,22 @@ def _check_attention(m):
   if m.dtype != "bfloat16":
     _fail("model.attention", m.attention, f"None or 'xla' with model.dtype={m.dtype!r} "
           "(cuDNN's flash attention takes bfloat16)")
+
+
+def _check_dynamic_sampling(c):
+  """grpo.dynamic_sampling's keys: a metric that names an active reward, and the native
+  sampler (it draws each generation batch with its own key)."""
+  g = c.grpo
+  if g.dynamic_sampling == "off":
+    return
+  active = sorted(k for k, w in c.rewards.items() if w > 0)
+  if g.dynamic_sampling_metric is not None and g.dynamic_sampling_metric not in active:
+    _fail("grpo.dynamic_sampling_metric", g.dynamic_sampling_metric,
+          f"None (the total reward) or a reward with a weight > 0: {', '.join(active)}")
+  if c.generation.backend != "native":
+    _fail("grpo.dynamic_sampling", g.dynamic_sampling,
+          f"'off' with generation.backend={c.generation.backend!r} (only the native "
+          "sampler draws generation batches of their own)")
 
 
 def _check_backend(gen, rows: int):

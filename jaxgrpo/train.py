@@ -105,7 +105,7 @@ def prepare(argv) -> Setup:
   raw = parse_config(argv, announce=lambda raw: _startup_line(raw, _WORKDIR.value or default))
   workdir = _WORKDIR.value or default
   import jax  # imported here so that flag errors answer fast; no compilation happens below
-  from jaxgrpo import data as data_lib, loading  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import data as data_lib, dynamic, loading  # pylint: disable=g-import-not-at-top
   config = config_lib.validate(raw, jax.device_count())
   if jax.process_index() == 0:
     m = config.mesh
@@ -118,7 +118,7 @@ def prepare(argv) -> Setup:
   loading.per_process(config, "num_prompts_per_step")
   # Global batches: each process keeps its slice, so the run does not depend on the hosts.
   train_batches = data_lib.PromptBatches(
-      data.train_rows, tokenizer, config.grpo.num_prompts_per_step,
+      data.train_rows, tokenizer, dynamic.batch_prompts(config),
       config.data.max_prompt_length, template=data.template, seed=config.seed)
   val_batches = loading.validation_batches(config, tokenizer, data)
   if "://" in workdir:  # logs and plots are written with plain file I/O

@@ -19,29 +19,41 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, grpo, plot
+from jaxgrpo import build, checkpoint, dynamic, grpo, plot, scorer
 from jaxgrpo.runtime import distributed, faults, metrics
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import validation
 
 
-def train_step(setup, engine, state, ref_params, update, batch, step):
+def train_step(setup, engine, state, ref_params, update, batch, step, consumed=None):
   """One rollout, its rewards and num_iterations updates. Returns (state, metrics).
 
   On several hosts each process samples and scores its own prompts; the update sees the
   global batch, and the logged numbers are gathered over every process's rows.
+  consumed: a list to which the global row ids of every batch the step sampled are added
+  (with dynamic sampling, more than `batch`: further ones come from setup.train_batches).
   """
   c = setup.config
   g = c.grpo.num_generations_per_prompt
-  t0 = time.perf_counter()
-  rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
-                          batch["prompt_mask_BxL"], step=step)
-  tokens_NxT, lengths_N, truncated_N = sharding_lib.to_local(
-      (rollout.tokens_NxT, rollout.lengths_N, rollout.truncated_N))
-  t_rollout = time.perf_counter() - t0
-  scores = setup.scorer(tokens_NxT, lengths_N, batch, g, label=f"step {step}")
-  t_reward = time.perf_counter() - t0 - t_rollout
+  ds = {}
+  if c.grpo.dynamic_sampling != "off":
+    (prompt, completion, lengths_N, truncated_N, scores, t_rollout, t_reward, generated,
+     ds) = _dynamic_batch(setup, engine, state, batch, step, consumed)
+  else:
+    if consumed is not None:
+      consumed.append(distributed.gather_rows(batch["row_ids_B"])[0])
+    t0 = time.perf_counter()
+    rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
+                            batch["prompt_mask_BxL"], step=step)
+    tokens_NxT, lengths_N, truncated_N = sharding_lib.to_local(
+        (rollout.tokens_NxT, rollout.lengths_N, rollout.truncated_N))
+    t_rollout = time.perf_counter() - t0
+    scores = setup.scorer(tokens_NxT, lengths_N, batch, g, label=f"step {step}")
+    t_reward = time.perf_counter() - t0 - t_rollout
+    prompt = (batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"])
+    completion = (rollout.tokens_NxT, rollout.mask_NxT, rollout.logp_NxT, rollout.truncated_N)
+    generated = None  # the update batch's own rows: counted below
   rewards_N = scores.total_N
   if step == faults.nan_injection_step():  # test hook (faults.py): a poisoned update
     rewards_N = np.full_like(rewards_N, np.nan)
@@ -60,11 +72,10 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
   aux = {}
   if scored_N.any():  # no scored row: nothing to learn from, and no update (say so below)
     update_batch = sharding_lib.to_global(engine.mesh, {
-        "prompt_tokens_BxL": batch["prompt_tokens_BxL"],
-        "prompt_mask_BxL": batch["prompt_mask_BxL"],
-        "completion_tokens_NxT": rollout.tokens_NxT, "completion_mask_NxT": rollout.mask_NxT,
-        "old_logp_NxT": rollout.logp_NxT, "rewards_N": rewards_N,
-        "truncated_N": rollout.truncated_N, "scored_N": scores.scored_N})
+        "prompt_tokens_BxL": prompt[0], "prompt_mask_BxL": prompt[1],
+        "completion_tokens_NxT": completion[0], "completion_mask_NxT": completion[1],
+        "old_logp_NxT": completion[2], "rewards_N": rewards_N,
+        "truncated_N": completion[3], "scored_N": scores.scored_N})
     for _ in range(c.grpo.num_iterations):
       state, aux = update(state, update_batch, ref_params)
     aux = jax.device_get(aux)
@@ -82,8 +93,11 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
       "completion_length_mean": float(lengths_all_N.mean()),
       "completion_length_max": int(lengths_all_N.max()),
       "truncated_fraction": float(truncated_all_N.mean()),
-      "rollout_tokens_per_s": float(lengths_all_N.sum() / max(t_rollout, 1e-9)),
+      # Every token generated: with dynamic sampling, every generation batch's.
+      "rollout_tokens_per_s": float((lengths_all_N.sum() if generated is None else generated)
+                                    / max(t_rollout, 1e-9)),
       "rollout_s": t_rollout, "reward_s": t_reward, "update_s": t_update,
+      **ds,
   }
   out.update({k: float(v) for k, v in aux.items()})
   values, errors, more = parts[:len(names)], parts[len(names):2 * len(names)], parts[2 * len(
@@ -92,6 +106,79 @@ def train_step(setup, engine, state, ref_params, update, batch, step):
   out.update({f"reward_errors/{k}": float(e.mean()) for k, e in zip(names, errors)})
   out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in zip(extras, more)})
   return state, out
+
+
+def _dynamic_batch(setup, engine, state, batch, step, consumed):
+  """Dynamic sampling (dynamic.py): generation batches until B informative groups are kept.
+
+  Returns this process's rows of the chosen B groups as train_step uses them: (prompt
+  arrays, completion arrays (tokens, mask, old log-probs, truncated), lengths, truncated,
+  their Scores, rollout seconds, reward seconds, tokens generated over every batch, the
+  dynamic_sampling/ metrics). Every process's rows are gathered, so every host chooses the
+  same groups; each then keeps its own slice of them (rows p*B/P.. of the global batch).
+  """
+  gc = setup.config.grpo
+  g, num = gc.num_generations_per_prompt, gc.num_prompts_per_step
+  metric = gc.dynamic_sampling_metric
+  parts, flags, t_rollout, t_reward, generated = [], [], 0.0, 0.0, 0
+  for j in range(gc.max_generation_batches):
+    if j:
+      batch = next(setup.train_batches)
+    ids, = distributed.gather_rows(batch["row_ids_B"])
+    if consumed is not None:
+      consumed.append(ids)
+    t0 = time.perf_counter()
+    # One key per (step, generation batch), folded from the step's own.
+    rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
+                            batch["prompt_mask_BxL"],
+                            key=jax.random.fold_in(engine.key("train", step), j))
+    local = sharding_lib.to_local((rollout.tokens_NxT, rollout.mask_NxT, rollout.logp_NxT,
+                                   rollout.lengths_N, rollout.truncated_N))
+    t_rollout += time.perf_counter() - t0
+    t1 = time.perf_counter()
+    scores = setup.scorer(local[0], local[3], batch, g, label=f"step {step}")
+    t_reward += time.perf_counter() - t1
+    values = scores.total_N if metric is None else scores.breakdown[metric]
+    judged = scores.scored_N if metric is None else ~np.isnan(values)
+    values_all, judged_all, lengths_all = distributed.gather_rows(values, judged, local[3])
+    generated += int(lengths_all.sum())
+    flags.append(dynamic.informative(values_all, judged_all, g))
+    parts.append((batch, local, scores))
+    if sum(int(f.sum()) for f in flags) >= num:
+      break
+  chosen, filled = dynamic.choose(flags, num)
+  # Every row of every part, gathered (the global batch order), then the chosen groups.
+  names = sorted(parts[0][2].breakdown)
+  extras = sorted({k for part in distributed.gather_objects(
+      sorted({k for _, _, s in parts for k in s.extras})) for k in part})
+
+  def rows(get):
+    return np.concatenate([distributed.gather_rows(np.asarray(get(p)))[0] for p in parts])
+
+  nan = lambda s: np.full(len(s.total_N), np.nan, np.float32)
+  group_rows = (chosen[:, None] * g + np.arange(g)).reshape(-1)
+  mine = slice(jax.process_index() * num // jax.process_count() * g,
+               (jax.process_index() + 1) * num // jax.process_count() * g)
+  pick = lambda get: rows(get)[group_rows][mine]
+  prompts = lambda get: np.concatenate([distributed.gather_rows(np.asarray(get(p)))[0]
+                                        for p in parts])[chosen][mine.start // g:mine.stop // g]
+  prompt = (prompts(lambda p: p[0]["prompt_tokens_BxL"]),
+            prompts(lambda p: p[0]["prompt_mask_BxL"]))
+  completion = tuple(pick(lambda p, i=i: p[1][i]) for i in (0, 1, 2, 4))
+  lengths_N, truncated_N = pick(lambda p: p[1][3]), completion[3]
+  scores = scorer.Scores(
+      completions=[], total_N=pick(lambda p: p[2].total_N), scored_N=pick(lambda p: p[2].scored_N),
+      breakdown={k: pick(lambda p, k=k: p[2].breakdown[k]) for k in names},
+      extras={k: pick(lambda p, k=k: p[2].extras.get(k, nan(p[2]))) for k in extras},
+      errors={k: pick(lambda p, k=k: p[2].errors[k]) for k in names},
+      validation_N=pick(lambda p: p[2].validation_N), correct_N=pick(lambda p: p[2].correct_N),
+      answers=None)
+  sampled = sum(len(f) for f in flags)
+  ds = {"dynamic_sampling/generation_batches": len(parts),
+        "dynamic_sampling/kept_groups_fraction": float(sum(f.sum() for f in flags) / sampled),
+        "dynamic_sampling/filled_flat_groups": int(filled)}
+  return (prompt, completion, lengths_N, truncated_N, scores, t_rollout, t_reward, generated,
+          ds)
 
 
 def _every_reward_failed(step_metrics) -> bool:
@@ -176,11 +263,11 @@ def run(setup) -> int:
     while (stop is None and step < g.max_num_steps
            and not (preempted := distributed.any_process(preemption.requested))):
       step += 1
-      batch = next(setup.train_batches)
-      row_ids, = distributed.gather_rows(batch["row_ids_B"])  # the global batch's rows
-      if primary:
-        _append_jsonl(prompts_log, {"step": step, "row_ids": row_ids.tolist()})
-      state, step_metrics = train_step(setup, engine, state, ref_params, update, batch, step)
+      batch, consumed = next(setup.train_batches), []
+      state, step_metrics = train_step(setup, engine, state, ref_params, update, batch, step,
+                                       consumed)
+      if primary:  # the global rows of every batch the step sampled, in order
+        _append_jsonl(prompts_log, {"step": step, "row_ids": np.concatenate(consumed).tolist()})
       faults.maybe_inject_sigterm(step)  # test hook (faults.py): a preemption at step N
       writer.write(step, "train", step_metrics)
       try:

@@ -275,3 +275,27 @@ def test_a_micro_batched_run_resumes_exactly(tmp_path):
   for a, b in zip(jax.tree.leaves(final_params(tmp_path / "run", 4)),
                   jax.tree.leaves(final_params(tmp_path / "straight", 4))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# Dynamic sampling draws a varying number of generation batches per step: the data
+# iterator's position in the checkpoint must still give exactly the same prompts.
+DYNAMIC = (*ARGS, "--config.grpo.dynamic_sampling=filter", "--config.grpo.oversample_factor=1",
+           "--config.grpo.max_generation_batches=3")
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_resumes_exactly_after_sigkill(tmp_path):
+  straight = run_train(*DYNAMIC, workdir=tmp_path / "straight")
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  train = [r for (split, _), r in sorted(rows(tmp_path / "straight").items()) if split == "train"]
+  # Some steps needed more than one generation batch (else this would test nothing).
+  assert any(r["dynamic_sampling/generation_batches"] > 1 for r in train)
+  steps = prompt_ids(tmp_path / "straight")
+  assert any(len(s["row_ids"]) > 8 for s in steps)  # several batches' prompts, logged
+  proc = start_train(*DYNAMIC, workdir=tmp_path / "killed")
+  wait_for_checkpoint(proc, tmp_path / "killed", 4)
+  proc.kill()
+  proc.wait()
+  resumed = run_train(*DYNAMIC, workdir=tmp_path / "killed")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert_same_run(tmp_path / "killed", tmp_path / "straight")

@@ -18,12 +18,18 @@ import cli  # tests/cli.py
 
 pytestmark = pytest.mark.slow
 
-ARGS = (f"--config={cli.MATH}:smoke", "--config.grpo.max_num_steps=2", *cli.USER)
+# Dynamic sampling on: the groups kept are chosen from every process's rows, so 2 processes
+# must keep what 1 does (12-prompt generation batches, 6 per process).
+ARGS = (f"--config={cli.MATH}:smoke", "--config.grpo.max_num_steps=2", *cli.USER,
+        "--config.grpo.dynamic_sampling=filter", "--config.grpo.oversample_factor=1.5",
+        "--config.grpo.max_generation_batches=2")
 # Computed on device from the global batch, so they must agree; the host-side numbers
 # (reward_mean, accuracy, lengths) are gathered over processes and must agree too.
 TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "reward_mean", "reward_std", "accuracy",
               "zero_std_group_fraction", "completion_length_mean", "learning_rate",
-              "reward/fixture_columns/aligned", "reward_errors/fixture_columns")
+              "reward/fixture_columns/aligned", "reward_errors/fixture_columns",
+              "dynamic_sampling/generation_batches", "dynamic_sampling/kept_groups_fraction",
+              "dynamic_sampling/filled_flat_groups")
 VAL_KEYS = ("accuracy", "accuracy_stderr", "pass@1", "pass@2", "pass_k", "avg_length",
             "num_prompts", "reward/fixture_columns/aligned", "reward_errors/fixture_columns")
 

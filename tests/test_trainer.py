@@ -8,7 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxgrpo import build, checkpoint, rewards, train, trainer
+from jaxgrpo import build, checkpoint, dynamic, rewards, train, trainer
+from jaxgrpo import data as data_lib
 from jaxgrpo.runtime import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,3 +180,53 @@ def test_a_recompile_is_named_in_a_warning_and_the_summary_line():
   assert [w.split(" compiled ")[0] for w in warnings] == [
       "warning: the update step", "warning: the validation sampler"]
   assert "compiled 3 times" in warnings[0]
+
+
+def test_dynamic_sampling_updates_on_the_first_informative_groups_in_data_order(smoke,
+                                                                             monkeypatch):
+  # A hand-built reward (in the main process: reward_workers=0, so one call sees the
+  # generation batch's rows in order): a group is informative when its question starts
+  # with an even digit, its first sample then scoring 1. The smoke batch has B = 8 groups
+  # of G = 4; generation batches of 8 prompts, at most 2.
+  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
+  g = smoke.config.grpo.num_generations_per_prompt
+
+  def even(completions, answers, *, question, **columns):
+    return [float(i % g == 0 and int(q[0]) % 2 == 0) for i, q in enumerate(question)]
+
+  rewards.register("_test_even")(even)
+  config = ml_collections.ConfigDict(smoke.config.to_dict())
+  config.rewards = ml_collections.ConfigDict({"exact_match": 0.0, "_test_even": 1.0})
+  config.reward_workers = 0
+  config.grpo.update(dynamic_sampling="filter", oversample_factor=1.0,
+                     max_generation_batches=2)
+  setup = dataclasses.replace(smoke, config=config)
+  engine, state, ref_params, update = build.training(setup)
+  sampled, updated = [], []
+  sample = engine.sample
+  monkeypatch.setattr(engine, "sample", lambda name, params, tokens, mask, **kw: (
+      sampled.append(np.asarray(tokens)), sample(name, params, tokens, mask, **kw))[1])
+  to_global = trainer.sharding_lib.to_global
+  monkeypatch.setattr(trainer.sharding_lib, "to_global", lambda mesh, tree: (
+      updated.append(tree) if isinstance(tree, dict) and "scored_N" in tree else None,
+      to_global(mesh, tree))[1])
+  consumed = []
+  state, metrics = trainer.train_step(setup, engine, state, ref_params, update,
+                                      next(setup.train_batches), step=1, consumed=consumed)
+  train_rows = data_lib.make_sources(setup.config.data)[0]  # the run's rows, by their ids
+  flags = [np.array([int(train_rows[i]["question"][0]) % 2 == 0 for i in ids])
+           for ids in consumed]
+  chosen, filled = dynamic.choose(flags, 8)
+  assert metrics["dynamic_sampling/generation_batches"] == len(consumed) == len(sampled)
+  assert metrics["dynamic_sampling/kept_groups_fraction"] == sum(map(sum, flags)) / (
+      8 * len(consumed))
+  assert metrics["dynamic_sampling/filled_flat_groups"] == filled
+  # The update saw exactly the chosen prompts, in data order, and their rewards.
+  prompts = np.concatenate(sampled)
+  np.testing.assert_array_equal(np.asarray(updated[0]["prompt_tokens_BxL"]), prompts[chosen])
+  kept = np.concatenate(flags)[chosen]
+  np.testing.assert_array_equal(
+      np.asarray(updated[0]["rewards_N"]).reshape(8, g),
+      np.array([[1.0] + [0.0] * (g - 1) if k else [0.0] * g for k in kept]))
+  assert metrics["zero_std_group_fraction"] == filled / 8
+
