@@ -387,3 +387,26 @@ def test_scan_layers_is_a_bool_or_none_and_resolves_by_platform():
   assert build.loss_config(c, mesh).scan_layers is False
   c.model.scan_layers = True
   assert build.loss_config(c, mesh).scan_layers is True
+
+
+@pytest.mark.parametrize("key, value, expect", [
+    ("dynamic_sampling", "on", r"config\.grpo\.dynamic_sampling='on': allowed: one of 'off', "
+     r"'filter'"),
+    ("oversample_factor", 0.5, r"config\.grpo\.oversample_factor=0\.5: allowed: a number >= 1"),
+    ("dynamic_sampling_metric", "math", r"config\.grpo\.dynamic_sampling_metric='math': "
+     r"allowed: None \(the total reward\) or a reward with a weight > 0: exact_match"),
+])
+def test_dynamic_sampling_settings_are_checked(key, value, expect):
+  c = math_config()
+  c.grpo.dynamic_sampling = "filter"
+  c.grpo[key] = value
+  with pytest.raises(config_lib.ConfigError, match="^" + expect):
+    config_lib.validate(c, num_devices=8)
+
+
+def test_dynamic_sampling_needs_the_native_sampler(monkeypatch):
+  _jetstream(monkeypatch, installed=True)
+  c = math_config()
+  c.grpo.dynamic_sampling, c.generation.backend = "filter", "jetstream"
+  with pytest.raises(config_lib.ConfigError, match="only the native sampler"):
+    config_lib.validate(c, num_devices=1)
