@@ -30,3 +30,13 @@ def straight_run(tmp_path_factory):
   """
   workdir = tmp_path_factory.mktemp("straight")
   return workdir, cli.run_train(*cli.ARGS, workdir=workdir)
+
+
+@pytest.fixture
+def registry(monkeypatch):
+  """A private copy of the reward registry, so a test's rewards leave no trace."""
+  from jaxgrpo import rewards  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
+  monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
+  monkeypatch.setattr(rewards, "PREDS", set(rewards.PREDS))
+  return rewards.REGISTRY

@@ -235,13 +235,9 @@ def test_stop_rule_needs_both_halves_and_pass_k_needs_k_above_one():
 
 
 def test_user_modules_register_before_the_names_and_the_stop_rule_are_checked(tmp_path,
-                                                                             monkeypatch):
+                                                                             registry):
   # A user correctness reward with preds (config.user_modules): its name is accepted, and
   # maj@k, which votes on its preds, is a stop metric; without preds maj@k is refused.
-  from jaxgrpo import rewards  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
-  monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
-  monkeypatch.setattr(rewards, "PREDS", set(rewards.PREDS))
   path = tmp_path / "mine.py"
   path.write_text("import jaxgrpo.rewards\n"
                   "@jaxgrpo.rewards.register('voted', correctness=True, pred=True)\n"

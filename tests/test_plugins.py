@@ -7,12 +7,6 @@ import pytest
 from jaxgrpo import plugins, rewards
 
 
-@pytest.fixture
-def registry(monkeypatch):
-  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
-  monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
-
-
 def test_a_file_registers_its_rewards_once_under_a_stable_name(registry, tmp_path):
   path = tmp_path / "my_rewards.py"
   path.write_text("import jaxgrpo.rewards\n"

@@ -163,15 +163,6 @@ def test_columns_pass_through_to_custom_reward():
   assert total == [1.0, 2.0] and seen == {"difficulty": [1, 2]}
 
 
-@pytest.fixture
-def registry(monkeypatch):
-  """A private copy of the registry, so a test's rewards leave no trace."""
-  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
-  monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
-  monkeypatch.setattr(rewards, "PREDS", set(rewards.PREDS))
-  return rewards.REGISTRY
-
-
 def test_the_last_registered_active_correctness_reward_wins(registry):
   @rewards.register("_test_right", correctness=True)
   def right(completions, answers, **columns):

@@ -4,18 +4,8 @@ import os
 import textwrap
 
 import numpy as np
-import pytest
 
 from jaxgrpo import plugins, rewards, scorer
-
-
-@pytest.fixture
-def registry(monkeypatch):
-  """A private copy of the registry, so a test's rewards leave no trace."""
-  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
-  monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
-  monkeypatch.setattr(rewards, "PREDS", set(rewards.PREDS))
-  return rewards.REGISTRY
 
 
 class _Chars:

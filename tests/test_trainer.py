@@ -24,9 +24,8 @@ def smoke(tmp_path_factory):
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_reference_policy_only_when_beta_positive(smoke, beta, monkeypatch):
+def test_reference_policy_only_when_beta_positive(smoke, beta, registry):
   # A reward that scores 0 and keeps what it was given: every column of the batch's rows.
-  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
   seen = []
   rewards.register("_test_seen")(lambda c, a, **columns: seen.append(columns) or [0.0] * len(c))
   config = ml_collections.ConfigDict(smoke.config.to_dict())
@@ -182,13 +181,12 @@ def test_a_recompile_is_named_in_a_warning_and_the_summary_line():
   assert "compiled 3 times" in warnings[0]
 
 
-def test_dynamic_sampling_updates_on_the_first_informative_groups_in_data_order(smoke,
+def test_dynamic_sampling_updates_on_the_first_informative_groups_in_data_order(smoke, registry,
                                                                              monkeypatch):
   # A hand-built reward (in the main process: reward_workers=0, so one call sees the
   # generation batch's rows in order): a group is informative when its question starts
   # with an even digit, its first sample then scoring 1. The smoke batch has B = 8 groups
   # of G = 4; generation batches of 8 prompts, at most 2.
-  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
   g = smoke.config.grpo.num_generations_per_prompt
 
   def even(completions, answers, *, question, **columns):

@@ -209,9 +209,8 @@ def samples_of(tmp_path, step=0):
     return [json.loads(line) for line in f]
 
 
-def test_val_profile_reaches_the_sampler(tmp_path, monkeypatch):
+def test_val_profile_reaches_the_sampler(tmp_path, registry):
   # A reward that scores 0 and keeps what it was given: the rows' columns, as in training.
-  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
   seen = []
   rewards.register("_test_seen")(lambda c, a, **columns: seen.append(columns) or [0.0] * len(c))
   greedy, params = make_validator(sampling.SamplingParams(0.0, 1.0, 0), 4, 4, tmp_path,
@@ -292,12 +291,9 @@ def test_per_prompt_values_follow_the_prompt_index_on_any_mesh(tmp_path):
     np.testing.assert_array_equal(eight.per_prompt[name], values)
 
 
-def test_maj_at_k_votes_on_a_user_rewards_pred(tmp_path, monkeypatch):
+def test_maj_at_k_votes_on_a_user_rewards_pred(tmp_path, registry):
   # A correctness reward registered with pred=True: its dicts' `pred` is what maj@k votes
   # on. Here the pred is the completion's first character, right when it is 0-4.
-  monkeypatch.setattr(rewards, "REGISTRY", dict(rewards.REGISTRY))
-  monkeypatch.setattr(rewards, "CORRECTNESS", list(rewards.CORRECTNESS))
-  monkeypatch.setattr(rewards, "PREDS", set(rewards.PREDS))
 
   @rewards.register("_test_vote", correctness=True, pred=True)
   def vote(completions, answers, **columns):
