@@ -1,9 +1,12 @@
 """Tests for jaxgrpo.bench: the sampler and validation benches' JSON lines (no timing checks)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
+import cli  # tests/cli.py
 from jaxgrpo import bench
 from jaxgrpo.bench import common, prefill, roofline, sampler, validation
 from jaxgrpo.bench import step as bench_step
@@ -277,3 +280,20 @@ def test_truncation_bench_times_each_mode_against_pure():
 def rollout_end_ids(vocab, median):
   from jaxgrpo.bench import rollout  # pylint: disable=g-import-not-at-top
   return len(rollout.end_ids(vocab, median))
+
+
+@pytest.mark.slow
+def test_rewards_bench_times_the_reward_step_three_ways():
+  # Its own process: it sets a run up as python -m jaxgrpo.train does (absl flags parse
+  # once per process).
+  proc = subprocess.run([sys.executable, "-m", "jaxgrpo.bench", "rewards", "--reps", "2", "--",
+                         f"--config={cli.MATH}:smoke", "--config.reward_workers=2"],
+                        capture_output=True, text=True, env=cli.env(), cwd=cli.ROOT,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r["bench"] == "rewards" and r["reward_workers"] == 2 and r["reps"] == 2
+  assert r["rows_per_step"] == 8 * 4  # the smoke preset's B x G
+  for way in ("compute", "inline", "pool"):
+    assert r[f"{way}_s"] > 0 and 0 < r[f"{way}_share"] < 1
+  assert r["rollout_s"] > 0 and r["update_s"] > 0
