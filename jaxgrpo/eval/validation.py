@@ -9,9 +9,10 @@ Keys: prompt p's draws depend only on `val_seed` and p's index in the validation
 same parameters give the same metrics at every step, on every rerun, and whatever the batch
 size or mesh: two validations differ only because the policy did.
 
-The validation reward of a rollout is the task's correctness reward when one is configured
-(`math` or `exact_match`, unweighted, 0 or 1), else the total weighted reward. A rollout
-passes when its validation reward is > `val_pass_threshold`. With n = k samples of a prompt,
+The validation reward of a rollout is the active correctness reward's value when there is
+one (`math`, `exact_match` or a reward registered with correctness=True, unweighted; see
+scorer.py), else the total weighted reward; a row that reward could not score is 0. A
+rollout passes when its validation reward is > `val_pass_threshold`. With n = k samples of a prompt,
 c of them passing (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"):
 
     accuracy   mean validation reward over all P*k rollouts (its meaning does not change with k)
@@ -21,7 +22,8 @@ c of them passing (Chen et al. 2021, "Evaluating Large Language Models Trained o
     *_stderr   standard error across prompts (sample std with ddof 1 over sqrt(P))
 
     maj@k      share of prompts whose most frequent answer among the k samples is right
-               (k > 1, and the correctness reward has an answer extractor: see voting.py)
+               (k > 1, and the correctness reward has an answer extractor or `pred`s: see
+               voting.py)
 
 Deviation from the paper: it estimates pass@j from n >> j samples; here n = k, so pass@k is
 the plain empirical rate and the smaller j reuse the same k samples.
@@ -57,6 +59,7 @@ from jaxgrpo.runtime import distributed
 from jaxgrpo.runtime import metrics as metrics_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import voting
+
 
 def pass_js(k: int) -> tuple[int, ...]:
   """The j of the reported pass@j: powers of two below k, and k itself."""
