@@ -109,13 +109,16 @@ def _is_number(value) -> bool:
   return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, str)
 
 
-def _call(payload: bytes):
-  """One reward call, as a worker runs it: ("ok", values) or ("error", traceback)."""
+def _call(task, catch=Exception):
+  """One reward call: ("ok", values) or ("error", traceback). task: (fn, completions,
+  answers, columns), or those pickled (a worker's payload: unpickling can fail too). A worker
+  catches BaseException as well (a reward's sys.exit must not end it); the main process does
+  not (Ctrl-C there is the user's)."""
   try:
-    fn, completions, answers, columns = pickle.loads(payload)
+    fn, completions, answers, columns = pickle.loads(task) if isinstance(task, bytes) else task
     out = fn(completions, answers, **columns)
     return ("ok", None if out is None else list(out))
-  except BaseException:  # pylint: disable=broad-except
+  except catch:  # pylint: disable=broad-except
     return ("error", traceback.format_exc())
 
 
@@ -133,7 +136,7 @@ def worker_main() -> None:
       payload = calls.recv_bytes()
     except (EOFError, OSError):
       return
-    result = _call(payload)
+    result = _call(payload, BaseException)
     try:
       answers.send(result)
     except (EOFError, OSError):
@@ -287,22 +290,13 @@ class Scorer:
       task = (rewards.get(name), completions[a:b], answers[a:b],
               {k: v[a:b] for k, v in columns.items()})
       if self._pool is None or name in self._inline:
-        results[i] = self._call_here(task)
+        results[i] = _call(task)
       else:
         payloads.append(pickle.dumps(task))
         remote.append(i)
     for i, result in zip(remote, self._pool.run(payloads) if payloads else []):
       results[i] = result
     return results
-
-  @staticmethod
-  def _call_here(task):
-    fn, completions, answers, columns = task
-    try:
-      out = fn(completions, answers, **columns)
-      return ("ok", None if out is None else list(out))
-    except Exception:  # pylint: disable=broad-except
-      return ("error", traceback.format_exc())
 
   def __call__(self, tokens_NxT, lengths_N, batch: Mapping[str, Any], repeats: int,
                extract: bool = False, label: str = "") -> Scores:

@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, dynamic, grpo, plot, scorer
+from jaxgrpo import build, checkpoint, dynamic, grpo, plot
 from jaxgrpo.runtime import distributed, faults, metrics
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -39,7 +39,7 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   ds = {}
   if c.grpo.dynamic_sampling != "off":
     (prompt, completion, lengths_N, truncated_N, scores, t_rollout, t_reward, generated,
-     ds) = _dynamic_batch(setup, engine, state, batch, step, consumed)
+     ds) = dynamic.sample_step(setup, engine, state, batch, step, consumed)
   else:
     if consumed is not None:
       consumed.append(distributed.gather_rows(batch["row_ids_B"])[0])
@@ -61,8 +61,7 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   # every process must agree on it (a skipped update on one host only would deadlock).
   names = sorted(scores.breakdown)
   # The dict keys any process's rows returned (a key one host never saw is NaN there).
-  extras = sorted({k for part in distributed.gather_objects(sorted(scores.extras))
-                   for k in part})
+  extras = distributed.union_keys(scores.extras)
   nan_N = np.full(len(rewards_N), np.nan, np.float32)
   rows_N, correct_N, lengths_all_N, truncated_all_N, scored_N, *parts = distributed.gather_rows(
       rewards_N, scores.correct_N, lengths_N, truncated_N, scores.scored_N,
@@ -106,79 +105,6 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   out.update({f"reward_errors/{k}": float(e.mean()) for k, e in zip(names, errors)})
   out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in zip(extras, more)})
   return state, out
-
-
-def _dynamic_batch(setup, engine, state, batch, step, consumed):
-  """Dynamic sampling (dynamic.py): generation batches until B informative groups are kept.
-
-  Returns this process's rows of the chosen B groups as train_step uses them: (prompt
-  arrays, completion arrays (tokens, mask, old log-probs, truncated), lengths, truncated,
-  their Scores, rollout seconds, reward seconds, tokens generated over every batch, the
-  dynamic_sampling/ metrics). Every process's rows are gathered, so every host chooses the
-  same groups; each then keeps its own slice of them (rows p*B/P.. of the global batch).
-  """
-  gc = setup.config.grpo
-  g, num = gc.num_generations_per_prompt, gc.num_prompts_per_step
-  metric = gc.dynamic_sampling_metric
-  parts, flags, t_rollout, t_reward, generated = [], [], 0.0, 0.0, 0
-  for j in range(gc.max_generation_batches):
-    if j:
-      batch = next(setup.train_batches)
-    ids, = distributed.gather_rows(batch["row_ids_B"])
-    if consumed is not None:
-      consumed.append(ids)
-    t0 = time.perf_counter()
-    # One key per (step, generation batch), folded from the step's own.
-    rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
-                            batch["prompt_mask_BxL"],
-                            key=jax.random.fold_in(engine.key("train", step), j))
-    local = sharding_lib.to_local((rollout.tokens_NxT, rollout.mask_NxT, rollout.logp_NxT,
-                                   rollout.lengths_N, rollout.truncated_N))
-    t_rollout += time.perf_counter() - t0
-    t1 = time.perf_counter()
-    scores = setup.scorer(local[0], local[3], batch, g, label=f"step {step}")
-    t_reward += time.perf_counter() - t1
-    values = scores.total_N if metric is None else scores.breakdown[metric]
-    judged = scores.scored_N if metric is None else ~np.isnan(values)
-    values_all, judged_all, lengths_all = distributed.gather_rows(values, judged, local[3])
-    generated += int(lengths_all.sum())
-    flags.append(dynamic.informative(values_all, judged_all, g))
-    parts.append((batch, local, scores))
-    if sum(int(f.sum()) for f in flags) >= num:
-      break
-  chosen, filled = dynamic.choose(flags, num)
-  # Every row of every part, gathered (the global batch order), then the chosen groups.
-  names = sorted(parts[0][2].breakdown)
-  extras = sorted({k for part in distributed.gather_objects(
-      sorted({k for _, _, s in parts for k in s.extras})) for k in part})
-
-  def rows(get):
-    return np.concatenate([distributed.gather_rows(np.asarray(get(p)))[0] for p in parts])
-
-  nan = lambda s: np.full(len(s.total_N), np.nan, np.float32)
-  group_rows = (chosen[:, None] * g + np.arange(g)).reshape(-1)
-  mine = slice(jax.process_index() * num // jax.process_count() * g,
-               (jax.process_index() + 1) * num // jax.process_count() * g)
-  pick = lambda get: rows(get)[group_rows][mine]
-  prompts = lambda get: np.concatenate([distributed.gather_rows(np.asarray(get(p)))[0]
-                                        for p in parts])[chosen][mine.start // g:mine.stop // g]
-  prompt = (prompts(lambda p: p[0]["prompt_tokens_BxL"]),
-            prompts(lambda p: p[0]["prompt_mask_BxL"]))
-  completion = tuple(pick(lambda p, i=i: p[1][i]) for i in (0, 1, 2, 4))
-  lengths_N, truncated_N = pick(lambda p: p[1][3]), completion[3]
-  scores = scorer.Scores(
-      completions=[], total_N=pick(lambda p: p[2].total_N), scored_N=pick(lambda p: p[2].scored_N),
-      breakdown={k: pick(lambda p, k=k: p[2].breakdown[k]) for k in names},
-      extras={k: pick(lambda p, k=k: p[2].extras.get(k, nan(p[2]))) for k in extras},
-      errors={k: pick(lambda p, k=k: p[2].errors[k]) for k in names},
-      validation_N=pick(lambda p: p[2].validation_N), correct_N=pick(lambda p: p[2].correct_N),
-      answers=None)
-  sampled = sum(len(f) for f in flags)
-  ds = {"dynamic_sampling/generation_batches": len(parts),
-        "dynamic_sampling/kept_groups_fraction": float(sum(f.sum() for f in flags) / sampled),
-        "dynamic_sampling/filled_flat_groups": int(filled)}
-  return (prompt, completion, lengths_N, truncated_N, scores, t_rollout, t_reward, generated,
-          ds)
 
 
 def _every_reward_failed(step_metrics) -> bool:

@@ -373,8 +373,7 @@ def reward_metrics(batches) -> dict[str, float]:
   `reward/<name>/<key>` over the valid rows of (valid_N, scorer.Scores) batches, every
   process's rows together (a collective: every process calls it)."""
   names = sorted(batches[0][1].breakdown) if batches else []
-  extras = sorted({k for part in distributed.gather_objects(
-      sorted({k for _, s in batches for k in s.extras})) for k in part})
+  extras = distributed.union_keys({k for _, s in batches for k in s.extras})
 
   def rows(get):
     return np.concatenate([np.asarray(get(s), np.float32)[valid] for valid, s in batches])

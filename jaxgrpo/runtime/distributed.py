@@ -83,6 +83,12 @@ def gather_objects(obj) -> list:
   return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
 
 
+def union_keys(keys) -> list[str]:
+  """The sorted union of every process's `keys` (names some host's rows produced, such as a
+  reward's dict keys), so every process gathers the same arrays in the same order."""
+  return sorted({k for part in gather_objects(sorted(keys)) for k in part})
+
+
 def any_process(flag: bool) -> bool:
   """True on every process when `flag` is True on any (a signal that reached one host must
   stop them all at the same step, or the others wait forever in the next collective)."""
