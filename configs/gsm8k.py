@@ -128,7 +128,12 @@ def get_config(arg=None):
   c.checkpoint = ml_collections.ConfigDict(dict(
       save_period=50, max_to_keep=2, resume="auto", best_metric="accuracy", best_to_keep=1))
 
-  c.logging = ml_collections.ConfigDict(dict(tensorboard=True, plots=True, console=True))
+  # Metrics go to metrics.jsonl and each tracker named here: tensorboard, wandb, trackio
+  # (comma-separated; wandb and trackio are extras: pip install -e '.[wandb]'). run_name ''
+  # is the workdir's name; tags are comma-separated.
+  c.logging = ml_collections.ConfigDict(dict(
+      trackers="tensorboard", project="jaxgrpo", run_name="", tags="", plots=True,
+      console=True))
 
   if arg == "cpu":
     c.mesh.fsdp = 1

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import ml_collections
 
 from jaxgrpo import plugins, rewards
+from jaxgrpo.runtime import trackers
 
 # The loss options (grpo.py implements them; the docstring there says what each means).
 SCALE_REWARDS = ("group", "batch", "none")
@@ -70,6 +71,19 @@ def _str(v):
 def _bool(v):
   if not isinstance(v, bool):
     return "True or False"
+
+
+def _nonempty(v):
+  if not isinstance(v, str) or not v.strip():
+    return "a non-empty string"
+
+
+def _trackers(v):
+  try:
+    trackers.parse(v)
+  except trackers.TrackerError:
+    return (f"a comma-separated list among {', '.join(trackers.NAMES)} ('' for "
+            "metrics.jsonl only)")
 
 
 def _dtype(v):
@@ -169,8 +183,15 @@ SCHEMA: dict[str, Any] = {
     "checkpoint": {
         "save_period": _int(0), "max_to_keep": _int(1), "resume": _str,
         "best_metric": _optional(_str), "best_to_keep": _int(1)},
-    "logging": {"tensorboard": _bool, "plots": _bool, "console": _bool},
+    # Where metrics go beside metrics.jsonl (runtime/trackers.py), and the tracker run's
+    # project, name ('' = the workdir's name) and tags (comma-separated).
+    "logging": {"trackers": _trackers, "project": _nonempty, "run_name": _str, "tags": _str,
+                "plots": _bool, "console": _bool},
 }
+
+# Keys that were replaced: an old config names its key's successor, not just "unknown".
+_REPLACED = {"logging.tensorboard": "logging.trackers ('tensorboard' is in its default list; "
+                                    "--config.logging.trackers='' writes metrics.jsonl only)"}
 
 # Why a value is refused, where the bare range would not say it.
 _REASONS = {
@@ -195,6 +216,9 @@ def _check_keys(prefix: str, section: Any, schema: dict[str, Any]):
   if not isinstance(section, ml_collections.ConfigDict):
     raise ConfigError(f"{where}: expected a section with keys {sorted(schema)}")
   for key in section.keys():
+    if f"{prefix}{key}" in _REPLACED:
+      raise ConfigError(f"config.{prefix}{key}: replaced by "
+                        f"config.{_REPLACED[prefix + key]}")
     if key not in schema:
       raise ConfigError(f"config.{prefix}{key}: unknown key; allowed: "
                         f"{', '.join(sorted(schema))}")

@@ -20,6 +20,12 @@ or a Hugging Face model folder.
 --metrics picks the rows of the printed table and the verdict lines (default: accuracy, each
 pass@j and maj@k); `pass@4/gsm8k` names one source. The files hold every metric.
 
+--trackers=wandb[,trackio,tensorboard] also logs the evaluation to those trackers (as
+config.logging.trackers names them): every metric under eval/ (eval/A/, eval/B/ and the
+paired differences under compare/ with --compare) at the checkpoint's step, the table, the
+verdicts and the plots as images. The project is the run's own (its config.json's
+logging.project; else the config's), --run_name defaults to eval-<what was evaluated>.
+
 Writes into --out (default: <workdir>/eval/step_<N>-<time>; a comparison <workdir>/eval/compare-<time>
 under its second side's run, else its first's; sides that are no run: runs/eval/...):
   eval.json       every metric with its stderr and per source, the checkpoint, the sampling
@@ -82,6 +88,9 @@ class Plan:
   out: str
   ignored: list
   notes: list
+  trackers: tuple = ()  # --trackers: names among trackers.NAMES
+  project: str = "jaxgrpo"
+  run_name: str = ""
 
 
 def _parser():
@@ -92,6 +101,8 @@ def _parser():
   p.add_argument("--compare")
   p.add_argument("--out")
   p.add_argument("--metrics")
+  p.add_argument("--trackers", default="")
+  p.add_argument("--run_name", default="")
   return p
 
 
@@ -135,7 +146,24 @@ def prepare(argv) -> Plan:
   out = _out_dir(args.out, sides, args.compare is not None)
   ignored = [f"--config.{k}" for k in overrides if k.startswith(TRAINING_ONLY)]
   notes = list(dict.fromkeys(n for side in sides if side.restore for n in _differences(side)))
-  return Plan(sides, data.val_sources, metrics, out, ignored, notes)
+  names = _trackers(args.trackers)
+  # The run's own project (its config.json), so its evaluations sit beside its training.
+  run_logging = (sides[-1].run_config or {}).get("logging", {})
+  project = run_logging.get("project") or c.logging.project
+  run_name = args.run_name or "eval-" + "-vs-".join(
+      os.path.basename(os.path.abspath(s.label.split(":")[0])) + (
+          f"-step{s.restore[1]}" if s.restore else "") for s in sides)
+  return Plan(sides, data.val_sources, metrics, out, ignored, notes, names, project, run_name)
+
+
+def _trackers(text: str) -> tuple:
+  from jaxgrpo.runtime import trackers  # pylint: disable=g-import-not-at-top
+  try:
+    names = trackers.parse(text, key="--trackers")
+    trackers.check_available(names, key="--trackers")
+  except trackers.TrackerError as e:
+    raise config_lib.ConfigError(str(e)) from None
+  return names
 
 
 def _two(text: str) -> list[str]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxgrpo import build, checkpoint, plot, scorer
 from jaxgrpo.runtime import metrics as metrics_lib
+from jaxgrpo.runtime import trackers as trackers_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import paired, validation
 
@@ -63,9 +64,40 @@ def run(plan) -> int:
       write_compare(plan, results, diffs, lines)
       print("\nB - A, paired over prompts (95% normal interval):")
       print("\n".join(f"  {line}" for line in lines))
+  if primary and plan.trackers:
+    log_to_trackers(plan, results, diffs if comparing else None,
+                    lines if comparing else None)
   if primary:
     print(f"results in {plan.out}", flush=True)
   return 0
+
+
+def log_to_trackers(plan, results, diffs, lines) -> None:
+  """The evaluation in the trackers (--trackers): its metrics at the checkpoint's step, the
+  table, the verdicts and the plots; one tracker run per evaluation."""
+  comparing = diffs is not None
+  side = plan.sides[-1]
+  step = side.restore[1] if side.restore else 0
+  out = trackers_lib.Trackers(plan.trackers, plan.out, project=plan.project,
+                              run_name=plan.run_name,
+                              config=metrics_lib.json_safe(side.config.to_dict()))
+  summary = {}
+  for name, result in zip("AB" if comparing else "-", results):
+    split = f"eval/{name}" if comparing else "eval"
+    folder = os.path.join(plan.out, name) if comparing else plan.out
+    out.log(step, split, result["metrics"])
+    out.images(step, split, {"pass_at_k": os.path.join(folder, PASS_AT_K_PNG)})
+    out.table(f"{split}/table", *_table_cells(result["metrics"], plan.metrics, plan.sources))
+    summary.update({f"{split}/{k}": v for k, v in result["metrics"].items()})
+  if comparing:
+    flat = {f"{base}/{group}" if group != "all" else base: d["difference"]
+            for base, groups in diffs.items() for group, d in groups.items()}
+    out.log(step, "compare", flat)
+    out.images(step, "compare", {"difference": os.path.join(plan.out, COMPARE_PNG)})
+    out.table("compare/verdicts", ["verdict"], [[line] for line in lines])
+    summary.update({f"compare/{k}": v for k, v in flat.items()})
+  out.summary(metrics_lib.json_safe(summary))
+  out.close()
 
 
 def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
@@ -150,14 +182,21 @@ def _write_json(path: str, doc) -> None:
 
 def table(row: dict, names, sources) -> str:
   """metric | all | each source: 'value +- stderr' (stderr where the metric has one)."""
+  header, body = _table_cells(row, names, sources)
+  cells = [header] + body
+  widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+  return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _table_cells(row: dict, names, sources):
+  """The table's header and rows of cells (the printed table's, and the trackers')."""
   columns = ["all"] + list(sources)
-  cells = [["metric"] + columns]
+  body = []
   for name in names:
     base, only = validation.split_metric(name)
-    cells.append([base] + [_cell(row, base, None if c == "all" else c)
-                           if only in (None, c) else "" for c in columns])
-  widths = [max(len(r[i]) for r in cells) for i in range(len(columns) + 1)]
-  return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
+    body.append([base] + [_cell(row, base, None if c == "all" else c)
+                          if only in (None, c) else "" for c in columns])
+  return ["metric"] + columns, body
 
 
 def _cell(row, base, source) -> str:

@@ -107,6 +107,7 @@ def prepare(argv) -> Setup:
   import jax  # imported here so that flag errors answer fast; no compilation happens below
   from jaxgrpo import data as data_lib, dynamic, loading  # pylint: disable=g-import-not-at-top
   config = config_lib.validate(raw, jax.device_count())
+  _check_trackers(config)
   if jax.process_index() == 0:
     m = config.mesh
     print(f"devices: {jax.device_count()} x {jax.devices()[0].platform} in "
@@ -139,6 +140,16 @@ def prepare(argv) -> Setup:
             f"kept as {kept})", flush=True)
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
                resume, data.val_sources)
+
+
+def _check_trackers(config) -> None:
+  """A tracker that is not installed (or wandb without an account) is one line now, not a
+  warning after the first compilation."""
+  from jaxgrpo.runtime import trackers  # pylint: disable=g-import-not-at-top
+  try:
+    trackers.check_available(trackers.parse(config.logging.trackers))
+  except trackers.TrackerError as e:
+    raise config_lib.ConfigError(str(e)) from None
 
 
 def _startup_line(raw, workdir: str) -> None:

@@ -15,12 +15,13 @@ import os
 import resource
 import sys
 import time
+import warnings
 
 import jax
 import numpy as np
 
 from jaxgrpo import build, checkpoint, dynamic, grpo, plot
-from jaxgrpo.runtime import distributed, faults, metrics
+from jaxgrpo.runtime import distributed, faults, metrics, trackers
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import validation
@@ -143,12 +144,13 @@ def run(setup) -> int:
     # as a resume drops the rows after its checkpoint (else step 0's validation is logged
     # twice). A workdir with checkpoints never gets here: it resumes, or is refused.
     metrics.truncate_jsonl(prompts_log, 0)
-  writer = metrics.MetricsWriter(setup.workdir, tensorboard=log.tensorboard, plots=log.plots,
-                                 console=log.console, total_steps=g.max_num_steps,
-                                 is_primary=primary, resumed_step=start if resumed_from else
-                                 (-1 if os.path.exists(os.path.join(setup.workdir,
-                                                                    metrics.JSONL_NAME))
-                                  else None))
+  writer = metrics.MetricsWriter(
+      setup.workdir, trackers=trackers.parse(log.trackers), plots=log.plots,
+      console=log.console, total_steps=g.max_num_steps, is_primary=primary,
+      resumed_step=start if resumed_from else (
+          -1 if os.path.exists(os.path.join(setup.workdir, metrics.JSONL_NAME)) else None),
+      project=log.project, run_name=log.run_name,
+      tags=[t.strip() for t in log.tags.split(",") if t.strip()], config=c.to_dict())
   validator = validation.Validator(
       engine, setup.val_batches, setup.scorer,
       threshold=g.val_pass_threshold, seed=g.val_seed, mesh=engine.mesh,
@@ -162,6 +164,8 @@ def run(setup) -> int:
     result = validator(state.params, step)
     val_history[step] = result
     writer.write(step, "val", result)
+    if primary and log.plots and log.trackers:
+      writer.images(step, "val", _validation_images(setup.workdir, result, setup.val_sources))
     return result
 
   def stop_rule(result, step):
@@ -261,6 +265,21 @@ def run(setup) -> int:
     setup.scorer.close()
     # 0, 1 on a fault, 128 + a second signal's number when one waited.
     return 1 if fault else preemption.exit_status or 0
+
+
+def _validation_images(workdir: str, result, sources) -> dict[str, str]:
+  """The plots of a validation, for the trackers: validation.png (every validation so far,
+  redrawn) and plots/pass_at_k.png (this one's pass@j ladder, with k > 1)."""
+  try:
+    paths = {"validation": plot.validation_plot(workdir)}
+    if any(k.startswith("pass@") for k in result):
+      os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
+      paths["pass_at_k"] = plot.save(plot.pass_at_k_figure(result, sources),
+                                     os.path.join(workdir, "plots", "pass_at_k.png"))
+  except Exception as e:  # pylint: disable=broad-except  (a plot never costs a run its step)
+    warnings.warn(f"drawing the validation plots for the trackers failed: {e!r}")
+    return {}
+  return {name: path for name, path in paths.items() if path}
 
 
 PROMPTS_LOG = "train_prompts.jsonl"  # per step: the training rows it sampled (resume checks)

@@ -23,9 +23,10 @@ MATH = os.path.join(ROOT, "configs", "math.py")
 # and interrupted one of the fault tests imports it, and the smoke test reads what it logs.
 USER = ("--config.user_modules=tests/fixtures/user_rewards.py",
         "--config.rewards.fixture_columns=1.0")
+# Logging to wandb too (offline: conftest.py), so the resumed and killed runs continue it.
 ARGS = (f"--config={MATH}:smoke", "--config.grpo.max_num_steps=8",
         "--config.generation.temperature=0.9", "--config.checkpoint.best_metric=accuracy",
-        *USER)
+        "--config.logging.trackers=tensorboard,wandb", *USER)
 
 
 # Tests compile for speed of compiling, not of running: the suite is mostly CPU compilation
@@ -139,18 +140,74 @@ def assert_smoke_run_imports_nothing_heavy(workdir):
 
 
 def tb_scalars(event_dir):
-  """Reads (tag, step, value) from TFRecord event files without TensorFlow or TensorBoard."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  scalars = []
-  for path in glob.glob(os.path.join(event_dir, "events.out.tfevents.*")):
-    with open(path, "rb") as f:
-      data = f.read()
-    pos = 0
-    while pos < len(data):
-      # TFRecord framing: u64 length, u32 length crc, payload, u32 payload crc.
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-      pos += 12 + length + 4
-      for value in event.summary.value:
-        scalars.append((value.tag, event.step, value.simple_value))
-  return scalars
+  """(tag, step, value) of every scalar in event_dir, read by TensorBoard's own reader (the
+  `tensorboard` package the README's command runs), which also drops the events a resumed
+  run purged."""
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+  events = event_accumulator.EventAccumulator(event_dir, size_guidance={"scalars": 0,
+                                                                         "images": 0})
+  events.Reload()
+  return [(tag, e.step, e.value) for tag in events.Tags()["scalars"]
+          for e in events.Scalars(tag)]
+
+
+def wandb_runs(workdir):
+  """Every offline wandb run under workdir/wandb, oldest first, as dicts with its `id`,
+  `config`, `history` (the logged rows) and `summary`. Read from its run-<id>.wandb file:
+  wandb's own protobuf records (wandb.proto) in the LevelDB log framing the file uses
+  (wandb 0.31 ships no Python reader for it)."""
+  from wandb.proto import wandb_internal_pb2  # pylint: disable=g-import-not-at-top
+  runs = []
+  paths = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))
+  for path in sorted(paths, key=os.path.getmtime):  # the names have whole seconds
+    run = {"id": os.path.basename(path)[4:-6], "config": {}, "history": [], "summary": {}}
+    for record in _leveldb_records(path):
+      record = wandb_internal_pb2.Record.FromString(record)
+      kind = record.WhichOneof("record_type")
+      items = lambda update: _nest((list(i.nested_key) or [i.key], json.loads(i.value_json))
+                                   for i in update)
+      if kind == "run":
+        run["config"].update(items(record.run.config.update))
+      elif kind == "config":
+        run["config"].update(items(record.config.update))
+      elif kind == "history":
+        run["history"].append(items(record.history.item))
+      elif kind == "summary":
+        run["summary"].update(items(record.summary.update))
+    runs.append(run)
+  return runs
+
+
+def _nest(pairs):
+  """{key: value}, a nested key (an image's fields) becoming nested dicts."""
+  out = {}
+  for keys, value in pairs:
+    node = out
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+    node[keys[-1]] = value
+  return out
+
+
+def _leveldb_records(path):
+  """The records of a wandb transaction log: a 7-byte header (":W&B", magic, version), then
+  32 KiB blocks of chunks, each a u32 crc, u16 length and u8 type (1 whole, 2 first,
+  3 middle, 4 last) before its bytes; a block's tail shorter than a chunk header is padding."""
+  with open(path, "rb") as f:
+    data = f.read()
+  assert data[:4] == b":W&B", path
+  pos, block, parts = 7, 32768, []
+  while pos + 7 <= len(data):
+    left = block - pos % block
+    if left < 7:
+      pos += left
+      continue
+    _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+    if kind == 0:  # zero padding up to the block's end
+      pos += left
+      continue
+    parts = [] if kind in (1, 2) else parts
+    parts.append(data[pos + 7:pos + 7 + length])
+    pos += 7 + length
+    if kind in (1, 4):
+      yield b"".join(parts)

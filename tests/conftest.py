@@ -17,6 +17,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# Trackers never reach the network, and never write outside the test's folders: wandb logs
+# offline (its files under the workdir), trackio's project files go to a session folder
+# (trackio reads TRACKIO_DIR when it is imported).
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+if "TRACKIO_DIR" not in os.environ:
+  os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="jaxgrpo-test-trackio-")
+  atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 
 
 import pytest  # noqa: E402  (after the environment above)

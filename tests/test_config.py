@@ -83,6 +83,9 @@ def test_validate_leaves_callers_config_alone():
     # cuDNN's kernel needs a GPU: on CPU (and for a TPU compile check) a line, not a
     # RuntimeError from inside the first compilation.
     ("model.attention", "cudnn", "None or 'xla' on cpu (cuDNN's fused attention needs a GPU)"),
+    ("logging.trackers", "tensorboard,mlflow",
+     "a comma-separated list among tensorboard, wandb, trackio ('' for metrics.jsonl only)"),
+    ("logging.project", " ", "config.logging.project=' ': allowed: a non-empty string"),
 ])
 def test_bad_values_name_the_key(path, value, expect):
   c = math_config()
@@ -119,6 +122,15 @@ def test_unknown_and_missing_keys():
   c = math_config()
   del c.optim["grad_clip"]
   with pytest.raises(config_lib.ConfigError, match="config.optim.grad_clip: missing"):
+    config_lib.validate(c, num_devices=1)
+
+
+def test_a_replaced_key_names_its_successor():
+  c = math_config()
+  c.logging.tensorboard = False  # logging.trackers replaced it
+  with pytest.raises(config_lib.ConfigError, match=r"config.logging.tensorboard: replaced by "
+                     r"config.logging.trackers \('tensorboard' is in its default list; "
+                     r"--config.logging.trackers='' writes metrics.jsonl only\)"):
     config_lib.validate(c, num_devices=1)
 
 

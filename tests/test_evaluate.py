@@ -73,7 +73,7 @@ def test_compare_the_base_model_with_a_checkpoint(straight_run, tmp_path):
   step = checkpoint.step_dirs(os.path.join(workdir, "checkpoints"))[-1]
   out = tmp_path / "cmp"
   proc = run_evaluate(*cli.ARGS, f"--compare=@embedded/arith3,{workdir}:{step}",
-                      f"--out={out}")
+                      f"--out={out}", "--trackers=wandb")
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = val_rows(workdir)
   a = json.loads((out / "A" / "eval.json").read_text())
@@ -87,6 +87,17 @@ def test_compare_the_base_model_with_a_checkpoint(straight_run, tmp_path):
   assert acc["a_stderr"] == pytest.approx(rows[0]["accuracy_stderr"], rel=1e-5)
   assert len(doc["verdicts"]) == 4  # accuracy, pass@1, pass@2, maj@2 (no sources)
   assert (out / "compare.png").stat().st_size > 0
+  # --trackers=wandb (offline): both sides' metrics, the differences, tables and plots, in
+  # the run's project, at the checkpoint's step.
+  (run,) = cli.wandb_runs(str(out))
+  logged = {k: v for h in run["history"] for k, v in h.items()}
+  assert logged["eval/A/accuracy"] == a["metrics"]["accuracy"]
+  assert logged["eval/B/pass@2"] == b["metrics"]["pass@2"]
+  assert logged["compare/accuracy"] == acc["difference"]
+  assert {h["step"] for h in run["history"] if "eval/B/accuracy" in h} == {step}
+  for key in ("eval/A/pass_at_k", "eval/B/table", "compare/difference", "compare/verdicts"):
+    assert logged[key]["_type"] in ("image-file", "table-file"), key
+  assert run["summary"]["compare/maj@2"] == doc["metrics"]["maj@2"]["all"]["difference"]
 
 
 @pytest.mark.slow
@@ -131,6 +142,7 @@ def fake_run(tmp_path):
     (["--config.model.checkpoint=/no/such/ckpt"], ["/no/such/ckpt", "no such checkpoint"]),
     (["--metrics=pass@4"], ["--metrics", "'pass@4'", "allowed: accuracy"]),
     (["--metrics=accuracy/gsm8k"], ["no validation source 'gsm8k'"]),
+    (["--trackers=wandb,mlflow"], ["--trackers='wandb,mlflow'", "unknown tracker 'mlflow'"]),
     (["--config.grpo.val_sampless=4"], ["config.grpo.val_sampless", "unknown key"]),
     (["--step=2"], ["--step=2", "only with --workdir"]),
     (["--out={out}"], ["already holds eval.json"]),

@@ -28,7 +28,7 @@ def _run(workdir, **kwargs):
 
 
 def test_jsonl_lines_parse_with_step_split_and_keys(tmp_path):
-  _run(str(tmp_path), tensorboard=False, plots=False)
+  _run(str(tmp_path), trackers=(), plots=False)
   with open(tmp_path / "metrics.jsonl") as f:
     lines = f.read().splitlines()
   assert len(lines) == 5
@@ -42,7 +42,7 @@ def test_jsonl_lines_parse_with_step_split_and_keys(tmp_path):
 
 
 def test_non_finite_values_are_null_on_disk_and_nan_on_read(tmp_path):
-  _run(str(tmp_path), tensorboard=False, plots=False)
+  _run(str(tmp_path), trackers=(), plots=False)
   with open(tmp_path / "metrics.jsonl") as f:
     raw = [json.loads(line) for line in f]
   assert raw[1]["loss"] is None
@@ -72,7 +72,7 @@ def test_tensorboard_event_files_per_split(tmp_path):
 
 def test_summary_has_last_values_and_best_val_accuracy(tmp_path):
   stream = io.StringIO()
-  with metrics.MetricsWriter(str(tmp_path), total_steps=3, stream=stream, tensorboard=False,
+  with metrics.MetricsWriter(str(tmp_path), total_steps=3, stream=stream, trackers=(),
                              plots=False) as writer:
     writer.write(1, "train", {"reward_mean": 0.25, "loss": 1.5})
     writer.write(2, "val", {"accuracy": 0.61})
@@ -92,7 +92,7 @@ def test_summary_has_last_values_and_best_val_accuracy(tmp_path):
 
 
 def test_summary_non_finite_is_null(tmp_path):
-  _run(str(tmp_path), tensorboard=False, plots=False)
+  _run(str(tmp_path), trackers=(), plots=False)
   with open(tmp_path / "summary.json") as f:
     summary = json.load(f)
   assert summary["last"]["val"]["pass@k"] is None
@@ -100,7 +100,7 @@ def test_summary_non_finite_is_null(tmp_path):
 
 
 def test_plots_one_png_per_split(tmp_path):
-  _run(str(tmp_path), tensorboard=False)
+  _run(str(tmp_path), trackers=())
   for split in ("train", "val"):
     path = tmp_path / "plots" / f"{split}.png"
     assert path.exists() and path.stat().st_size > 0
@@ -112,7 +112,7 @@ def test_plot_failure_warns_instead_of_raising(tmp_path, monkeypatch):
     raise RuntimeError("no fonts")
   monkeypatch.setattr(metrics, "_plot", broken)
   with pytest.warns(UserWarning, match="plots failed"):
-    _run(str(tmp_path), tensorboard=False)
+    _run(str(tmp_path), trackers=())
   assert (tmp_path / "summary.json").exists()
 
 
@@ -124,7 +124,7 @@ def test_non_primary_writes_nothing(tmp_path):
 
 
 def test_console_lines_when_not_a_tty(tmp_path):
-  out = _run(str(tmp_path), tensorboard=False, plots=False)
+  out = _run(str(tmp_path), trackers=(), plots=False)
   lines = out.splitlines()
   assert "\r" not in out
   assert len(lines) == 6  # One per write, plus the final summary line.
@@ -145,7 +145,7 @@ class _FakeTTY(io.StringIO):
 
 def test_console_redraws_progress_bar_on_a_tty(tmp_path):
   stream = _FakeTTY()
-  with metrics.MetricsWriter(str(tmp_path), total_steps=4, stream=stream, tensorboard=False,
+  with metrics.MetricsWriter(str(tmp_path), total_steps=4, stream=stream, trackers=(),
                              plots=False) as writer:
     writer.write(1, "train", {"reward_mean": 0.123456})
     writer.write(2, "train", {"reward_mean": 0.5})
@@ -160,7 +160,7 @@ def test_console_redraws_progress_bar_on_a_tty(tmp_path):
 def test_console_off_and_write_after_close(tmp_path):
   stream = io.StringIO()
   writer = metrics.MetricsWriter(str(tmp_path), console=False, stream=stream, plots=False,
-                                 tensorboard=False)
+                                 trackers=())
   writer.write(1, "train", {"loss": 1.0})
   writer.close()
   writer.close()  # Idempotent.
@@ -171,19 +171,19 @@ def test_console_off_and_write_after_close(tmp_path):
 
 def test_reserved_metric_names_rejected(tmp_path):
   with metrics.MetricsWriter(str(tmp_path), console=False, plots=False,
-                             tensorboard=False) as writer:
+                             trackers=()) as writer:
     with pytest.raises(ValueError, match="clash"):
       writer.write(1, "train", {"step": 1.0})
 
 
 def test_resumed_run_appends_and_later_lines_win(tmp_path):
   with metrics.MetricsWriter(str(tmp_path), console=False, plots=False,
-                             tensorboard=False) as writer:
+                             trackers=()) as writer:
     writer.write(1, "train", {"loss": 3.0})
     writer.write(2, "train", {"loss": 2.0})
   # Resumed from the step-1 checkpoint: step 2 is rerun and its new value must win.
   with metrics.MetricsWriter(str(tmp_path), console=False, plots=False,
-                             tensorboard=False) as writer:
+                             trackers=()) as writer:
     writer.write(2, "train", {"loss": 1.0})
   assert len(metrics.read_metrics(str(tmp_path))) == 3
   with open(tmp_path / "summary.json") as f:
@@ -193,13 +193,13 @@ def test_resumed_run_appends_and_later_lines_win(tmp_path):
 def test_resumed_writer_drops_rows_after_the_resumed_step(tmp_path):
   # A run logged steps 1..5 (and a torn line) but its newest checkpoint is step 3: the
   # resumed writer keeps 1..3 and appends from there, so no step appears twice.
-  with metrics.MetricsWriter(str(tmp_path), tensorboard=False, plots=False, console=False) as w:
+  with metrics.MetricsWriter(str(tmp_path), trackers=(), plots=False, console=False) as w:
     for step in range(1, 6):
       w.write(step, "train", {"loss": float(step)})
     w.write(4, "val", {"accuracy": 0.5})
   with open(tmp_path / "metrics.jsonl", "a") as f:
     f.write('{"step": 6, "spl')
-  with metrics.MetricsWriter(str(tmp_path), tensorboard=False, plots=False, console=False,
+  with metrics.MetricsWriter(str(tmp_path), trackers=(), plots=False, console=False,
                              resumed_step=3) as w:
     w.write(4, "train", {"loss": 40.0})
   steps = [(r["split"], r["step"], r["loss"]) for r in metrics.read_metrics(str(tmp_path))]

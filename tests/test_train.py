@@ -215,6 +215,36 @@ def test_smoke_run_writes_results(straight_run):
   plot = subprocess.run([sys.executable, "-m", "jaxgrpo.plot", str(workdir)],
                         capture_output=True, text=True, timeout=120)
   assert plot.returncode == 0 and plot.stdout.strip() == str(workdir / "validation.png")
+  # The README's `tensorboard --logdir <workdir>/tb` reads these events: the command is
+  # installed with jaxgrpo and its own inspector finds both splits' scalars.
+  tensorboard = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+  inspect = subprocess.run([tensorboard, "--inspect", f"--logdir={workdir / 'tb'}"],
+                           capture_output=True, text=True, timeout=120)
+  assert inspect.returncode == 0, inspect.stderr
+  assert "tb/train:" in inspect.stdout and "reward/fixture_columns/aligned" in inspect.stdout
+  # (TensorBoard tags allow no "@": tensorboardX writes pass@2 as pass_2.)
+  assert "tb/val:" in inspect.stdout and "pass_2" in inspect.stdout
+  # wandb (offline) got every metric of metrics.jsonl under the same name and step, the
+  # resolved config and summary.json's values.
+  (wandb,) = cli.wandb_runs(str(workdir))
+  logged = {(r["split"], r["step"], k) for r in train + val
+            for k in r if k not in ("step", "split", "time")}
+  assert logged == {(k.split("/")[0], h["step"], k.split("/", 1)[1]) for h in wandb["history"]
+                    for k in h if "/" in k and not k.startswith("_")}
+  assert wandb["config"]["grpo"] == config["grpo"]
+  assert wandb["summary"]["compilations"] == summary["compilations"]
+  assert wandb["summary"]["best_val_accuracy"] == summary["best_val_accuracy"]
+
+
+def test_a_tracker_that_cannot_log_is_one_line_before_compiling(tmp_path):
+  # wandb online without an API key: wandb.init would fail (or ask on a TTY) after the
+  # first compilation; the check answers at start-up and names both ways out.
+  proc = run_train(f"--config={MATH}:smoke", "--config.logging.trackers=tensorboard,wandb",
+                   workdir=tmp_path / "w", WANDB_MODE="", WANDB_API_KEY="",
+                   NETRC=str(tmp_path / "no-netrc"))
+  assert_clean_error(proc, "config.logging.trackers: wandb has no API key",
+                     "WANDB_MODE=offline")
+  assert not os.path.exists(tmp_path / "w")
 
 
 def test_help_exits_zero(tmp_path):
@@ -435,6 +465,14 @@ def test_a_resumed_run_says_how_many_steps_it_trained_and_from_where(straight_ru
   assert history == [(1, 6), (7, 8)], summary["history"]
   assert summary["history"][0]["redone_after"] == 6
   assert summary["history"][1]["resumed_from"].endswith(os.path.join("checkpoints", "6"))
+  # wandb: the same run continued (trackers.json kept its id), every step once: the first
+  # process's rows 7-8 stay (exact resume redid them identically), the second adds none.
+  first, second = cli.wandb_runs(str(tmp_path / "w"))
+  assert first["id"] == second["id"]
+  steps = lambda split: [h["step"] for r in (first, second) for h in r["history"]
+                         if f"{split}/accuracy" in h]
+  assert steps("train") == list(range(1, 9)) and steps("val") == [0, 2, 4, 6, 8]
+  assert second["summary"]["steps_this_run"] == 2
 
 
 def _hashes(folder):

@@ -8,6 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import cli  # tests/cli.py
 from jaxgrpo import build, checkpoint, dynamic, rewards, train, trainer
 from jaxgrpo import data as data_lib
 from jaxgrpo.runtime import metrics as metrics_lib
@@ -155,7 +156,7 @@ def test_twenty_steps_with_validation_compile_each_function_once(smoke, tmp_path
   # and no TensorBoard keep the 20 steps cheap.
   setup = variant(smoke, tmp_path, max_num_steps=20, val_period=5, val_at_start=True)
   setup.config.checkpoint.save_period = 0
-  setup.config.logging.tensorboard = False
+  setup.config.logging.trackers = ""
   assert trainer.run(setup) == 0
   assert [r["step"] for r in rows(tmp_path, "val")] == [0, 5, 10, 15, 20]
   summary = json.load(open(tmp_path / "summary.json"))
@@ -167,6 +168,33 @@ def test_twenty_steps_with_validation_compile_each_function_once(smoke, tmp_path
   assert last.startswith("finished 20 steps"), last
   assert "compiled: update 1, samplers train 1 / val 1; peak RSS " in last, last
   assert "warning" not in err, err
+
+
+def test_each_validation_logs_its_plots_to_every_tracker(smoke, tmp_path):
+  # Plots on, three trackers: at every validation validation.png (redrawn) and the pass@j
+  # ladder reach wandb and trackio as images, and TensorBoard's Images tab.
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+  from trackio.sqlite_storage import SQLiteStorage  # pylint: disable=g-import-not-at-top
+  setup = variant(smoke, tmp_path, max_num_steps=2, val_period=1, val_at_start=False)
+  setup.config.logging.trackers = "tensorboard,wandb,trackio"
+  setup.config.logging.plots = True
+  setup.config.logging.run_name = f"images-{os.getpid()}"
+  setup.config.checkpoint.save_period = 0
+  assert trainer.run(setup) == 0
+  (run,) = cli.wandb_runs(str(tmp_path))
+  for name in ("validation", "pass_at_k"):
+    images = [(h["step"], h[f"val/{name}"]["_type"]) for h in run["history"]
+              if f"val/{name}" in h]
+    assert images == [(1, "image-file"), (2, "image-file")]
+  assert os.path.exists(tmp_path / "validation.png")
+  assert os.path.exists(tmp_path / "plots" / "pass_at_k.png")
+  rows = SQLiteStorage.get_logs(setup.config.logging.project, setup.config.logging.run_name)
+  assert [r["step"] for r in rows if "val/pass_at_k" in r] == [1, 2]
+  assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+  events = event_accumulator.EventAccumulator(str(tmp_path / "tb" / "val"))
+  events.Reload()
+  assert sorted(events.Tags()["images"]) == ["pass_at_k", "validation"]
+  assert [e.step for e in events.Images("validation")] == [1, 2]
 
 
 def test_a_recompile_is_named_in_a_warning_and_the_summary_line():

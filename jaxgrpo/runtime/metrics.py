@@ -5,13 +5,14 @@ One `MetricsWriter` per run. Each `write(step, split, metrics)` call
 - appends one strict-JSON line to `<workdir>/metrics.jsonl` and flushes it, so a crashed or
   preempted run keeps everything it logged. Non-finite values (NaN, +-inf) are written as `null`
   because strict JSON has no spelling for them; `read_metrics` turns them back into NaN.
-- adds scalars to TensorBoard under `<workdir>/tb/<split>/` (one run per split, so train and val
-  curves of the same metric overlay in one chart). NaN/inf are passed through: TensorBoard stores
-  them and a NaN loss is worth seeing.
+- hands the same row to the run's trackers (trackers.py: TensorBoard under `<workdir>/tb/<split>/`
+  by default, wandb, trackio), with the same names and step.
 - prints progress: a redrawn one-line bar for train writes on a TTY, one plain line per write
   otherwise (log files must not fill with carriage returns); val writes print a full line.
 
-`close()` writes `<workdir>/summary.json` and one PNG per split under `<workdir>/plots/`.
+`images(step, split, paths)` logs PNGs (each validation's plots) to the trackers. `close()` writes
+`<workdir>/summary.json` (also the trackers' run summary) and one PNG per split under
+`<workdir>/plots/`.
 
 This module is host-side only: values may be python numbers, numpy scalars or jax scalars, all
 read through `float()`/`int()`, so it never imports jax. On a pod only process 0 should write;
@@ -26,6 +27,8 @@ import sys
 import time
 import warnings
 from typing import Any, Mapping, Optional, Sequence, TextIO
+
+from jaxgrpo.runtime import trackers as trackers_lib
 
 JSONL_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
@@ -164,15 +167,18 @@ class MetricsWriter:
   failed run still leaves its summary and plots.
   """
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, plots: bool = True,
-               console: bool = True, total_steps: Optional[int] = None,
+  def __init__(self, workdir: str, *, trackers: Sequence[str] = ("tensorboard",),
+               plots: bool = True, console: bool = True, total_steps: Optional[int] = None,
                stream: Optional[TextIO] = None, is_primary: bool = True,
-               resumed_step: Optional[int] = None):
+               resumed_step: Optional[int] = None, project: str = "jaxgrpo",
+               run_name: str = "", tags: Sequence[str] = (),
+               config: Optional[Mapping[str, Any]] = None):
     """Creates the writer; on the primary host, creates `workdir` and opens the log.
 
     Args:
       workdir: run directory; the log is appended to, so a resumed run continues one file.
-      tensorboard: write TensorBoard event files under `workdir/tb/<split>`.
+      trackers: names among trackers.NAMES (tensorboard: event files under
+        `workdir/tb/<split>`); () writes metrics.jsonl only.
       plots: write `workdir/plots/<split>.png` on close.
       console: print progress and the final summary line to `stream`.
       total_steps: the step count the run aims for, for the progress fraction and ETA.
@@ -183,28 +189,39 @@ class MetricsWriter:
         interrupted run (steps it will redo) are dropped from `metrics.jsonl` first, and
         TensorBoard purges its events after it, so no step appears twice. -1: a fresh start
         over an interrupted start's logs (every row goes).
+      project, run_name, tags, config: the tracker run's project, name (default: the
+        workdir's name), tags and config (the resolved run config).
     """
     self.workdir = workdir
     self.total_steps = total_steps
     self.is_primary = is_primary
-    self._tensorboard = tensorboard
     self._plots = plots
     self._stream = (stream if stream is not None else sys.stderr) if console else None
     self._tty = bool(self._stream is not None and getattr(self._stream, "isatty", None)
                      and self._stream.isatty())
     self._bar_drawn = False
-    self._tb_writers: dict[str, Any] = {}
     self._start_time = time.time()
     self._first_train: Optional[tuple[int, float]] = None  # (step, time) for the ETA rate.
     self._last_train_step: Optional[int] = None
     self._closed = False
     self._jsonl = None
-    self._purge_step = None if resumed_step is None else int(resumed_step) + 1
+    self._trackers = None
     if is_primary:
       os.makedirs(workdir, exist_ok=True)
-      if resumed_step is not None:
-        truncate_jsonl(os.path.join(workdir, JSONL_NAME), resumed_step)
-      self._jsonl = open(os.path.join(workdir, JSONL_NAME), "a")
+      path = os.path.join(workdir, JSONL_NAME)
+      logged, history = {}, []
+      if resumed_step is not None and os.path.exists(path):
+        # What the interrupted run logged (a continued tracker run holds these rows), then
+        # what this run keeps (a tracker run that starts now gets these first).
+        for record in read_metrics(path):
+          logged[record["split"]] = max(logged.get(record["split"], -1), record["step"])
+        truncate_jsonl(path, resumed_step)
+        history = read_metrics(path) if resumed_step >= 0 else []
+      self._jsonl = open(path, "a")
+      self._trackers = trackers_lib.Trackers(
+          trackers, workdir, project=project, run_name=run_name, tags=tags,
+          config=json_safe(config or {}), resumed_step=resumed_step, logged=logged,
+          history=history, stream=self._stream)
 
   def __enter__(self) -> "MetricsWriter":
     return self
@@ -227,16 +244,18 @@ class MetricsWriter:
     record = {"step": step, "split": split, "time": now, **values}
     self._jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
     self._jsonl.flush()
-    if self._tensorboard:
-      writer = self._tb_writer(split)
-      for name, value in values.items():
-        writer.add_scalar(name, value, step)
+    self._trackers.log(step, split, values)
     if split == "train":
       self._last_train_step = step
       if self._first_train is None:
         self._first_train = (step, now)
     if self._stream is not None:
       self._print(step, split, values, now)
+
+  def images(self, step: int, split: str, paths: Mapping[str, str]) -> None:
+    """Logs PNG files ({name: path}) as images of `split` at `step` to the trackers."""
+    if self.is_primary and not self._closed:
+      self._trackers.images(int(step), split, paths)
 
   def close(self, summary: Optional[Mapping[str, Any]] = None) -> None:
     """Flushes everything, writes `summary.json` and plots, prints one summary line.
@@ -251,11 +270,13 @@ class MetricsWriter:
     if not self.is_primary:
       return
     self._jsonl.close()
-    for writer in self._tb_writers.values():
-      writer.close()
     by_split = latest_per_step(read_metrics(self.workdir))
     result = self._summarize(by_split)
     result.update(summary or {})
+    self._trackers.summary(json_safe(result))
+    self._trackers.close()
+    if self._trackers.errors:
+      result["tracker_errors"] = dict(self._trackers.errors)
     with open(os.path.join(self.workdir, SUMMARY_NAME), "w") as f:
       json.dump(json_safe(result), f, indent=2, allow_nan=False)
       f.write("\n")
@@ -267,14 +288,6 @@ class MetricsWriter:
         warnings.warn(f"metrics: writing plots failed: {e!r}")
     if self._stream is not None:
       self._emit(self._summary_line(result), redraw=False)
-
-  def _tb_writer(self, split: str):
-    if split not in self._tb_writers:
-      # Imported late: runs with tensorboard=False never pay for (or need) the import.
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb_writers[split] = SummaryWriter(os.path.join(self.workdir, "tb", split),
-                                              purge_step=self._purge_step)
-    return self._tb_writers[split]
 
   def _summarize(self, by_split: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     last: dict[str, dict[str, Any]] = {}
