@@ -14,12 +14,12 @@ parallel over every chip (fsdp=-1). Batches (64 prompts x 8) divide over up to 6
 larger slice raise num_prompts_per_step with it.
 
 Memory: each layer is rematerialised and log-probs are computed 128 positions at a time. The
-update takes the whole batch in one pass (micro_batch_size 0), which needs chips with room;
-on small-HBM slices, micro-batch it. Measured by launch/compile_check.py on 2026-12-04 with
-the Qwen2.5-1.5B architecture on v5e:2x4 (8 x 16 GiB): the whole batch needs 16.8 GiB per
-chip, micro-batches of 256 rollouts 12.7 GiB (--config.grpo.micro_batch_size=256; the
-check's --suggest_micro_batch finds it); on v5p:2x2x1 (4 x 95 GiB) the whole batch needs
-29.9 GiB.
+update's micro-batch and the validation batch are 'auto': at start-up the trainer compiles
+the update step and the val sampler for a few sizes, reads their memory from the compiler
+and takes the largest that fits the chips (jaxgrpo/fit.py; one line says what it chose, and
+`launch/compile_check.py --topology=... --config=configs/gsm8k.py` prints the same choice
+before a slice is reserved). A number instead (--config.grpo.micro_batch_size=256) skips
+the search. What the check chose for real models and slices is in BENCHMARKS.md.
 
 `arg`: `cpu` shrinks lengths and batches to check the pipeline on a laptop with a tiny model.
 """
@@ -54,7 +54,8 @@ def get_config(arg=None):
       attention=unset(str)))
 
   # dcn_data: TPU slices (multi-slice); data/fsdp/tensor are sizes inside one slice.
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1))
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1,
+                                             memory_limit_gib=config_dict.placeholder(float)))
 
   c.data = ml_collections.ConfigDict(dict(
       source="jsonl", train_path="@gsm8k/train.jsonl", val_path="@gsm8k/test.jsonl",
@@ -105,15 +106,15 @@ def get_config(arg=None):
       # dynamic_sampling_metric names); 'off' updates on every group sampled.
       dynamic_sampling="off", oversample_factor=2.0, max_generation_batches=3,
       dynamic_sampling_metric=config_dict.placeholder(str),
-      # Rollouts per forward/backward pass (0 = all 512; a multiple of 8 x the chips), and
-      # completion positions per output projection: 512 rollouts x 128 positions x 151,936
-      # float32 logits is a chunk of 37 GiB over the slice, not 264 GiB for all 912.
-      micro_batch_size=0, logprob_chunk_size=128, max_num_steps=500,
+      # Rollouts per forward/backward pass ('auto': the most that fit; 0 = all 512; else a
+      # multiple of 8 x the chips), and completion positions per output projection: 512
+      # rollouts x 128 positions x 151,936 float32 logits is a chunk of 37 GiB over the
+      # slice, not 264 GiB for all 912.
+      micro_batch_size="auto", logprob_chunk_size=128, max_num_steps=500,
       val_period=50, val_at_start=True, val_at_end=True,
-      # 128 prompts x k=4 per validation batch: 256 held the val sampler 8.9 MiB over a
-      # v5e chip's 16 GiB beside the train state (Qwen2.5-1.5B on v5e:2x4); the numbers do
-      # not depend on the batch size.
-      val_batch_size=128,
+      # Prompts (x k=4) per validation batch: 'auto', the most whose val sampler fits beside
+      # the train state; the numbers do not depend on the batch size.
+      val_batch_size="auto",
       max_val_samples=0,  # all 1319 test problems
       val_num_generations_per_prompt=4, val_pass_threshold=0.0, val_seed=0,
       stop_at_validation_metric=config_dict.placeholder(str),
@@ -145,7 +146,8 @@ def get_config(arg=None):
     c.grpo.num_generations_per_prompt = 4
     c.grpo.max_num_steps = 2
     c.grpo.val_period = 2
-    c.grpo.val_batch_size = 8
+    # val_batch_size and micro_batch_size stay 'auto': on CPU, with no memory limit, that is
+    # the whole validation set (8) and the whole batch, and nothing is compiled to choose.
     c.grpo.max_val_samples = 8
     c.grpo.val_num_generations_per_prompt = 2
     c.logging.plots = False

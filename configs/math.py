@@ -44,7 +44,8 @@ def get_config(arg=None):
 
   # dcn_data: TPU slices joined by the data-centre network, each a data-parallel replica;
   # data/fsdp/tensor are sizes inside one slice.
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1,
+                                             memory_limit_gib=config_dict.placeholder(float)))
 
   c.data = ml_collections.ConfigDict(dict(
       source="arithmetic", train_path="", val_path="", question_key="question",

@@ -73,6 +73,16 @@ def _bool(v):
     return "True or False"
 
 
+def _or_auto(check):
+  """'auto' (chosen at start-up from the compiler's memory figures) or a value `check`
+  accepts."""
+  def or_auto(v):
+    if v != "auto":
+      problem = check(v)
+      return problem and f"'auto' or {problem}"
+  return or_auto
+
+
 def _nonempty(v):
   if not isinstance(v, str) or not v.strip():
     return "a non-empty string"
@@ -137,7 +147,10 @@ SCHEMA: dict[str, Any] = {
         "scan_layers": _optional(_bool),
         # Not architecture: the attention kernel (None: cudnn on GPU with bfloat16, else xla).
         "attention": _optional(_choice("xla", "cudnn"))},
-    "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1), "dcn_data": _int(1)},
+    # memory_limit_gib: bytes per chip that 'auto' batch sizes plan against (fit.py); None:
+    # the device's own limit (none on CPU).
+    "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1), "dcn_data": _int(1),
+             "memory_limit_gib": _optional(_num(0, lo_open=True))},
     "data": {
         "source": _choice("arithmetic", "jsonl"), "train_path": _str, "val_path": _str,
         "question_key": _str, "answer_key": _str, "prompt_template": _str,
@@ -166,9 +179,10 @@ SCHEMA: dict[str, Any] = {
         "max_generation_batches": _int(1), "dynamic_sampling_metric": _optional(_str),
         # How the update is computed (the same result): rollouts per forward and backward
         # pass (0: the whole batch), completion positions per output projection (None: all).
-        "micro_batch_size": _int(0), "logprob_chunk_size": _optional(_int(1)),
+        # 'auto': the largest that fits the chips' memory, chosen at start-up (fit.py).
+        "micro_batch_size": _or_auto(_int(0)), "logprob_chunk_size": _optional(_int(1)),
         "max_num_steps": _int(1), "val_period": _int(0),
-        "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _int(1),
+        "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _or_auto(_int(1)),
         "max_val_samples": _int(0), "val_num_generations_per_prompt": _int(1),
         "val_pass_threshold": _num(), "val_seed": _int(0),
         "stop_at_validation_metric": _optional(_str),
@@ -235,7 +249,14 @@ def _check_keys(prefix: str, section: Any, schema: dict[str, Any]):
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
   """Checks and resolves a run config; returns a locked copy. Raises ConfigError."""
-  config = ml_collections.ConfigDict(config.to_dict())  # a copy: the caller's stays as is
+  values = config.to_dict()  # a copy: the caller's stays as is
+  for key in ("micro_batch_size", "val_batch_size"):
+    # A config that ships 'auto' types the key as a string, so a command-line number
+    # arrives as one ("256"): it means the number.
+    value = values.get("grpo", {}).get(key)
+    if isinstance(value, str) and value.strip().isdigit():
+      values["grpo"][key] = int(value)
+  config = ml_collections.ConfigDict(values)
   _check_keys("", config, SCHEMA)
   _resolve_val_profile(config.generation)
   try:  # before the reward names are checked: these register the user's rewards
@@ -337,6 +358,8 @@ def _check_micro_batch(g, rows: int):
   """A micro-batch holds whole groups (a group's advantages and its prompt's single forward
   need all G rows), its prompts split evenly over the data axes, and divides the batch."""
   m, gen = g.micro_batch_size, g.num_generations_per_prompt
+  if m == "auto":  # chosen at start-up among the sizes this rule allows (fit.py)
+    return
   if not m:
     return
   batch = g.num_prompts_per_step * gen
@@ -367,7 +390,10 @@ def _check_cross_fields(c, num_devices: int):
     _fail("grpo.num_prompts_per_step", g.num_prompts_per_step,
           f"a multiple of {rows} (mesh data x fsdp), so prompts split evenly over devices")
   _check_micro_batch(g, rows)
-  if g.val_batch_size % rows:
+  if g.val_batch_size == "auto" and c.generation.backend != "native":
+    _fail("grpo.val_batch_size", "auto", "a number with generation.backend="
+          f"{c.generation.backend!r} ('auto' measures the native sampler)")
+  if g.val_batch_size != "auto" and g.val_batch_size % rows:
     _fail("grpo.val_batch_size", g.val_batch_size,
           f"a multiple of {rows} (mesh data x fsdp)")
   if g.epsilon_high < g.epsilon:

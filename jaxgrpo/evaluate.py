@@ -78,6 +78,7 @@ class Side:
   restore: tuple | None = None  # a run's (checkpoints folder, step)
   run_config: dict | None = None  # a run's config.json, as the run validated with it
   val_batches: list = dataclasses.field(default_factory=list)
+  data: object = None  # loading.Data: batches made once an 'auto' val_batch_size is chosen
 
 
 @dataclasses.dataclass
@@ -140,7 +141,9 @@ def prepare(argv) -> Plan:
   data = None
   for side in sides:
     data = loading.load_data(side.config, side.tokenizer)
-    side.val_batches = loading.validation_batches(side.config, side.tokenizer, data)
+    side.data = data
+    if side.config.grpo.val_batch_size != "auto":  # else chosen on the devices (fit.py)
+      side.val_batches = loading.validation_batches(side.config, side.tokenizer, data)
   c = sides[0].config
   metrics = _pick_metrics(args.metrics, c, data.val_sources)
   out = _out_dir(args.out, sides, args.compare is not None)
@@ -326,8 +329,13 @@ def main(argv=None) -> int:
     return 2
   from jaxgrpo.runtime import compile_options  # the device side: jax compiles from here on
   from jaxgrpo import evaluator
+  from jaxgrpo import fit  # pylint: disable=g-import-not-at-top
   compile_options.enable_cache(plan.sides[0].config.compilation_cache_dir)
-  return evaluator.run(plan)
+  try:
+    return evaluator.run(plan)
+  except fit.FitError as e:  # an 'auto' val_batch_size with nothing that fits
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

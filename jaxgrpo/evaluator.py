@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, plot, scorer
+from jaxgrpo import build, checkpoint, fit, loading, plot, scorer
 from jaxgrpo.runtime import metrics as metrics_lib
 from jaxgrpo.runtime import trackers as trackers_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -102,6 +102,14 @@ def log_to_trackers(plan, results, diffs, lines) -> None:
 
 def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   """Validates one policy: {'metrics': the validation row, '_per_prompt', 'records', ...}."""
+  if side.config.grpo.val_batch_size == fit.AUTO:
+    # As the trainer chooses it: the largest validation batch whose val sampler fits.
+    config, (choice,) = fit.resolve(side.config, side.model_cfg, side.tokenizer, mesh,
+                                    len(side.data.val_rows), keys=("val_batch_size",))
+    if jax.process_index() == 0:
+      print(choice.line(), file=sys.stderr, flush=True)
+    side.config = config
+    side.val_batches = loading.validation_batches(config, side.tokenizer, side.data)
   c, g = side.config, side.config.grpo
   t0 = time.perf_counter()
   params = place(side, mesh)

@@ -54,6 +54,7 @@ class Setup:
   val_batches: list
   resume: tuple | None = None  # (checkpoints folder, step or None for the newest intact)
   val_sources: list = dataclasses.field(default_factory=list)  # names, [] for one source
+  data: object = None  # loading.Data: the rows, for batches made once 'auto' is chosen
 
   @functools.cached_property
   def scorer(self):
@@ -70,7 +71,7 @@ def parse_config(argv, announce=None):
   # Reward weights are set here, not by config_flags, which refuses a key the config file
   # lacks: a reward of config.user_modules is registered only once the config is read.
   weights = [a for a in argv[1:] if a.startswith("--config.rewards.")]
-  argv = [a for a in argv if a not in weights]
+  argv, autos = split_auto([a for a in argv if a not in weights])
   saved_argv, sys.argv = sys.argv, list(argv)  # config_flags finds overrides in sys.argv
   try:
     flags.FLAGS(argv)
@@ -90,13 +91,39 @@ def parse_config(argv, announce=None):
     except ValueError:
       raise config_lib.ConfigError(f"config.rewards.{name}={value}: allowed: a number (the "
                                    "reward's weight)") from None
+  config = apply_auto(_CONFIG.value, autos)
   if announce is not None:
-    announce(_CONFIG.value)
+    announce(config)
   try:  # before any other JAX call, so every later call sees the whole pod
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
-  return _CONFIG.value
+  return config
+
+
+AUTO_KEYS = ("grpo.micro_batch_size", "grpo.val_batch_size")  # may be 'auto' (fit.py)
+
+
+def split_auto(argv):
+  """(argv without `--config.<key>=auto` of AUTO_KEYS, those keys). config_flags parses an
+  override with the type the config file gave the key, and 'auto' is no integer, so these
+  are applied after it (apply_auto); a config that ships 'auto' takes numbers as usual."""
+  autos = [a for a in argv[1:] if a.startswith("--config.") and a.endswith("=auto")
+           and a[len("--config."):-len("=auto")] in AUTO_KEYS]
+  return [a for a in argv if a not in autos], [a[len("--config."):-len("=auto")] for a in autos]
+
+
+def apply_auto(config, keys):
+  """`config` with each dotted key of `keys` set to 'auto' (a new ConfigDict: a ConfigDict
+  keeps each key's type)."""
+  if not keys:
+    return config
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  values = config.to_dict()
+  for key in keys:
+    section, name = key.split(".")
+    values[section][name] = "auto"
+  return ml_collections.ConfigDict(values)
 
 
 def prepare(argv) -> Setup:
@@ -121,7 +148,9 @@ def prepare(argv) -> Setup:
   train_batches = data_lib.PromptBatches(
       data.train_rows, tokenizer, dynamic.batch_prompts(config),
       config.data.max_prompt_length, template=data.template, seed=config.seed)
-  val_batches = loading.validation_batches(config, tokenizer, data)
+  # An 'auto' validation batch is chosen at start-up (fit.py); its batches are made then.
+  val_batches = ([] if config.grpo.val_batch_size == "auto" else
+                 loading.validation_batches(config, tokenizer, data))
   if "://" in workdir:  # logs and plots are written with plain file I/O
     raise config_lib.ConfigError(
         f"--workdir={workdir}: a URL is not supported; allowed: a local or mounted path "
@@ -132,14 +161,16 @@ def prepare(argv) -> Setup:
   text = config_lib.to_json(config)
   resumed_at, changes = _config_changes(config, workdir, resume, text)
   os.makedirs(workdir, exist_ok=True)
-  if jax.process_index() == 0:
+  # A resume with no changed key keeps config.json (an 'auto' key differs from the number it
+  # chose, which the trainer writes again once it has chosen).
+  if jax.process_index() == 0 and (resumed_at is None or changes):
     kept = _write_config(workdir, text, resumed_at)
     if changes:
       print(f"resuming {workdir} at step {resumed_at} with {len(changes)} changed "
             f"key{'s' * (len(changes) > 1)}: {', '.join(changes)} (the earlier config is "
             f"kept as {kept})", flush=True)
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
-               resume, data.val_sources)
+               resume, data.val_sources, data)
 
 
 def _check_trackers(config) -> None:
@@ -245,7 +276,9 @@ def _config_changes(config, workdir: str, resume, text: str):
   except (OSError, ValueError):
     return step, []  # unreadable: kept aside by _write_config, nothing to compare
   new = _flat(json.loads(text))
-  changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+  # config.json holds what 'auto' chose; a resume with 'auto' chooses again (fit.py).
+  changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
+             and not (k in AUTO_KEYS and new.get(k) == "auto")]
   for key in FIXED_ON_RESUME:
     if key in changed:
       raise config_lib.ConfigError(
@@ -341,7 +374,12 @@ def main(argv=None) -> int:
   from jaxgrpo.runtime import compile_options  # the device side: jax compiles from here on
   from jaxgrpo import trainer
   compile_options.enable_cache(setup.config.compilation_cache_dir)
-  return trainer.run(setup)
+  from jaxgrpo import fit  # pylint: disable=g-import-not-at-top
+  try:
+    return trainer.run(setup)
+  except fit.FitError as e:  # an 'auto' size with nothing that fits: before any rollout
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

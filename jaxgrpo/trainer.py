@@ -125,9 +125,10 @@ def run(setup) -> int:
   Returns the exit status: 0 when the run finished, stopped early or was preempted (and
   saved), 1 on a numerical fault (nothing saved over the last good checkpoint).
   """
-  c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
   t_start = time.time()
   setup.scorer  # pylint: disable=pointless-statement  (its workers start while jax compiles)
+  setup, fitted = _fit(setup)
+  c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
   engine, state, ref_params, update = build.training(setup)
   primary = jax.process_index() == 0
   checkpoints = checkpoint.Checkpoints(
@@ -240,6 +241,8 @@ def run(setup) -> int:
     summary = _summary(logged, g, stop, step, saved.get(step))
     compilations = {"update": update.compilations,
                     **{f"{name}_sampler": n for name, n in engine.compilations.items()}}
+    if fitted:
+      summary["auto"] = {choice.key: choice.summary() for choice in fitted}
     summary.update(wall_time_s=round(time.time() - t_start, 2), compilations=compilations,
                    peak_rss_mib=peak_rss_mib(), resumed_from=resumed_from,
                    resumed_step=start if resumed_from else None, steps_this_run=step - start,
@@ -265,6 +268,33 @@ def run(setup) -> int:
     setup.scorer.close()
     # 0, 1 on a fault, 128 + a second signal's number when one waited.
     return 1 if fault else preemption.exit_status or 0
+
+
+def _fit(setup, mesh=None):
+  """(setup with its 'auto' batch sizes chosen, [fit.Choice]): one line each, config.json
+  rewritten with the numbers, the validation batches made at the chosen size. Raises
+  fit.FitError (exit 2) when nothing fits; nothing is compiled but the search."""
+  from jaxgrpo import config as config_lib, fit, loading  # pylint: disable=g-import-not-at-top
+  g = setup.config.grpo
+  if fit.AUTO not in (g.micro_batch_size, g.val_batch_size):
+    return setup, []
+  if mesh is None:  # (a test passes a TPU topology's devices, as the compile check has)
+    mesh = sharding_lib.make_mesh(setup.config.mesh.to_dict())
+  config, choices = fit.resolve(setup.config, setup.model_cfg, setup.tokenizer, mesh,
+                                len(setup.data.val_rows))
+  primary = jax.process_index() == 0
+  for choice in choices:
+    if primary:
+      print(choice.line(), file=sys.stderr, flush=True)
+  val_batches = setup.val_batches
+  if g.val_batch_size == fit.AUTO:
+    val_batches = loading.validation_batches(config, setup.tokenizer, setup.data)
+  if primary:  # config.json: the numbers replace 'auto', as a run given them would write it
+    path = os.path.join(setup.workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
+      f.write(config_lib.to_json(config))
+    os.replace(path + ".tmp", path)
+  return dataclasses.replace(setup, config=config, val_batches=val_batches), choices
 
 
 def _validation_images(workdir: str, result, sources) -> dict[str, str]:

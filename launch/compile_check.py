@@ -30,9 +30,11 @@ Flags:
                       config's mesh.dcn_data follows it when left at 1
   --programs=LIST     which to compile, of update,train,val (default: all three)
   --hbm_gib=X         the per-chip HBM to check against (default: the chip's, from a table)
-  --suggest_micro_batch  first find the largest grpo.micro_batch_size whose update step
-                      fits (a bisection over the valid sizes, one compile each), then check
-                      every program with it
+  --suggest_micro_batch  the same as --config.grpo.micro_batch_size=auto: first find the
+                      largest micro-batch whose update step fits (jaxgrpo/fit.py, the
+                      trainer's own choice), then check every program with it. A config
+                      whose micro_batch_size or val_batch_size is 'auto' is chosen the same
+                      way, against this topology's HBM (or --hbm_gib)
   --config=FILE[:ARG] and --config.KEY=VALUE as for `python -m jaxgrpo.train`
 """
 
@@ -44,7 +46,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 # The check needs no local accelerator, and jax must not grab (or, without one, probe for) a
 # TPU when libtpu is installed: the topology's devices are compile-only descriptions.
@@ -93,35 +94,6 @@ class CheckError(ValueError):
   """Bad input (flag, config or topology), explained in one line: exit status 2."""
 
 
-@dataclasses.dataclass
-class Memory:
-  """One program's per-chip bytes (CompiledMemoryStats), and the train state it does not
-  take as an argument but shares the chips with.
-
-  When the compiler refuses a program that overflows HBM and cannot be made to report its
-  breakdown, only `needs` (the total its error message names) is known.
-  """
-
-  arguments: int | None = None
-  outputs: int | None = None
-  alias: int | None = None
-  temporaries: int | None = None
-  code: int | None = None
-  needs: int | None = None
-  resident: int = 0
-  seconds: float = 0.0  # compilation time (with the retry of an overflowing program)
-
-  @property
-  def total(self) -> int:
-    if self.needs is not None:
-      return self.needs
-    return self.arguments + self.outputs - self.alias + self.temporaries + self.code
-
-  @property
-  def peak(self) -> int:
-    return self.total + self.resident
-
-
 def main(argv=None) -> int:
   argv = sys.argv if argv is None else argv
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
@@ -136,6 +108,7 @@ def main(argv=None) -> int:
   except (CheckError, config_lib.ConfigError, hf.PretrainedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  from jaxgrpo import fit  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
   chips = len(devices)
@@ -145,19 +118,29 @@ def main(argv=None) -> int:
     sizes = sizes.replace(f"data={mesh.shape['data']}",
                           f"data={mesh.shape['data']} ({slices} slices x "
                           f"{mesh.shape['data'] // slices})", 1)
-  print(f"{label}: {chips} x {devices[0].device_kind}, {_gib(hbm)} HBM each; mesh {sizes}; "
+  print(f"{label}: {chips} x {devices[0].device_kind}, {fit.gib(hbm)} HBM each; mesh {sizes}; "
         f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}", flush=True)
-  known = {}  # program name -> Memory already measured (the suggestion's winning update)
-  if _SUGGEST.value:
-    best, known = suggest_micro_batch(config, model_cfg, tokenizer, mesh, hbm)
-    if best is None:
-      print(f"error: no grpo.micro_batch_size fits the update step in {_gib(hbm)} per chip "
-            f"(the smallest, {micro_batch_sizes(config, mesh)[0]}, does not); try model.remat"
-            "=full, a smaller grpo.logprob_chunk_size, or more chips", file=sys.stderr)
+  known = {}  # program name -> Memory already measured (a search's winning program)
+  autos = ["grpo.micro_batch_size"] if _SUGGEST.value else []
+  config = train.apply_auto(config, autos)
+  if fit.AUTO in (config.grpo.micro_batch_size, config.grpo.val_batch_size):
+    # The trainer's own choice (jaxgrpo/fit.py), against this topology's HBM per chip.
+    num_val = 0
+    if config.grpo.val_batch_size == fit.AUTO:
+      num_val = len(loading.load_data(config, tokenizer).val_rows)
+    try:
+      # mesh.memory_limit_gib, when the config sets it, as the trainer plans against it.
+      limit = (int(config.mesh.memory_limit_gib * GIB) if config.mesh.memory_limit_gib
+               and _HBM_GIB.value is None else hbm)
+      config, choices = fit.resolve(
+          config, model_cfg, tokenizer, mesh, num_val, limit=limit,
+          report=lambda *a: print(fit.report_line(*a), flush=True))
+    except fit.FitError as e:
+      print(f"error: {e}", file=sys.stderr)
       return 1
-    config.grpo.micro_batch_size = best
-    print(f"suggested: --config.grpo.micro_batch_size={best} (the largest whose update fits "
-          f"{_gib(hbm)} per chip)", flush=True)
+    for choice in choices:
+      print(choice.line(), flush=True)
+      known[choice.program] = choice.tried[choice.size]
   g = config.grpo
   rollouts = g.num_prompts_per_step * g.num_generations_per_prompt
   micro = g.micro_batch_size or rollouts
@@ -168,74 +151,31 @@ def main(argv=None) -> int:
         flush=True)
   chip = _TOPOLOGY.value.split(":")[0]  # "v5e's 16 GiB", as the chip is called
   memory, failures = {}, []
-  for name, lowered, resident in _programs(config, model_cfg, tokenizer, mesh,
-                                            _PROGRAMS.value):
-    if name in known:  # compiled during the suggestion, with the same micro-batch
+  for name, lowered, resident in fit.programs(config, model_cfg, tokenizer, mesh,
+                                              _PROGRAMS.value):
+    if name in known:  # compiled during the search, with the same size
       memory[name] = known[name]
       continue
-    start = time.perf_counter()
     try:
-      memory[name] = _compile(lowered, resident)
+      memory[name] = fit.compile_memory(lowered, resident)
     except Exception as e:  # pylint: disable=broad-except  # XLA's errors are untyped
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        failures.append(f"error: the {name} failed to compile for {label}: {_first_line(e)}")
-        continue
-      memory[name] = _overflow(lowered, resident, e)
-    memory[name].seconds = time.perf_counter() - start
+      failures.append(f"error: the {name} failed to compile for {label}: {_first_line(e)}")
   print(_table(memory, hbm), flush=True)
   for name, m in memory.items():
     if m.peak > hbm:
       with_state = " with the train state" if m.resident else ""
-      failures.append(f"error: {name} needs {_gib(m.peak)} per chip{with_state}, "
-                      f"{_gib(m.peak - hbm)} more than {chip}'s {_gib(hbm)} HBM")
+      failures.append(f"error: {name} needs {fit.gib(m.peak)} per chip{with_state}, "
+                      f"{fit.gib(m.peak - hbm)} more than {chip}'s {fit.gib(hbm)} HBM")
   for line in failures:
     print(line, file=sys.stderr)
   if not failures:
-    print(f"ok: {', '.join(memory)} compile for {label} and fit its {_gib(hbm)} HBM per chip")
+    print(f"ok: {', '.join(memory)} compile for {label} and fit its {fit.gib(hbm)} HBM per chip")
   return 1 if failures else 0
-
-
-def micro_batch_sizes(config, mesh) -> list[int]:
-  """Every valid grpo.micro_batch_size, smallest first: whole groups whose prompts split over
-  the data axes, dividing the batch (config._check_micro_batch's rule)."""
-  g = config.grpo
-  step = g.num_generations_per_prompt * mesh.shape["data"] * mesh.shape["fsdp"]
-  batch = g.num_prompts_per_step * g.num_generations_per_prompt
-  return [m for m in range(step, batch + 1, step) if batch % m == 0]
-
-
-def suggest_micro_batch(config, model_cfg, tokenizer, mesh, hbm: int):
-  """(The largest valid micro_batch_size whose update step fits `hbm` per chip, or None when
-  the smallest does not; {"update step": its Memory}), found by compiling candidates:
-  memory grows with the micro-batch, so a bisection over the valid sizes needs log2(count)
-  compiles."""
-  sizes = micro_batch_sizes(config, mesh)
-  lo, hi, best, known = 0, len(sizes) - 1, None, {}
-  while lo <= hi:
-    mid = (lo + hi) // 2
-    config.grpo.micro_batch_size = sizes[mid]
-    start = time.perf_counter()
-    (_, lowered, resident), = _programs(config, model_cfg, tokenizer, mesh, ["update"])
-    try:
-      memory = _compile(lowered, resident)
-    except Exception as e:  # pylint: disable=broad-except  # XLA's errors are untyped
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      memory = _overflow(lowered, resident, e)
-    memory.seconds = time.perf_counter() - start
-    fits = memory.peak <= hbm
-    print(f"micro_batch_size={sizes[mid]}: update step needs {_gib(memory.peak)} per chip "
-          f"({'fits' if fits else 'does not fit'}; compiled in {memory.seconds:.0f}s)",
-          flush=True)
-    if fits:
-      best, lo, known = sizes[mid], mid + 1, {"update step": memory}
-    else:
-      hi = mid - 1
-  return best, known
 
 
 def _parse(argv):
   """The config from --config and its overrides (as jaxgrpo.train parses them)."""
+  argv, autos = train.split_auto(argv)  # 'auto' for an integer key (train.parse_config)
   saved_argv, sys.argv = sys.argv, list(argv)  # config_flags finds overrides in sys.argv
   try:
     _FV(argv)
@@ -256,7 +196,7 @@ def _parse(argv):
                      "subset of update, train, val")
   if _NUM_SLICES.value < 1:
     raise CheckError(f"--num_slices={_NUM_SLICES.value}: allowed: an integer >= 1")
-  return _CONFIG.value
+  return train.apply_auto(_CONFIG.value, autos)
 
 
 def _topology(name: str, num_slices: int):
@@ -340,116 +280,9 @@ def _hbm_bytes(device_kind: str, label: str) -> int:
   return HBM_GIB[device_kind] * GIB
 
 
-def _programs(c, model_cfg, tokenizer, mesh, which):
-  """(name, jax Lowered, bytes of train state resident beside it) for the programs named in
-  `which` (update, train, val), built as build.training builds them, from abstract values."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import build, grpo  # pylint: disable=g-import-not-at-top
-  from jaxgrpo.rollout import sampling
-  gen, g, o = c.generation, c.grpo, c.optim
-  optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps,
-                                      g.max_num_steps * g.num_iterations, o.weight_decay,
-                                      o.grad_clip, o.schedule)
-  state = _abstract_state(_abstract_params(model_cfg, mesh), optimizer, mesh)
-  ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
-  engine = build.make_engine(c, model_cfg, tokenizer, mesh)
-  update = grpo.compile_update(state, ref_params, cfg=model_cfg,
-                               loss=build.loss_config(c, mesh),
-                               sp=engine.profile("train").sampling, optimizer=optimizer,
-                               lr_schedule=lr, mesh=mesh)
-  b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
-  n = b * g.num_generations_per_prompt
-  sds = jax.ShapeDtypeStruct
-  batch = {"prompt_tokens_BxL": sds((b, p), jnp.int32), "prompt_mask_BxL": sds((b, p), bool),
-           "completion_tokens_NxT": sds((n, t), jnp.int32),
-           "completion_mask_NxT": sds((n, t), bool),
-           "old_logp_NxT": sds((n, t), jnp.float32), "rewards_N": sds((n,), jnp.float32),
-           "truncated_N": sds((n,), bool), "scored_N": sds((n,), bool)}
-  assert set(batch) == set(grpo.BATCH_RANKS), "grpo's update batch changed its keys"
-  if "update" in which:
-    yield "update step", update.lower(state, batch, ref_params), 0
-  # While sampling, the optimizer state and the reference policy stay on the chips.
-  resident = _bytes_per_chip((state.step, state.opt_state, ref_params))
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  for name, rows in (("train", b), ("val", g.val_batch_size)):
-    if name not in which:
-      continue
-    # make_engine's eos and pad ids: the engine keeps its compiled samplers private.
-    sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
-                                       eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-                                       mesh=mesh, scan_layers=engine.scan_layers,
-                                       attention=engine.attention,
-                                       decode_block=engine.decode_block,
-                                       compact_stages=engine.compact_stages)
-    lowered = sampler.lower(state.params, sds((rows, p), jnp.int32), sds((rows, p), bool),
-                            key, sds((rows,), jnp.int32))
-    yield f"{name} sampler", lowered, resident
-
-
-def _abstract_params(model_cfg, mesh):
-  """The parameter tree as ShapeDtypeStructs carrying the run's shardings."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
-  from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  shapes = jax.eval_shape(lambda r: nn.unbox(model_lib.init_params(model_cfg, r)),
-                          jax.random.key(0))
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      shapes, sharding_lib.param_shardings(model_cfg, mesh))
-
-
-def _abstract_state(params, optimizer, mesh):
-  """grpo.init_state's TrainState, abstract: the same shardings (moments like their
-  parameters, scalars replicated), with nothing allocated."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import grpo  # pylint: disable=g-import-not-at-top
-  from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  replicated = sharding_lib.replicated(mesh)
-  shapes = jax.eval_shape(optimizer.init, params)
-  shardings = grpo.opt_state_shardings(params, optimizer, mesh)
-  opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                           shapes, shardings)
-  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-  return grpo.TrainState(step, params, opt_state)
-
-
-def _bytes_per_chip(tree) -> int:
-  """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (its largest shard)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-             for x in jax.tree.leaves(tree))
-
-
-def _compile(lowered, resident: int, options=None) -> Memory:
-  stats = lowered.compile(compiler_options=options).memory_analysis()
-  return Memory(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
-                alias=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
-                code=stats.generated_code_size_in_bytes, resident=resident)
-
-
-def _overflow(lowered, resident: int, error: Exception) -> Memory:
-  """What a program the compiler refused for overflowing HBM needs.
-
-  Compiled again with the overflow check off, the compiler reports the full breakdown; for
-  some programs (tens of GiB over) that compile fails too ("Invalid TPU program"), and the
-  total the first error names is what is left, e.g. "the total memory required for HLO
-  temporaries (65.01G) exceeds available HBM (15.75G)" (G: GiB).
-  """
-  try:
-    return _compile(lowered, resident, {"xla_tpu_no_crash_on_oom": True})
-  except Exception:  # pylint: disable=broad-except
-    pass
-  sizes = re.findall(r"(\d+(?:\.\d+)?)([KMGT])\b", str(error))
-  if not sizes:
-    raise error
-  number, unit = sizes[0]
-  return Memory(needs=int(float(number) * 1024 ** " KMGT".index(unit)), resident=resident)
-
-
-def _table(memory: dict[str, Memory], hbm: int) -> str:
+def _table(memory: dict, hbm: int) -> str:
+  """program -> fit.Memory, as a table of bytes per chip."""
+  from jaxgrpo import fit  # pylint: disable=g-import-not-at-top
   head = ("program", "arguments", "outputs", "-alias", "temporaries", "code", "total",
           "+state", "peak", "of HBM", "compile")
   rows = [head]
@@ -461,8 +294,8 @@ def _table(memory: dict[str, Memory], hbm: int) -> str:
       continue
     m = memory[name]
     parts = (m.arguments, m.outputs, m.alias, m.temporaries, m.code)
-    rows.append((name, *("?" if x is None else _gib(x) for x in parts), _gib(m.total),
-                 _gib(m.resident), _gib(m.peak), f"{100 * m.peak / hbm:.1f}%",
+    rows.append((name, *("?" if x is None else fit.gib(x) for x in parts), fit.gib(m.total),
+                 fit.gib(m.resident), fit.gib(m.peak), f"{100 * m.peak / hbm:.1f}%",
                  f"{m.seconds:.1f} s"))
   widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
   lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
@@ -479,14 +312,6 @@ def _build():
   """jaxgrpo.build, imported once jax is configured (as in _programs)."""
   from jaxgrpo import build  # pylint: disable=g-import-not-at-top
   return build
-
-
-def _gib(n: int) -> str:
-  """Bytes in the unit that reads best (the table mixes tiny and huge programs)."""
-  for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-    if abs(n) >= size:
-      return f"{n / size:.2f} {unit}" if unit != "GiB" else f"{n / size:.1f} GiB"
-  return f"{n} B"
 
 
 def _first_line(e: Exception) -> str:

@@ -23,10 +23,12 @@ MATH = os.path.join(ROOT, "configs", "math.py")
 # and interrupted one of the fault tests imports it, and the smoke test reads what it logs.
 USER = ("--config.user_modules=tests/fixtures/user_rewards.py",
         "--config.rewards.fixture_columns=1.0")
-# Logging to wandb too (offline: conftest.py), so the resumed and killed runs continue it.
+# Logging to wandb too (offline: conftest.py), so the resumed and killed runs continue it;
+# micro_batch_size 'auto', which on CPU (no memory limit) is the whole batch, as 0 was.
 ARGS = (f"--config={MATH}:smoke", "--config.grpo.max_num_steps=8",
         "--config.generation.temperature=0.9", "--config.checkpoint.best_metric=accuracy",
-        "--config.logging.trackers=tensorboard,wandb", *USER)
+        "--config.logging.trackers=tensorboard,wandb", "--config.grpo.micro_batch_size=auto",
+        *USER)
 
 
 # Tests compile for speed of compiling, not of running: the suite is mostly CPU compilation

@@ -13,7 +13,6 @@ moments and the gradients, about 49 GiB per chip, since data parallelism replica
 Only the update step is compiled there (--programs=update): the samplers would add ~30 s.
 """
 
-import importlib.util
 import os
 import re
 import shutil
@@ -121,15 +120,48 @@ SUGGEST = (SMOKE, "--programs=update", "--suggest_micro_batch", "--config.model.
 
 
 def test_suggest_micro_batch_finds_the_largest_that_fits(check):
-  # 12.7 MiB per chip: 32 fits, 64 does not, so the bisection over [16, 32, 64, 128] tries
-  # 32 (fits), then 64 (does not) and suggests 32; the check then compiles with it.
+  # 12.7 MiB per chip: 32 fits, 64 does not. fit.choose compiles 128 (does not fit), 16
+  # (fits), the line's prediction 64 (does not), then 32 (fits), and answers 32; the check
+  # then reports the program it chose.
   proc = check("--topology=v5e:2x2", *SUGGEST, f"--hbm_gib={12.7 / 1024}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   tried = re.findall(r"micro_batch_size=(\d+): update step needs .* \((fits|does not fit);",
                      proc.stdout)
-  assert tried == [("32", "fits"), ("64", "does not fit")], proc.stdout
-  assert "suggested: --config.grpo.micro_batch_size=32" in proc.stdout
+  assert tried == [("128", "does not fit"), ("16", "fits"), ("64", "does not fit"),
+                   ("32", "fits")], proc.stdout
+  assert re.search(r"micro_batch_size=auto -> 32 \(update step [\d.]+ MiB of 12.70 MiB per "
+                   r"chip; 4 compiles, \d+ s\)", proc.stdout), proc.stdout
   assert "update: 128 rollouts in micro-batches of 32 (4 per step" in proc.stdout
+
+
+def test_the_trainer_and_the_check_choose_the_same_size(check, tmp_path):
+  # The config's own 'auto' and mesh.memory_limit_gib, in the check and in the trainer's
+  # start-up (trainer._fit) on the same topology's devices: one function, one answer.
+  limit = f"--config.mesh.memory_limit_gib={12.7 / 1024}"
+  args = [*SUGGEST[:1], *SUGGEST[3:], "--config.grpo.micro_batch_size=auto", limit]
+  proc = check("--topology=v5e:2x2", "--programs=update", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  from_check = re.search(r"micro_batch_size=auto -> (\d+) ", proc.stdout)[1]
+  script = tmp_path / "trainer_fit.py"
+  script.write_text(
+      "import os, sys\n"
+      "from jax.experimental import topologies\n"
+      f"sys.path.insert(0, {ROOT!r})\n"
+      "from jaxgrpo import train, trainer\n"
+      "from jaxgrpo.model import sharding\n"
+      "setup = train.prepare(sys.argv)\n"
+      "devices = topologies.get_topology_desc('v5e:2x2', 'TPU v5 lite').devices\n"
+      "mesh = sharding.make_mesh(setup.config.mesh.to_dict(), devices)\n"
+      "setup, choices = trainer._fit(setup, mesh)\n"
+      "print('trainer chose', setup.config.grpo.micro_batch_size)\n")
+  python = os.environ.get("JAXGRPO_TPU_PYTHON") or sys.executable
+  trainer = subprocess.run([python, str(script), f"--workdir={tmp_path / 'w'}", *args,
+                            "--config.mesh.data=4"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                    XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+  assert trainer.returncode == 0, trainer.stderr[-3000:]
+  assert f"trainer chose {from_check}" in trainer.stdout, (proc.stdout, trainer.stdout)
 
 
 def test_suggest_micro_batch_says_when_nothing_fits(check):
@@ -139,8 +171,8 @@ def test_suggest_micro_batch_says_when_nothing_fits(check):
   # same program was compiled with other options by the test before: not the check's own.)
   lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("error")]
   assert len(lines) == 1 and lines[0].startswith(
-      "error: no grpo.micro_batch_size fits the update step in 1.02 MiB per chip (the "
-      "smallest, 16, does not)"), lines
+      "error: config.grpo.micro_batch_size=auto: no valid size fits the update step in "
+      "1.02 MiB per chip (tried 16: "), lines
 
 
 def test_a_hugging_face_folder_without_weights_is_enough(check, tmp_path):
@@ -169,24 +201,3 @@ def test_two_slices_split_the_data_axis(check):
   assert "2 x v5e:2x2: 8 x TPU v5 lite" in proc.stdout
   assert "mesh data=8 (2 slices x 4), fsdp=1, tensor=1" in proc.stdout
   assert list(table_rows(proc.stdout)) == ["train sampler"], proc.stdout
-
-
-def test_refused_program_falls_back_to_the_compilers_total():
-  """Without libtpu: when even the retry with the overflow check off fails, the total comes
-  from the compiler's first error message (its G are GiB)."""
-  spec = importlib.util.spec_from_file_location("compile_check", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-
-  class Refused:
-    def compile(self, compiler_options=None):
-      raise RuntimeError("INVALID_ARGUMENT: Invalid TPU program.")
-
-  error = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
-                       "required for HLO temporaries (65.01G) exceeds available HBM (15.75G).")
-  memory = module._overflow(Refused(), 2**30, error)
-  assert memory.needs == int(65.01 * 2**30) and memory.arguments is None
-  assert memory.peak == memory.needs + 2**30
-  with pytest.raises(RuntimeError, match="no sizes"):
-    module._overflow(Refused(), 0, RuntimeError("RESOURCE_EXHAUSTED: no sizes"))

@@ -195,6 +195,11 @@ def test_smoke_run_writes_results(straight_run):
   assert len(samples) == 32 and all(len(s["completions"]) == 2 for s in samples)
   config = json.load(open(workdir / "config.json"))
   assert config["grpo"]["max_num_steps"] == 8 and config["mesh"]["data"] == 1
+  # micro_batch_size 'auto' with no memory limit (CPU): the whole batch, nothing compiled,
+  # said in one line, and config.json holds the number.
+  assert config["grpo"]["micro_batch_size"] == 32
+  assert ("micro_batch_size=auto -> 32 (the whole batch: no memory limit to plan against; "
+          "set mesh.memory_limit_gib to choose)") in proc.stderr
   assert config["generation"]["temperature"] == config["generation"]["val_temperature"] == 0.9
   summary = json.load(open(workdir / "summary.json"))
   # Each profile compiled exactly once over the whole run.
@@ -245,6 +250,24 @@ def test_a_tracker_that_cannot_log_is_one_line_before_compiling(tmp_path):
   assert_clean_error(proc, "config.logging.trackers: wandb has no API key",
                      "WANDB_MODE=offline")
   assert not os.path.exists(tmp_path / "w")
+
+
+def test_auto_with_nothing_that_fits_is_one_line_before_the_first_rollout(tmp_path):
+  proc = run_train(f"--config={MATH}:smoke", "--config.grpo.micro_batch_size=auto",
+                   "--config.mesh.memory_limit_gib=0.00001", workdir=tmp_path / "w")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error")]
+  assert len(errors) == 1 and errors[0].startswith(
+      "error: config.grpo.micro_batch_size=auto: no valid size fits the update step in "
+      "10.49 KiB per chip (tried 4: "), errors  # 1 device: sizes 4, 8, 16, 32
+  assert "Traceback" not in proc.stderr
+  # The search compiled the update (AOT); nothing else was: no sampler, no checkpoint, no
+  # training row.
+  compiled = [l for l in proc.stderr.splitlines() if "Finished XLA compilation of" in l]
+  assert any("jit(step_fn)" in l for l in compiled), compiled  # the update step
+  assert not any("jit(traced)" in l for l in compiled), compiled  # never a sampler
+  assert not os.path.exists(tmp_path / "w" / "checkpoints")
+  assert not os.path.exists(tmp_path / "w" / "metrics.jsonl")
 
 
 def test_help_exits_zero(tmp_path):

@@ -63,6 +63,9 @@ RULES: tuple[tuple[str, Any], ...] = (
 
 
 MESH_KEYS = MESH_AXES + ("dcn_data",)
+# Keys of the config's mesh section that shape no axis: the memory 'auto' batch sizes plan
+# against (jaxgrpo/fit.py).
+PLAN_KEYS = ("memory_limit_gib",)
 
 
 def resolve_mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
@@ -71,7 +74,7 @@ def resolve_mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tupl
   With `dcn_data` = S > 1 slices, the sizes apply inside one slice (num_devices / S devices)
   and the returned data size is S times the per-slice one.
   """
-  unknown = sorted(set(mesh_config) - set(MESH_KEYS))
+  unknown = sorted(set(mesh_config) - set(MESH_KEYS) - set(PLAN_KEYS))
   if unknown:
     raise ValueError(f"mesh: unknown axes {unknown}; allowed {list(MESH_KEYS)}")
   slices = int(mesh_config.get("dcn_data", 1))

@@ -1,0 +1,403 @@
+"""Batch sizes that fit the chips, read from the compiler: `micro_batch_size='auto'` and
+`val_batch_size='auto'`.
+
+A program's memory is a compiler fact, known before anything runs: `jit(f).lower(abstract
+inputs with the run's shardings).compile().memory_analysis()` gives its arguments, outputs,
+temporaries and code per chip. This module builds the run's update step and samplers from
+abstract values (the same functions `build.training` uses, nothing allocated), and chooses
+
+  * the micro-batch: the largest valid `grpo.micro_batch_size` (whole groups whose prompts
+    split over the data axes, dividing the batch) whose update step fits the memory limit.
+    The update's arguments hold the parameters, the optimizer state, the reference policy
+    and the rollouts, so its total is the chip's peak while it runs;
+  * the validation batch: the largest valid `grpo.val_batch_size` (a multiple of the data
+    axes and the processes, at most the validation set rounded up) whose val sampler fits
+    beside the train state it does not take as an argument (optimizer moments, reference
+    policy), which stays on the chips all run.
+
+The limit is `mesh.memory_limit_gib` when set, else the device's own (`memory_stats()`'s
+`bytes_limit`, which TPUs and GPUs report); CPU reports none, and without a limit `auto` is
+the whole batch (and the whole validation set), with nothing compiled.
+
+The search (`choose`). Memory is close to affine in the batch size, so the largest and the
+smallest valid sizes are compiled first (the whole batch fitting ends it at one), the line
+through the two nearest measured sizes that bracket the limit predicts the largest fitting
+size, and that prediction and its next larger size are compiled to confirm it: the answer is
+always a size that was compiled and fits next to one that was compiled and does not (or the
+largest). When memory is not affine and a prediction misses, the rest is bisection, so the
+count stays logarithmic. Typically four compiles; the count and seconds are printed and kept in
+summary.json. `launch/compile_check.py` chooses with the same function, for a TPU topology.
+
+The choice changes memory and speed only: the micro-batched update equals the whole-batch
+update, and validation's numbers do not depend on its batch size (tests/test_microbatch.py,
+tests/test_validation.py), so a resumed run may re-choose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgrpo import build, grpo
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
+
+GIB = 2**30
+AUTO = "auto"
+KEYS = ("micro_batch_size", "val_batch_size")  # grpo.<key> that may be 'auto'
+
+
+class FitError(ValueError):
+  """No valid size fits: one line with the sizes tried and the bytes they need."""
+
+
+@dataclasses.dataclass
+class Memory:
+  """One program's per-chip bytes (CompiledMemoryStats), and the train state it does not
+  take as an argument but shares the chips with.
+
+  When the compiler refuses a program that overflows HBM and cannot be made to report its
+  breakdown, only `needs` (the total its error message names) is known.
+  """
+
+  arguments: int | None = None
+  outputs: int | None = None
+  alias: int | None = None
+  temporaries: int | None = None
+  code: int | None = None
+  needs: int | None = None
+  resident: int = 0
+  seconds: float = 0.0  # compilation time (with the retry of an overflowing program)
+
+  @property
+  def total(self) -> int:
+    if self.needs is not None:
+      return self.needs
+    return self.arguments + self.outputs - self.alias + self.temporaries + self.code
+
+  @property
+  def peak(self) -> int:
+    return self.total + self.resident
+
+
+@dataclasses.dataclass
+class Choice:
+  """What a search chose for `grpo.<key>`: the size, every size it compiled, its cost."""
+
+  key: str
+  program: str            # "update step" or "val sampler"
+  size: int | None        # None: not even the smallest fits
+  limit: int | None       # bytes per chip planned against; None: no limit (nothing compiled)
+  tried: dict             # size -> Memory, in the order compiled
+  seconds: float = 0.0
+
+  def line(self) -> str:
+    """The start-up line: `micro_batch_size=auto -> 256 (update step 11.1 GiB of 16.0 GiB
+    per chip; 4 compiles, 41 s)`."""
+    if self.limit is None:
+      return (f"{self.key}=auto -> {self.size} (the whole "
+              f"{'batch' if self.key == 'micro_batch_size' else 'validation set'}: no memory "
+              "limit to plan against; set mesh.memory_limit_gib to choose)")
+    m = self.tried[self.size]
+    state = " with the train state" if m.resident else ""
+    return (f"{self.key}=auto -> {self.size} ({self.program} {gib(m.peak)}{state} of "
+            f"{gib(self.limit)} per chip; {len(self.tried)} compile"
+            f"{'s' * (len(self.tried) != 1)}, {self.seconds:.0f} s)")
+
+  def failure(self) -> str:
+    tried = ", ".join(f"{s}: {gib(m.peak)}" for s, m in sorted(self.tried.items()))
+    return (f"config.grpo.{self.key}=auto: no valid size fits the {self.program} in "
+            f"{gib(self.limit)} per chip (tried {tried}); allowed: more chips, model.remat="
+            "full, a smaller grpo.logprob_chunk_size or max_new_tokens, or a larger "
+            "mesh.memory_limit_gib")
+
+  def summary(self) -> dict:
+    return {"size": self.size, "limit_bytes": self.limit, "compiles": len(self.tried),
+            "seconds": round(self.seconds, 2),
+            "peak_bytes": {str(s): m.peak for s, m in self.tried.items()}}
+
+
+def memory_limit(config, mesh) -> int | None:
+  """Bytes per chip to plan against: mesh.memory_limit_gib, else the device's own limit
+  (None where the platform reports none: CPU)."""
+  gib_limit = config.mesh.memory_limit_gib
+  if gib_limit is not None:
+    return int(gib_limit * GIB)
+  try:
+    stats = mesh.devices.flat[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except  (a compile-only TPU description)
+    stats = None
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def micro_batch_sizes(config, mesh) -> list[int]:
+  """Every valid grpo.micro_batch_size, smallest first: whole groups whose prompts split over
+  the data axes, dividing the batch (config._check_micro_batch's rule)."""
+  g = config.grpo
+  step = g.num_generations_per_prompt * sharding_lib.batch_size_multiple(mesh)
+  batch = g.num_prompts_per_step * g.num_generations_per_prompt
+  return [m for m in range(step, batch + 1, step) if batch % m == 0]
+
+
+def val_batch_sizes(mesh, num_val_prompts: int) -> list[int]:
+  """The validation batches to choose from, smallest first: the data axes' multiple (with
+  the processes) times 1, 2, 4, ..., then the whole validation set rounded up to it (a
+  larger batch is padding). Doubling, not every multiple: validation's numbers do not
+  depend on its batch, and the val sampler's memory is not affine in it (compaction's
+  stages, measured for Qwen2.5-1.5B on v5e: 17.9 GiB at 1320 prompts, 18.0 at 1144), so a
+  fine grid cost many 75-second compiles for nothing."""
+  step = math.lcm(sharding_lib.batch_size_multiple(mesh), jax.process_count())
+  whole = -(-max(num_val_prompts, 1) // step) * step
+  sizes = [step]
+  while sizes[-1] * 2 < whole:
+    sizes.append(sizes[-1] * 2)
+  return sizes + ([whole] if whole > sizes[-1] else [])
+
+
+def choose(sizes: Sequence[int], measure: Callable[[int], Memory], limit: int,
+           report: Callable[[int, Memory], None] | None = None):
+  """(the largest size whose measured peak fits `limit`, or None; {size: Memory} compiled).
+
+  Sizes ascending. See the module docstring: the ends first, then the affine prediction
+  between the nearest fitting and failing sizes, confirmed by compiling it and its next
+  larger size; once a prediction misses, bisection, until they are adjacent."""
+  tried = {}
+
+  def at(size):
+    if size not in tried:
+      tried[size] = measure(size)
+      if report:
+        report(size, tried[size])
+    return tried[size]
+
+  # The whole batch first: it is the usual answer on a roomy chip, and it can need less
+  # than a micro-batch of it (no gradient accumulator: measured on CPU for a tiny model).
+  if at(sizes[-1]).peak <= limit:
+    return sizes[-1], tried
+  if at(sizes[0]).peak > limit:
+    return None, tried
+  missed = False
+  while True:
+    fit = max(s for s, m in tried.items() if m.peak <= limit)
+    over = min(s for s, m in tried.items() if m.peak > limit)
+    between = [s for s in sizes if fit < s < over]
+    if not between:
+      return fit, tried
+    if missed:  # the line was wrong once: halve the bracket from now on (log2 compiles)
+      guess = between[(len(between) - 1) // 2]
+    else:
+      lo, hi = tried[fit].peak, tried[over].peak
+      slope = (hi - lo) / (over - fit)
+      predicted = [s for s in between if lo + slope * (s - fit) <= limit]
+      guess = predicted[-1] if predicted else between[0]
+    if at(guess).peak > limit:
+      missed = True
+    elif not missed:  # confirm the prediction from above: its next larger size
+      missed = at(sizes[sizes.index(guess) + 1]).peak <= limit
+
+
+def choose_micro_batch(config, model_cfg, tokenizer, mesh, limit: int | None,
+                       report=None) -> Choice:
+  """grpo.micro_batch_size='auto': the largest valid micro-batch whose update step fits."""
+  sizes = micro_batch_sizes(config, mesh)
+  if limit is None:
+    return Choice("micro_batch_size", "update step", sizes[-1], None, {})
+  start = time.perf_counter()
+
+  def measure(size):
+    c = _with(config, micro_batch_size=size)
+    (_, lowered, resident), = programs(c, model_cfg, tokenizer, mesh, ["update"])
+    return compile_memory(lowered, resident)
+
+  size, tried = choose(sizes, measure, limit, report and (
+      lambda s, m: report("micro_batch_size", "update step", s, m, limit)))
+  return Choice("micro_batch_size", "update step", size, limit, tried,
+                time.perf_counter() - start)
+
+
+def choose_val_batch(config, model_cfg, tokenizer, mesh, limit: int | None,
+                     num_val_prompts: int, report=None) -> Choice:
+  """grpo.val_batch_size='auto': the largest useful validation batch whose val sampler fits
+  beside the train state."""
+  sizes = val_batch_sizes(mesh, num_val_prompts)
+  if limit is None:
+    return Choice("val_batch_size", "val sampler", sizes[-1], None, {})
+  start = time.perf_counter()
+
+  def measure(size):
+    c = _with(config, val_batch_size=size)
+    (_, lowered, resident), = programs(c, model_cfg, tokenizer, mesh, ["val"])
+    return compile_memory(lowered, resident)
+
+  size, tried = choose(sizes, measure, limit, report and (
+      lambda s, m: report("val_batch_size", "val sampler", s, m, limit)))
+  return Choice("val_batch_size", "val sampler", size, limit, tried,
+                time.perf_counter() - start)
+
+
+def report_line(key: str, program: str, size: int, memory: Memory, limit: int) -> str:
+  """One compile of a search: `micro_batch_size=256: update step needs 11.1 GiB per chip
+  (fits; compiled in 20 s)`."""
+  state = " with the train state" if memory.resident else ""
+  verdict = "fits" if memory.peak <= limit else "does not fit"
+  return (f"{key}={size}: {program} needs {gib(memory.peak)} per chip{state} ({verdict}; "
+          f"compiled in {memory.seconds:.0f} s)")
+
+
+def resolve(config, model_cfg, tokenizer, mesh, num_val_prompts: int, limit=None,
+            report=None, keys=KEYS):
+  """(config with every 'auto' of KEYS chosen, [Choice]); raises FitError when nothing fits.
+  The config comes back as a new locked ConfigDict (ConfigDict keeps a key's type). The
+  trainer and launch/compile_check.py both choose here; `limit` None: memory_limit's.
+  report(key, program, size, Memory, limit), if given, sees each compile as it ends; keys:
+  which of KEYS to choose (evaluate chooses only the validation batch)."""
+  g = config.grpo
+  choices = []
+  if AUTO in (g.micro_batch_size, g.val_batch_size) and limit is None:
+    limit = memory_limit(config, mesh)
+  if g.val_batch_size == AUTO and "val_batch_size" in keys:
+    choices.append(choose_val_batch(config, model_cfg, tokenizer, mesh, limit,
+                                    num_val_prompts, report))
+  if g.micro_batch_size == AUTO and "micro_batch_size" in keys:
+    choices.append(choose_micro_batch(config, model_cfg, tokenizer, mesh, limit, report))
+  for choice in choices:
+    if choice.size is None:
+      raise FitError(choice.failure())
+  return _with(config, **{c.key: c.size for c in choices}), choices
+
+
+def _with(config, **grpo_values):
+  """A locked copy of `config` with grpo values replaced (any type)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  values = config.to_dict()
+  values["grpo"].update(grpo_values)
+  out = ml_collections.ConfigDict(values)
+  out.lock()
+  return out
+
+
+def programs(c, model_cfg, tokenizer, mesh, which):
+  """(name, jax Lowered, bytes of train state resident beside it) for the programs named in
+  `which` (update, train, val), built as build.training builds them, from abstract values."""
+  gen, g, o = c.generation, c.grpo, c.optim
+  optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps,
+                                      g.max_num_steps * g.num_iterations, o.weight_decay,
+                                      o.grad_clip, o.schedule)
+  state = abstract_state(abstract_params(model_cfg, mesh), optimizer, mesh)
+  ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
+  engine = build.make_engine(c, model_cfg, tokenizer, mesh)
+  b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
+  n = b * g.num_generations_per_prompt
+  sds = jax.ShapeDtypeStruct
+  if "update" in which:
+    update = grpo.compile_update(state, ref_params, cfg=model_cfg,
+                                 loss=build.loss_config(c, mesh),
+                                 sp=engine.profile("train").sampling, optimizer=optimizer,
+                                 lr_schedule=lr, mesh=mesh)
+    batch = {"prompt_tokens_BxL": sds((b, p), jnp.int32),
+             "prompt_mask_BxL": sds((b, p), bool),
+             "completion_tokens_NxT": sds((n, t), jnp.int32),
+             "completion_mask_NxT": sds((n, t), bool),
+             "old_logp_NxT": sds((n, t), jnp.float32), "rewards_N": sds((n,), jnp.float32),
+             "truncated_N": sds((n,), bool), "scored_N": sds((n,), bool)}
+    assert set(batch) == set(grpo.BATCH_RANKS), "grpo's update batch changed its keys"
+    yield "update step", update.lower(state, batch, ref_params), 0
+  # While sampling, the optimizer state and the reference policy stay on the chips.
+  resident = bytes_per_chip((state.step, state.opt_state, ref_params))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  for name, rows in (("train", b), ("val", g.val_batch_size)):
+    if name not in which:
+      continue
+    # make_engine's eos and pad ids: the engine keeps its compiled samplers private.
+    sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
+                                       eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                                       mesh=mesh, scan_layers=engine.scan_layers,
+                                       attention=engine.attention,
+                                       decode_block=engine.decode_block,
+                                       compact_stages=engine.compact_stages)
+    lowered = sampler.lower(state.params, sds((rows, p), jnp.int32), sds((rows, p), bool),
+                            key, sds((rows,), jnp.int32))
+    yield f"{name} sampler", lowered, resident
+
+
+def abstract_params(model_cfg, mesh):
+  """The parameter tree as ShapeDtypeStructs carrying the run's shardings."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  shapes = jax.eval_shape(lambda r: nn.unbox(model_lib.init_params(model_cfg, r)),
+                          jax.random.key(0))
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, sharding_lib.param_shardings(model_cfg, mesh))
+
+
+def abstract_state(params, optimizer, mesh):
+  """grpo.init_state's TrainState, abstract: the same shardings (moments like their
+  parameters, scalars replicated), with nothing allocated."""
+  replicated = sharding_lib.replicated(mesh)
+  shapes = jax.eval_shape(optimizer.init, params)
+  shardings = grpo.opt_state_shardings(params, optimizer, mesh)
+  opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                           shapes, shardings)
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+  return grpo.TrainState(step, params, opt_state)
+
+
+def bytes_per_chip(tree) -> int:
+  """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (its largest shard)."""
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def compile_memory(lowered, resident: int) -> Memory:
+  """The compiled program's per-chip bytes; a program the compiler refuses for overflowing
+  the chip's memory is measured by `overflow` instead. Other compile errors raise."""
+  start = time.perf_counter()
+  try:
+    memory = _compile(lowered, resident)
+  except Exception as e:  # pylint: disable=broad-except  # XLA's errors are untyped
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    memory = overflow(lowered, resident, e)
+  memory.seconds = time.perf_counter() - start
+  return memory
+
+
+def _compile(lowered, resident: int, options=None) -> Memory:
+  stats = lowered.compile(compiler_options=options).memory_analysis()
+  return Memory(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+                alias=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
+                code=stats.generated_code_size_in_bytes, resident=resident)
+
+
+def overflow(lowered, resident: int, error: Exception) -> Memory:
+  """What a program the compiler refused for overflowing HBM needs.
+
+  Compiled again with the overflow check off, the compiler reports the full breakdown; for
+  some programs (tens of GiB over) that compile fails too ("Invalid TPU program"), and the
+  total the first error names is what is left, e.g. "the total memory required for HLO
+  temporaries (65.01G) exceeds available HBM (15.75G)" (G: GiB).
+  """
+  try:
+    return _compile(lowered, resident, {"xla_tpu_no_crash_on_oom": True})
+  except Exception:  # pylint: disable=broad-except
+    pass
+  sizes = re.findall(r"(\d+(?:\.\d+)?)([KMGT])\b", str(error))
+  if not sizes:
+    raise error
+  number, unit = sizes[0]
+  return Memory(needs=int(float(number) * 1024 ** " KMGT".index(unit)), resident=resident)
+
+
+def gib(n: int) -> str:
+  """Bytes in the unit that reads best (the table mixes tiny and huge programs)."""
+  for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}" if unit != "GiB" else f"{n / size:.1f} GiB"
+  return f"{n} B"

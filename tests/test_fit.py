@@ -1,0 +1,109 @@
+"""jaxgrpo/fit.py: 'auto' batch sizes, chosen from the compiler's memory figures."""
+
+import importlib.util
+import os
+
+import jax
+import pytest
+
+from jaxgrpo import config as config_lib
+from jaxgrpo import fit, loading
+from jaxgrpo.model import sharding as sharding_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def affine(base, per_row):
+  return lambda size: fit.Memory(needs=base + per_row * size)
+
+
+def test_choose_compiles_the_ends_then_confirms_the_affine_prediction():
+  # peak = 100 + 10 s; limit 800: s <= 70 fits. The whole batch (256: 2660) does not, the
+  # smallest (16: 260) does; the line through them predicts 64 (740), which is compiled and
+  # fits, then its next size 128 (1380), which does not: 64 after four compiles.
+  seen = []
+  size, tried = fit.choose([16, 32, 64, 128, 256], affine(100, 10), 800,
+                           report=lambda s, m: seen.append(s))
+  assert size == 64 and seen == [256, 16, 64, 128] and list(tried) == seen
+
+
+@pytest.mark.parametrize("limit", [300, 500, 900, 1700, 2500, 3000])
+def test_the_choice_fits_and_the_next_larger_size_was_compiled_and_does_not(limit):
+  # A convex curve (not affine): whatever the limit, the answer is a compiled size that
+  # fits beside a compiled next size that does not (or the whole batch).
+  sizes = [16, 32, 48, 64, 96, 128, 192, 256]
+  measure = lambda s: fit.Memory(needs=int(200 + 2 * s + 0.03 * s * s))
+  size, tried = fit.choose(sizes, measure, limit)
+  assert tried[size].peak <= limit
+  if size != sizes[-1]:
+    assert tried[sizes[sizes.index(size) + 1]].peak > limit
+  assert len(tried) < len(sizes)  # never every size
+
+
+def test_the_whole_batch_fitting_costs_one_compile_and_nothing_fitting_two():
+  assert fit.choose([8, 16, 32], affine(0, 1), 32) == (32, {32: fit.Memory(needs=32)})
+  size, tried = fit.choose([8, 16, 32], affine(100, 1), 50)
+  assert size is None and list(tried) == [32, 8]
+
+
+def test_refused_program_falls_back_to_the_compilers_total():
+  """When even the retry with the overflow check off fails, the total comes from the
+  compiler's first error message (its G are GiB)."""
+
+  class Refused:
+    def compile(self, compiler_options=None):
+      raise RuntimeError("INVALID_ARGUMENT: Invalid TPU program.")
+
+  error = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                       "required for HLO temporaries (65.01G) exceeds available HBM (15.75G).")
+  memory = fit.overflow(Refused(), 2**30, error)
+  assert memory.needs == int(65.01 * 2**30) and memory.arguments is None
+  assert memory.peak == memory.needs + 2**30
+  with pytest.raises(RuntimeError, match="no sizes"):
+    fit.overflow(Refused(), 0, RuntimeError("RESOURCE_EXHAUSTED: no sizes"))
+
+
+def _setup(**grpo):
+  spec = importlib.util.spec_from_file_location("math_cfg", os.path.join(ROOT, "configs",
+                                                                         "math.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("smoke")
+  # 64 prompts x 4 rollouts of 64 tokens on 8 devices: micro-batches of 32, 64, 128, 256,
+  # whose update steps need 24.9, 39.0, 65.1, 117.2 MB per device (CPU, jax 0.10.2).
+  c.grpo.num_prompts_per_step, c.generation.max_new_tokens = 64, 64
+  c.data.max_prompt_length, c.mesh.data = 64, 8
+  for key, value in grpo.items():
+    c.grpo[key] = value
+  config = config_lib.validate(c, jax.device_count())
+  model_cfg, _, tokenizer = loading.load_policy(config)
+  return config, model_cfg, tokenizer, sharding_lib.make_mesh(config.mesh.to_dict())
+
+
+def test_auto_picks_the_largest_micro_batch_whose_compiled_update_fits():
+  config, model_cfg, tokenizer, mesh = _setup()
+  limit = 50 * 10**6
+  choice = fit.choose_micro_batch(config, model_cfg, tokenizer, mesh, limit)
+  # Both read from memory_analysis(): 64 fits under 50 MB, the next valid size does not.
+  assert choice.size == 64
+  assert choice.tried[64].peak <= limit < choice.tried[128].peak
+  assert choice.tried[64].temporaries > 0 and len(choice.tried) == 4
+  assert choice.line().startswith("micro_batch_size=auto -> 64 (update step ")
+  # No limit (CPU reports none): the whole batch, nothing compiled.
+  assert fit.memory_limit(config, mesh) is None
+  whole = fit.choose_micro_batch(config, model_cfg, tokenizer, mesh, None)
+  assert (whole.size, whole.tried) == (256, {})
+  # resolve: the config comes back with numbers; too small a limit is one line.
+  config_auto = fit._with(config, micro_batch_size="auto")
+  resolved, (only,) = fit.resolve(config_auto, model_cfg, tokenizer, mesh, 32, limit=limit)
+  assert resolved.grpo.micro_batch_size == 64 and only.size == 64
+  with pytest.raises(fit.FitError, match=r"config.grpo.micro_batch_size=auto: no valid size "
+                     r"fits the update step in 9.54 MiB per chip \(tried 32: .*, 256: "):
+    fit.resolve(config_auto, model_cfg, tokenizer, mesh, 32, limit=10 * 10**6)
+
+
+def test_val_batch_sizes_stop_at_the_validation_set():
+  _, _, _, mesh = _setup()
+  assert fit.val_batch_sizes(mesh, 20) == [8, 16, 24]  # doubling, then the whole set
+  assert fit.val_batch_sizes(mesh, 32) == [8, 16, 32]
+  assert fit.val_batch_sizes(mesh, 1319) == [8, 16, 32, 64, 128, 256, 512, 1024, 1320]
