@@ -150,7 +150,7 @@ def test_the_trainer_and_the_check_choose_the_same_size(check, tmp_path):
       "from jaxgrpo import train, trainer\n"
       "from jaxgrpo.model import sharding\n"
       "setup = train.prepare(sys.argv)\n"
-      "devices = topologies.get_topology_desc('v5e:2x2', 'TPU v5 lite').devices\n"
+      "devices = topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu').devices\n"
       "mesh = sharding.make_mesh(setup.config.mesh.to_dict(), devices)\n"
       "setup, choices = trainer._fit(setup, mesh)\n"
       "print('trainer chose', setup.config.grpo.micro_batch_size)\n")
