@@ -312,6 +312,8 @@ def _differences(side) -> list[str]:
   for section in ("data", "rewards", "generation", "grpo"):
     for key, value in here[section].items():
       name = f"{section}.{key}"
+      if value == "auto" and name == "grpo.val_batch_size":
+        continue  # chosen on the devices; no batch size moves validation's numbers
       if name.startswith(VALIDATION_KEYS) and run.get(section, {}).get(key, value) != value:
         out.append(f"{name}={value!r} (the run validated with {run[section][key]!r})")
   return out

@@ -45,9 +45,14 @@ def test_a_runs_checkpoint_evaluates_to_the_runs_validation_row(straight_run, tm
   steps = checkpoint.step_dirs(os.path.join(workdir, "checkpoints"))
   step = steps[-2]  # not the newest: --step must pick it
   out = tmp_path / "eval"
-  proc = run_evaluate(*cli.ARGS, f"--workdir={workdir}", f"--step={step}", f"--out={out}")
+  # val_batch_size 'auto' (CPU: the whole validation set, 32 prompts in one batch where the
+  # run validated 16 at a time): the same row, bit for bit, and no note about it.
+  proc = run_evaluate(*cli.ARGS, f"--workdir={workdir}", f"--step={step}", f"--out={out}",
+                      "--config.grpo.val_batch_size=auto")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "val_batch_size=auto -> 32 (the whole validation set" in proc.stderr
   doc = json.loads((out / "eval.json").read_text())
+  assert doc["config"]["grpo"]["val_batch_size"] == 32
   assert_row_equals(doc["metrics"], val_rows(workdir)[step])
   assert doc["checkpoint"]["step"] == step and doc["sampling"]["k"] == 2
   assert doc["sampling"]["temperature"] == 0.9  # the val profile follows the override
