@@ -24,8 +24,10 @@ smallest valid sizes are compiled first (the whole batch fitting ends it at one)
 through the two nearest measured sizes that bracket the limit predicts the largest fitting
 size, and that prediction and its next larger size are compiled to confirm it: the answer is
 always a size that was compiled and fits next to one that was compiled and does not (or the
-largest). When memory is not affine and a prediction misses, the rest is bisection, so the
-count stays logarithmic. Typically four compiles; the count and seconds are printed and kept in
+largest). When memory is far from affine (the val sampler's, with compaction's stages, is
+not even monotone), each miss narrows the bracket and the line is drawn again; three
+overshoots in a row halve it instead, so the count stays logarithmic. Two to five compiles
+for the shipped configs (BENCHMARKS.md); the count and seconds are printed and kept in
 summary.json. `launch/compile_check.py` chooses with the same function, for a TPU topology.
 
 The choice changes memory and speed only: the micro-batched update equals the whole-batch
@@ -168,7 +170,7 @@ def choose(sizes: Sequence[int], measure: Callable[[int], Memory], limit: int,
 
   Sizes ascending. See the module docstring: the ends first, then the affine prediction
   between the nearest fitting and failing sizes, confirmed by compiling it and its next
-  larger size; once a prediction misses, bisection, until they are adjacent."""
+  larger size, until they are adjacent; after three overshoots in a row, one bisection."""
   tried = {}
 
   def at(size):
@@ -184,24 +186,25 @@ def choose(sizes: Sequence[int], measure: Callable[[int], Memory], limit: int,
     return sizes[-1], tried
   if at(sizes[0]).peak > limit:
     return None, tried
-  missed = False
+  overshoots = 0  # predictions in a row that did not fit
   while True:
     fit = max(s for s, m in tried.items() if m.peak <= limit)
     over = min(s for s, m in tried.items() if m.peak > limit)
     between = [s for s in sizes if fit < s < over]
     if not between:
       return fit, tried
-    if missed:  # the line was wrong once: halve the bracket from now on (log2 compiles)
+    if overshoots >= 3:  # the line keeps overshooting (memory far from affine): halve
       guess = between[(len(between) - 1) // 2]
-    else:
+    else:  # the line through the bracket's ends (regula falsi)
       lo, hi = tried[fit].peak, tried[over].peak
       slope = (hi - lo) / (over - fit)
       predicted = [s for s in between if lo + slope * (s - fit) <= limit]
       guess = predicted[-1] if predicted else between[0]
     if at(guess).peak > limit:
-      missed = True
-    elif not missed:  # confirm the prediction from above: its next larger size
-      missed = at(sizes[sizes.index(guess) + 1]).peak <= limit
+      overshoots += 1
+    else:  # confirm it from above: its next larger size
+      overshoots = 0
+      at(sizes[sizes.index(guess) + 1])
 
 
 def choose_micro_batch(config, model_cfg, tokenizer, mesh, limit: int | None,
