@@ -119,7 +119,7 @@ SUGGEST = (SMOKE, "--programs=update", "--suggest_micro_batch", "--config.model.
            "--config.generation.max_new_tokens=128")
 
 
-def test_suggest_micro_batch_finds_the_largest_that_fits(check):
+def test_suggest_micro_batch_finds_the_largest_that_fits_as_the_trainer_does(check, tmp_path):
   # 12.7 MiB per chip: 32 fits, 64 does not. fit.choose compiles 128 (does not fit), 16
   # (fits), the line's prediction 64 (does not), then 32 (fits), and answers 32; the check
   # then reports the program it chose.
@@ -132,19 +132,11 @@ def test_suggest_micro_batch_finds_the_largest_that_fits(check):
   assert re.search(r"micro_batch_size=auto -> 32 \(update step [\d.]+ MiB of 12.70 MiB per "
                    r"chip; 4 compiles, \d+ s\)", proc.stdout), proc.stdout
   assert "update: 128 rollouts in micro-batches of 32 (4 per step" in proc.stdout
-
-
-def test_the_trainer_and_the_check_choose_the_same_size(check, tmp_path):
-  # The config's own 'auto' and mesh.memory_limit_gib, in the check and in the trainer's
-  # start-up (trainer._fit) on the same topology's devices: one function, one answer.
-  limit = f"--config.mesh.memory_limit_gib={12.7 / 1024}"
-  args = [*SUGGEST[:1], *SUGGEST[3:], "--config.grpo.micro_batch_size=auto", limit]
-  proc = check("--topology=v5e:2x2", "--programs=update", *args)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  from_check = re.search(r"micro_batch_size=auto -> (\d+) ", proc.stdout)[1]
+  # The trainer's own start-up choice (trainer._fit) on the same topology's devices, with
+  # the config's 'auto' and mesh.memory_limit_gib: one function, one answer.
   script = tmp_path / "trainer_fit.py"
   script.write_text(
-      "import os, sys\n"
+      "import sys\n"
       "from jax.experimental import topologies\n"
       f"sys.path.insert(0, {ROOT!r})\n"
       "from jaxgrpo import train, trainer\n"
@@ -155,17 +147,22 @@ def test_the_trainer_and_the_check_choose_the_same_size(check, tmp_path):
       "setup, choices = trainer._fit(setup, mesh)\n"
       "print('trainer chose', setup.config.grpo.micro_batch_size)\n")
   python = os.environ.get("JAXGRPO_TPU_PYTHON") or sys.executable
-  trainer = subprocess.run([python, str(script), f"--workdir={tmp_path / 'w'}", *args,
-                            "--config.mesh.data=4"],
+  args = [SUGGEST[0], *SUGGEST[3:], "--config.grpo.micro_batch_size=auto",
+          f"--config.mesh.memory_limit_gib={12.7 / 1024}", "--config.mesh.data=4",
+          "--config.logging.trackers="]
+  trainer = subprocess.run([python, str(script), f"--workdir={tmp_path / 'w'}", *args],
                            capture_output=True, text=True, cwd=ROOT, timeout=600,
                            env=dict(os.environ, JAX_PLATFORMS="cpu",
                                     XLA_FLAGS="--xla_force_host_platform_device_count=4"))
   assert trainer.returncode == 0, trainer.stderr[-3000:]
-  assert f"trainer chose {from_check}" in trainer.stdout, (proc.stdout, trainer.stdout)
+  assert "trainer chose 32" in trainer.stdout, trainer.stdout
 
 
 def test_suggest_micro_batch_says_when_nothing_fits(check):
-  proc = check("--topology=v5e:2x2", *SUGGEST, "--hbm_gib=0.001")
+  # The smoke preset's 32 rollouts of 5 tokens, one layer: two cheap compiles (the whole
+  # batch, then the smallest) and one line.
+  proc = check("--topology=v5e:2x2", SMOKE, "--programs=update", "--suggest_micro_batch",
+               "--config.model.checkpoint=", "--config.model.num_layers=1", "--hbm_gib=0.001")
   assert proc.returncode == 1, proc.stderr[-3000:]
   # (The test session's shared persistent compilation cache may add a jax warning when the
   # same program was compiled with other options by the test before: not the check's own.)
