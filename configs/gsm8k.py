@@ -21,7 +21,8 @@ and takes the largest that fits the chips (jaxgrpo/fit.py; one line says what it
 before a slice is reserved). A number instead (--config.grpo.micro_batch_size=256) skips
 the search. What the check chose for real models and slices is in BENCHMARKS.md.
 
-`arg`: `cpu` shrinks lengths and batches to check the pipeline on a laptop with a tiny model.
+`arg`: `cpu` shrinks lengths and batches to check the pipeline on a laptop with a tiny model;
+`lora` trains rank-16 adapters on a frozen base instead of every weight (`cpu,lora`: both).
 """
 
 import ml_collections
@@ -51,7 +52,10 @@ def get_config(arg=None):
       # None: the layers scanned (one compiled layer body) on TPU and GPU, unrolled on CPU.
       scan_layers=unset(bool),
       # None: cuDNN's fused attention on a GPU (bfloat16 compute), XLA's einsums elsewhere.
-      attention=unset(str)))
+      attention=unset(str),
+      # LoRA: rank 0 trains every weight; a rank trains adapters (alpha / rank scaled) on
+      # the frozen base, on all-linear or a list of q,k,v,o,gate,up,down.
+      lora_rank=0, lora_alpha=32.0, lora_targets="all-linear"))
 
   # dcn_data: TPU slices (multi-slice); data/fsdp/tensor are sizes inside one slice.
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1,
@@ -136,7 +140,18 @@ def get_config(arg=None):
       trackers="tensorboard", project="jaxgrpo", run_name="", tags="", plots=True,
       console=True))
 
-  if arg == "cpu":
+  presets = [a for a in (arg or "").split(",") if a]
+  for preset in presets:
+    if preset not in ("cpu", "lora"):
+      raise ValueError(f"configs/gsm8k.py: unknown preset {preset!r}; allowed: cpu, lora "
+                       "(or both: cpu,lora)")
+  if "lora" in presets:
+    # Rank-16 adapters on every linear layer of a frozen base (model/lora.py): the optimizer
+    # holds the adapters' moments only and the KL reference is the base itself. Adapters
+    # take a larger step than full fine-tuning's 1e-6.
+    c.model.lora_rank, c.model.lora_alpha, c.model.lora_targets = 16, 32.0, "all-linear"
+    c.optim.learning_rate = 1e-5
+  if "cpu" in presets:
     c.mesh.fsdp = 1
     c.mesh.data = -1
     c.model.dtype = "float32"
@@ -151,6 +166,4 @@ def get_config(arg=None):
     c.grpo.max_val_samples = 8
     c.grpo.val_num_generations_per_prompt = 2
     c.logging.plots = False
-  elif arg not in (None, ""):
-    raise ValueError(f"configs/gsm8k.py: unknown preset {arg!r}; allowed: cpu")
   return c

@@ -40,7 +40,10 @@ def get_config(arg=None):
       # with depth).
       scan_layers=config_dict.placeholder(bool),
       # None: cuDNN's fused attention on a GPU with bfloat16 compute, XLA's einsums elsewhere.
-      attention=config_dict.placeholder(str)))
+      attention=config_dict.placeholder(str),
+      # LoRA: rank 0 trains every weight; a rank trains adapters (alpha / rank scaled) on
+      # the frozen base, on all-linear or a list of q,k,v,o,gate,up,down.
+      lora_rank=0, lora_alpha=32.0, lora_targets="all-linear"))
 
   # dcn_data: TPU slices joined by the data-centre network, each a data-parallel replica;
   # data/fsdp/tensor are sizes inside one slice.

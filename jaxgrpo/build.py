@@ -13,6 +13,7 @@ from jaxgrpo import grpo
 from jaxgrpo.model import hf
 from jaxgrpo.model import attention as attention_lib
 from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling
 
@@ -34,12 +35,29 @@ def training(setup, mesh=None):
   o = c.optim
   optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps, total_updates,
                                       o.weight_decay, o.grad_clip, o.schedule)
-  # No reference policy at all when beta is 0 (no copy, no forward pass).
-  ref_params = jax.tree.map(lambda x: x.copy(), params) if g.beta > 0 else None
+  loss = loss_config(c, mesh)
+  if loss.lora_rank:
+    # LoRA: the state trains the adapters only; the frozen base rides in the reference slot
+    # (it is the KL's reference policy too: adapters off, no second copy).
+    ref_params = params
+    params = place_adapters(c, setup.model_cfg, mesh)
+  else:
+    # No reference policy at all when beta is 0 (no copy, no forward pass).
+    ref_params = jax.tree.map(lambda x: x.copy(), params) if g.beta > 0 else None
   state = grpo.init_state(params, optimizer, mesh)
-  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss_config(c, mesh),
+  update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss,
                          sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
   return engine, state, ref_params, update
+
+
+def place_adapters(c, model_cfg, mesh):
+  """LoRA adapters (lora.init: B = 0) created on the mesh with their base weights' shardings,
+  from the run seed."""
+  targets = lora.parse_targets(c.model.lora_targets)
+  shardings = sharding_lib.adapter_shardings(model_cfg, mesh, targets)
+  key = jax.random.fold_in(jax.random.key(c.seed), 0x10A)  # not the init's own key
+  return jax.jit(lambda k: lora.init(model_cfg, c.model.lora_rank, targets, k),
+                 out_shardings=shardings)(key)
 
 
 def place_params(c, model_cfg, host_params, mesh):
@@ -72,7 +90,10 @@ def loss_config(c, mesh) -> grpo.LossConfig:
       scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
       max_new_tokens=c.generation.max_new_tokens, micro_batch_size=g.micro_batch_size,
       logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat,
-      scan_layers=scan_layers(c, mesh), attention=attention(c, mesh))
+      scan_layers=scan_layers(c, mesh), attention=attention(c, mesh),
+      lora_rank=c.model.lora_rank,
+      lora_scale=c.model.lora_alpha / c.model.lora_rank if c.model.lora_rank else 0.0,
+      lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else ())
 
 
 class CountedUpdate:
@@ -82,9 +103,19 @@ class CountedUpdate:
   shape, dtype or sharding changed between steps: each such step paid a full compilation.
   """
 
-  def __init__(self, *args, **kwargs):  # compile_update's arguments
+  def __init__(self, state, ref_params, **kwargs):  # compile_update's arguments
     self.compilations = 0
-    self.fn = grpo.compile_update(*args, **kwargs, on_trace=self._count)
+    self.fn = grpo.compile_update(state, ref_params, **kwargs, on_trace=self._count)
+    loss, cfg, mesh = kwargs["loss"], kwargs["cfg"], kwargs["mesh"]
+    self._merge = None
+    if loss.lora_rank:  # one compiled merge per step for the samplers
+      self._merge = jax.jit(lambda base, adapters: lora.merge(base, adapters, loss.lora_scale),
+                            out_shardings=sharding_lib.param_shardings(cfg, mesh))
+
+  def policy(self, state, ref_params):
+    """The parameters the samplers run: the trained ones, or with LoRA the base with the
+    adapters merged (W + alpha/r A B), computed once per call."""
+    return state.params if self._merge is None else self._merge(ref_params, state.params)
 
   def _count(self):
     self.compilations += 1

@@ -146,7 +146,10 @@ SCHEMA: dict[str, Any] = {
         # Not architecture: the layers as one compiled loop body or unrolled (None: by platform).
         "scan_layers": _optional(_bool),
         # Not architecture: the attention kernel (None: cudnn on GPU with bfloat16, else xla).
-        "attention": _optional(_choice("xla", "cudnn"))},
+        "attention": _optional(_choice("xla", "cudnn")),
+        # LoRA (model/lora.py): 0 = full fine-tuning; else adapters of this rank on the
+        # targets (all-linear, or q,k,v,o,gate,up,down / HF's q_proj,...), scaled alpha/rank.
+        "lora_rank": _int(0), "lora_alpha": _num(0, lo_open=True), "lora_targets": _str},
     # memory_limit_gib: bytes per chip that 'auto' batch sizes plan against (fit.py); None:
     # the device's own limit (none on CPU).
     "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1), "dcn_data": _int(1),
@@ -409,6 +412,7 @@ def _check_cross_fields(c, num_devices: int):
         _fail(f"model.{key}", value, "a value, or a checkpoint to take it from "
               "(model.hf_checkpoint=/path/to/hf/model or model.checkpoint)")
   _check_model_shapes(c, m, sizes)
+  _check_lora(m)
   _check_attention(m)
   _check_backend(c.generation, rows)
   _check_dynamic_sampling(c)
@@ -423,6 +427,16 @@ def _check_cross_fields(c, num_devices: int):
   if "{question}" not in d.prompt_template:
     _fail("data.prompt_template", d.prompt_template, "a template containing {question}")
   _check_no_backslash_n(d.prompt_template)
+
+
+def _check_lora(m):
+  if not m.lora_rank:
+    return
+  from jaxgrpo.model import lora  # pylint: disable=g-import-not-at-top  (imports jax)
+  try:
+    lora.parse_targets(m.lora_targets)
+  except ValueError as e:
+    _fail("model.lora_targets", m.lora_targets, str(e).split("; allowed: ")[-1])
 
 
 def _check_no_backslash_n(template: str):

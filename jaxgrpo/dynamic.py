@@ -70,7 +70,7 @@ def choose(informative_per_batch: Sequence[np.ndarray], num_groups: int):
   return np.sort(np.concatenate([kept, fill])), len(fill)
 
 
-def sample_step(setup, engine, state, batch, step, consumed):
+def sample_step(setup, engine, params, batch, step, consumed):
   """One training step's generation batches, until B informative groups are kept.
 
   Returns this process's rows of the chosen B groups as trainer.train_step uses them: (prompt
@@ -91,7 +91,7 @@ def sample_step(setup, engine, state, batch, step, consumed):
       consumed.append(ids)
     t0 = time.perf_counter()
     # One key per (step, generation batch), folded from the step's own.
-    rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
+    rollout = engine.sample("train", params, batch["prompt_tokens_BxL"],
                             batch["prompt_mask_BxL"],
                             key=jax.random.fold_in(engine.key("train", step), j))
     local = sharding_lib.to_local((rollout.tokens_NxT, rollout.mask_NxT, rollout.logp_NxT,

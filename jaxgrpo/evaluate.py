@@ -230,14 +230,15 @@ def _side(raw, spec, overrides) -> Side:
   values["model"] = model
   config = config_lib.validate(ml_collections.ConfigDict(values), jax.device_count())
   model_cfg, host_params, tokenizer = loading.load_policy(config)
-  if restore:
+  if restore and not config.model.lora_rank:
     host_params = None  # the run's own weights come from its checkpoint, onto the mesh
     _check_run_checkpoint(*restore, model_cfg)
   return Side(label, config, model_cfg, tokenizer, host_params, checkpoint, restore,
               run.to_dict() if run is not None else None)
 
 
-_EXECUTION_KEYS = ("param_dtype", "dtype", "remat", "scan_layers", "attention")
+_EXECUTION_KEYS = ("param_dtype", "dtype", "remat", "scan_layers", "attention", "lora_rank",
+                   "lora_alpha", "lora_targets")
 
 
 def _check_run_checkpoint(directory: str, step: int, model_cfg) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from jaxgrpo import build, checkpoint, fit, loading, plot, scorer
 from jaxgrpo.runtime import metrics as metrics_lib
 from jaxgrpo.runtime import trackers as trackers_lib
+from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import paired, validation
 
@@ -144,11 +145,21 @@ def place(side, mesh):
   if side.restore is None:
     return build.place_params(side.config, side.model_cfg, side.host_params, mesh)
   directory, step = side.restore
+  c = side.config
+  lora_run = bool(c.model.lora_rank)
+  like = (fit.abstract_adapters(c, side.model_cfg, mesh) if lora_run
+          else sharding_lib.abstract_params(side.model_cfg, mesh))
   ckpts = checkpoint.Checkpoints(directory, read_only=True)
   try:
-    return ckpts.restore_params(step, sharding_lib.abstract_params(side.model_cfg, mesh))
+    params = ckpts.restore_params(step, like)
   finally:
     ckpts.close()
+  if lora_run:  # the run trained adapters: its base (from the run's config), merged
+    base = build.place_params(c, side.model_cfg, side.host_params, mesh)
+    params = jax.jit(lambda b, a: lora.merge(b, a, c.model.lora_alpha / c.model.lora_rank),
+                     out_shardings=sharding_lib.param_shardings(side.model_cfg, mesh))(
+                         base, params)
+  return params
 
 
 class Progress:

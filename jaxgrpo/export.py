@@ -17,12 +17,14 @@ import os
 import shutil
 import sys
 
+import jax
 import ml_collections
 import numpy as np
 import safetensors.numpy
 
 from jaxgrpo import checkpoint
 from jaxgrpo.model import hf
+from jaxgrpo.model import lora
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model.tokenizer import Tokenizer
 
@@ -76,7 +78,27 @@ def load_run(workdir: str, step: int | None = None):
     state, _ = ckpts.restore(step)
   finally:
     ckpts.close()
-  return config, cfg, tokenizer, state["params"], step
+  params = state["params"]
+  if config.model.get("lora_rank"):  # adapters: merged into the run's base (W + alpha/r A B)
+    params = jax.tree.map(np.asarray, lora.merge(
+        _base(config, cfg), params, config.model.lora_alpha / config.model.lora_rank))
+  return config, cfg, tokenizer, params, step
+
+
+def _base(config, cfg):
+  """A LoRA run's frozen base as host arrays: its Hugging Face folder, jaxgrpo checkpoint,
+  or the seeded random init it started from (build.place_params's three sources)."""
+  from jaxgrpo import loading  # pylint: disable=g-import-not-at-top
+  m = config.model
+  if m.hf_checkpoint:
+    return hf.load_hf(m.hf_checkpoint, dtype=m.param_dtype)[1]
+  _, host_params, _ = loading.load_policy(config)
+  if host_params is not None:
+    return host_params
+  from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  mesh = sharding_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  return jax.tree.map(np.asarray, sharding_lib.init_sharded(cfg, mesh,
+                                                            jax.random.key(config.seed)))
 
 
 def export(workdir: str, out: str, step: int | None = None) -> tuple[int, list[str]]:

@@ -49,6 +49,7 @@ import numpy as np
 
 from jaxgrpo import build, grpo
 from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling
 
@@ -294,8 +295,13 @@ def programs(c, model_cfg, tokenizer, mesh, which):
   optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps,
                                       g.max_num_steps * g.num_iterations, o.weight_decay,
                                       o.grad_clip, o.schedule)
-  state = abstract_state(abstract_params(model_cfg, mesh), optimizer, mesh)
-  ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
+  params = abstract_params(model_cfg, mesh)
+  if c.model.lora_rank:  # the state trains the adapters; the base rides as the reference
+    state = abstract_state(abstract_adapters(c, model_cfg, mesh), optimizer, mesh)
+    ref_params = params
+  else:
+    state = abstract_state(params, optimizer, mesh)
+    ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
   engine = build.make_engine(c, model_cfg, tokenizer, mesh)
   b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
   n = b * g.num_generations_per_prompt
@@ -313,8 +319,10 @@ def programs(c, model_cfg, tokenizer, mesh, which):
              "truncated_N": sds((n,), bool), "scored_N": sds((n,), bool)}
     assert set(batch) == set(grpo.BATCH_RANKS), "grpo's update batch changed its keys"
     yield "update step", update.lower(state, batch, ref_params), 0
-  # While sampling, the optimizer state and the reference policy stay on the chips.
-  resident = bytes_per_chip((state.step, state.opt_state, ref_params))
+  # While sampling, the optimizer state and the reference policy stay on the chips; with
+  # LoRA the samplers run merged weights, beside the base and the adapters.
+  resident = bytes_per_chip((state.step, state.opt_state, ref_params) + (
+      (state.params,) if c.model.lora_rank else ()))
   key = jax.eval_shape(lambda: jax.random.key(0))
   for name, rows in (("train", b), ("val", g.val_batch_size)):
     if name not in which:
@@ -326,7 +334,7 @@ def programs(c, model_cfg, tokenizer, mesh, which):
                                        attention=engine.attention,
                                        decode_block=engine.decode_block,
                                        compact_stages=engine.compact_stages)
-    lowered = sampler.lower(state.params, sds((rows, p), jnp.int32), sds((rows, p), bool),
+    lowered = sampler.lower(params, sds((rows, p), jnp.int32), sds((rows, p), bool),
                             key, sds((rows,), jnp.int32))
     yield f"{name} sampler", lowered, resident
 
@@ -338,6 +346,15 @@ def abstract_params(model_cfg, mesh):
                           jax.random.key(0))
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       shapes, sharding_lib.param_shardings(model_cfg, mesh))
+
+
+def abstract_adapters(c, model_cfg, mesh):
+  """LoRA adapters (build.place_adapters) as ShapeDtypeStructs with their shardings."""
+  targets = lora.parse_targets(c.model.lora_targets)
+  shapes = jax.eval_shape(lambda k: lora.init(model_cfg, c.model.lora_rank, targets, k),
+                          jax.random.key(0))
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, sharding_lib.adapter_shardings(model_cfg, mesh, targets))
 
 
 def abstract_state(params, optimizer, mesh):

@@ -65,6 +65,7 @@ from jaxgrpo import microbatch
 from jaxgrpo.runtime import compile_options
 from jaxgrpo.model import distribution, scoring
 from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling
 # The loss options' names are defined with the config keys that choose them, so that a config
@@ -91,6 +92,11 @@ class LossConfig:
   remat: str = "none"          # what each layer keeps for the backward (model.REMAT_POLICIES)
   scan_layers: bool | None = None  # layers as one compiled loop body; None: by backend
   attention: str | None = None  # attention.ATTENTION; None: by backend
+  # LoRA (model/lora.py): rank 0 = full fine-tuning. With a rank, the trained `params` are
+  # the adapters and `ref_params` is the frozen base (also the KL's reference policy).
+  lora_rank: int = 0
+  lora_scale: float = 0.0      # alpha / rank
+  lora_targets: tuple = ()
 
 
 class TrainState(NamedTuple):
@@ -368,7 +374,8 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
   sums. `micro` carries what only the whole batch can give (`micro_batch_loss`): advantages_N,
   mask_NxT (truncated rows already removed) and weights_NxT (token_weights)."""
   mask, weights = micro["mask_NxT"], micro["weights_NxT"]
-  logp, kl_logp = _policy_logprobs(params, cfg, micro, loss, sp)
+  policy_params = lora.merge(ref_params, params, loss.lora_scale) if loss.lora_rank else params
+  logp, kl_logp = _policy_logprobs(policy_params, cfg, micro, loss, sp)
   per_token, clipped, ratio = clipped_surrogate(logp, micro["old_logp_NxT"],
                                                 micro["advantages_N"], loss.epsilon,
                                                 loss.epsilon_high)
@@ -395,7 +402,9 @@ def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, me
   shards = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
   micro = microbatch.split(rows, n // loss.micro_batch_size, shards, mesh)
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
-  shardings = None if mesh is None else sharding_lib.param_shardings(cfg, mesh)
+  shardings = None if mesh is None else (
+      sharding_lib.adapter_shardings(cfg, mesh, loss.lora_targets) if loss.lora_rank
+      else sharding_lib.param_shardings(cfg, mesh))
   (total, sums), grads = microbatch.accumulate(fn, params, micro, shardings)
   return (total, _diagnostics(total, sums, mask, advantages)), grads
 

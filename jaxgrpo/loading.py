@@ -149,6 +149,17 @@ def check_source_metrics(config, sources) -> None:
           f"{allowed}")
 
 
+def lora_meta(config) -> dict:
+  """What a checkpoint's meta says of LoRA: {'rank': 0} for full fine-tuning."""
+  m = config.model
+  if not m.lora_rank:
+    return {"rank": 0}
+  from jaxgrpo.model import lora  # pylint: disable=g-import-not-at-top
+  return {"rank": m.lora_rank, "alpha": m.lora_alpha,
+          "targets": ",".join(lora.parse_targets(m.lora_targets)),
+          "base": m.hf_checkpoint or m.checkpoint or "random_init"}
+
+
 def resume_point(config, workdir: str, model_cfg, train_batches):
   """Where the run resumes from, checked on the host: (folder, step or None) or None."""
   from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
@@ -189,6 +200,20 @@ def resume_point(config, workdir: str, model_cfg, train_batches):
             f"config.model.{key}={value!r}: the checkpoint {directory}/{candidate} to resume "
             f"from has {saved[key]!r}; allowed: the checkpoint's value, or "
             "checkpoint.resume='never' with another --workdir")
+    # LoRA: a checkpoint holds adapters (and their optimizer state) or every weight, and
+    # only a run of the same kind can resume it.
+    saved_lora = meta.get("lora") or {"rank": 0}
+    want_lora = lora_meta(config)
+    same = lambda d: {k: v for k, v in d.items() if k != "base"}  # a moved base folder is fine
+    if same(saved_lora) != same(want_lora):
+      def say(d):
+        return (f"lora_rank={d['rank']}, lora_alpha={d['alpha']}, lora_targets="
+                f"{d['targets']!r}" if d["rank"] else "no LoRA (lora_rank=0)")
+      raise config_lib.ConfigError(
+          f"config.model.lora_rank={config.model.lora_rank}: the checkpoint "
+          f"{directory}/{candidate} to resume from was trained with {say(saved_lora)}; "
+          "allowed: the same LoRA settings, or checkpoint.resume='never' with another "
+          "--workdir (python -m jaxgrpo.export writes a LoRA run merged, to start from)")
     if meta.get("layout") != model_lib.PARAM_LAYOUT:
       raise config_lib.ConfigError(
           f"config.checkpoint.resume: {directory}/{candidate} holds per-layer parameters "

@@ -142,6 +142,7 @@ def prepare(argv) -> Setup:
           f"fsdp={m.fsdp} tensor={m.tensor}" + (f" dcn_data={m.dcn_data}" if m.dcn_data > 1
                                                 else ""), file=sys.stderr, flush=True)
   model_cfg, host_params, tokenizer = loading.load_policy(config)
+  _check_lora_rank(config, model_cfg)
   data = loading.load_data(config, tokenizer)
   loading.per_process(config, "num_prompts_per_step")
   # Global batches: each process keeps its slice, so the run does not depend on the hosts.
@@ -171,6 +172,19 @@ def prepare(argv) -> Setup:
             f"kept as {kept})", flush=True)
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
                resume, data.val_sources, data)
+
+
+def _check_lora_rank(config, model_cfg) -> None:
+  """A LoRA rank larger than a target's smaller side: one line, once the architecture (from
+  the checkpoint) is known."""
+  if not config.model.lora_rank:
+    return
+  from jaxgrpo.model import lora  # pylint: disable=g-import-not-at-top
+  problem = lora.check_rank(model_cfg, config.model.lora_rank,
+                            lora.parse_targets(config.model.lora_targets))
+  if problem:
+    raise config_lib.ConfigError(f"config.model.lora_rank={config.model.lora_rank}: {problem}; "
+                                 "allowed: a smaller rank")
 
 
 def _check_trackers(config) -> None:

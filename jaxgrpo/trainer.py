@@ -20,7 +20,7 @@ import warnings
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, dynamic, grpo, plot
+from jaxgrpo import build, checkpoint, dynamic, grpo, loading, plot
 from jaxgrpo.runtime import distributed, faults, metrics, trackers
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -38,14 +38,15 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   c = setup.config
   g = c.grpo.num_generations_per_prompt
   ds = {}
+  policy = update.policy(state, ref_params)  # LoRA: the base with the adapters merged
   if c.grpo.dynamic_sampling != "off":
     (prompt, completion, lengths_N, truncated_N, scores, t_rollout, t_reward, generated,
-     ds) = dynamic.sample_step(setup, engine, state, batch, step, consumed)
+     ds) = dynamic.sample_step(setup, engine, policy, batch, step, consumed)
   else:
     if consumed is not None:
       consumed.append(distributed.gather_rows(batch["row_ids_B"])[0])
     t0 = time.perf_counter()
-    rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
+    rollout = engine.sample("train", policy, batch["prompt_tokens_BxL"],
                             batch["prompt_mask_BxL"], step=step)
     tokens_NxT, lengths_N, truncated_N = sharding_lib.to_local(
         (rollout.tokens_NxT, rollout.lengths_N, rollout.truncated_N))
@@ -162,7 +163,7 @@ def run(setup) -> int:
   previous_summary = metrics.read_summary(setup.workdir) if resumed_from else None
 
   def validate(step):
-    result = validator(state.params, step)
+    result = validator(update.policy(state, ref_params), step)
     val_history[step] = result
     writer.write(step, "val", result)
     if primary and log.plots and log.trackers:
@@ -177,7 +178,8 @@ def run(setup) -> int:
   def save(step, reason, result=None):
     meta = {"step": step, "reason": reason, "seed": c.seed, "time": time.time(),
             "data": setup.train_batches.get_state(),
-            "model": dataclasses.asdict(setup.model_cfg), "layout": model_lib.PARAM_LAYOUT}
+            "model": dataclasses.asdict(setup.model_cfg), "layout": model_lib.PARAM_LAYOUT,
+            "lora": loading.lora_meta(c)}
     with preemption.busy(f"saving checkpoint {step}"):
       saved[step] = checkpoints.save(step, state, meta, result)
 
@@ -274,7 +276,7 @@ def _fit(setup, mesh=None):
   """(setup with its 'auto' batch sizes chosen, [fit.Choice]): one line each, config.json
   rewritten with the numbers, the validation batches made at the chosen size. Raises
   fit.FitError (exit 2) when nothing fits; nothing is compiled but the search."""
-  from jaxgrpo import config as config_lib, fit, loading  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import config as config_lib, fit  # pylint: disable=g-import-not-at-top
   g = setup.config.grpo
   if fit.AUTO not in (g.micro_batch_size, g.val_batch_size):
     return setup, []

@@ -297,3 +297,17 @@ def test_rewards_bench_times_the_reward_step_three_ways():
   for way in ("compute", "inline", "pool"):
     assert r[f"{way}_s"] > 0 and 0 < r[f"{way}_share"] < 1
   assert r["rollout_s"] > 0 and r["update_s"] > 0
+
+
+@pytest.mark.slow
+def test_lora_bench_times_merge_rollout_and_update_beside_full():
+  proc = subprocess.run([sys.executable, "-m", "jaxgrpo.bench", "lora", "--reps", "1", "--",
+                         f"--config={cli.MATH}:smoke", "--config.model.lora_rank=4",
+                         "--config.logging.trackers="],
+                        capture_output=True, text=True, env=cli.env(), cwd=cli.ROOT,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r["bench"] == "lora" and r["lora_rank"] == 4 and r["reps"] == 1
+  assert r["lora_policy_s"] > 0 and r["full_policy_s"] >= 0
+  assert r["lora_rollout_tokens_per_s"] > 0 and r["update_ratio"] > 0

@@ -38,7 +38,8 @@ def run_rewards(args) -> list[dict]:
     for rep in range(args.reps + 1):
       batch = next(setup.train_batches)
       t0 = time.perf_counter()
-      rollout = engine.sample("train", state.params, batch["prompt_tokens_BxL"],
+      rollout = engine.sample("train", update.policy(state, ref_params),
+                              batch["prompt_tokens_BxL"],
                               batch["prompt_mask_BxL"], step=rep + 1)
       tokens_NxT, lengths_N = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N))
       t_rollout = time.perf_counter() - t0

@@ -196,6 +196,15 @@ def to_local(tree):
   return jax.tree.map(one, tree)
 
 
+def adapter_shardings(cfg: model_lib.ModelConfig, mesh: Mesh, targets):
+  """NamedShardings for LoRA adapters (lora.init's tree): each follows its base weight's
+  logical axes, the rank axis unsplit."""
+  from jaxgrpo.model import lora  # pylint: disable=g-import-not-at-top
+  return {target: {k: nn.logical_to_mesh_sharding(P(*names), mesh, RULES)
+                   for k, names in axes.items()}
+          for target, axes in lora.logical_axes(cfg, targets).items()}
+
+
 def param_shardings(cfg: model_lib.ModelConfig, mesh: Mesh):
   """NamedShardings for the (unboxed) parameter tree, from the logical names."""
   abstract = jax.eval_shape(lambda r: model_lib.init_params(cfg, r), jax.random.key(0))

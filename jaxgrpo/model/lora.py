@@ -1,0 +1,136 @@
+"""LoRA: low-rank adapters on a frozen base (Hu et al. 2021, "LoRA").
+
+For a target projection W (the stacked layers' [num_layers, in..., out...]) the adapted
+weight is W' = W + (alpha / r) * A @ B, with A [num_layers, in..., r] and B [num_layers, r,
+out...] (the paper's B A, written for x @ W). B starts at zero, so the first forward equals
+the base model's; A starts N(0, 1/in). Adapters are float32; the base stays in its own
+dtype and is never updated: the optimizer, the gradients and their accumulation cover only
+the adapters, and with `beta` > 0 the reference policy is the base itself (adapters off), so
+it costs no second copy of the weights.
+
+Deviation from the paper: no dropout on the adapter's input (RL post-training recipes run
+LoRA without it: verl's default and Tunix's qwix path have none), so `merge` is exact and
+the sampler can run the merged weights.
+
+Sharding: an adapter follows its base weight's logical axes (A its input axes, B its
+output axes; the rank axis is never split), so FSDP and data parallelism shard them as they
+shard the base.
+
+Targets: the attention projections q, k, v, o and the MLP's gate, up, down, by those names
+or Hugging Face's (q_proj, ..., down_proj), or `all-linear` for all seven.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxgrpo.model import decoder as model_lib
+
+# target -> (parameter path under "layers", how many leading axes (after layers) are its
+# input; the rest are its output), with the logical axis names of the base weight.
+TARGETS = {
+    "q": (("attn", "q"), 1), "k": (("attn", "k"), 1), "v": (("attn", "v"), 1),
+    "o": (("attn", "o"), 2), "gate": (("mlp", "gate"), 1), "up": (("mlp", "up"), 1),
+    "down": (("mlp", "down"), 1),
+}
+HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
+            "up_proj": "up", "down_proj": "down"}
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+  """'all-linear' or a comma-separated list (ours or HF's names) -> target names, in
+  TARGETS order. Raises ValueError naming the unknown one."""
+  if text.strip() == "all-linear":
+    return tuple(TARGETS)
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  out = []
+  for name in names:
+    target = HF_NAMES.get(name, name)
+    if target not in TARGETS:
+      raise ValueError(f"unknown LoRA target {name!r}; allowed: all-linear, or a "
+                       f"comma-separated list of {', '.join(TARGETS)} (or {', '.join(HF_NAMES)})")
+    out.append(target)
+  if not out:
+    raise ValueError("no LoRA target; allowed: all-linear, or a comma-separated list of "
+                     f"{', '.join(TARGETS)}")
+  return tuple(t for t in TARGETS if t in out)
+
+
+def _weight(params, target):
+  path, _ = TARGETS[target]
+  node = params["layers"]
+  for key in path:
+    node = node[key]
+  return node
+
+
+def shapes(cfg: model_lib.ModelConfig, rank: int, targets) -> dict:
+  """{target: (A shape, B shape)} for the stacked layers."""
+  base = jax.eval_shape(lambda r: model_lib.init_params(cfg, r), jax.random.key(0))
+  base = jax.tree.map(lambda x: getattr(x, "value", x), base,
+                      is_leaf=lambda x: hasattr(x, "value"))
+  out = {}
+  for target in targets:
+    shape = _weight(base, target).shape
+    n_in = TARGETS[target][1]
+    out[target] = (shape[:1 + n_in] + (rank,), (shape[0], rank) + shape[1 + n_in:])
+  return out
+
+
+def check_rank(cfg: model_lib.ModelConfig, rank: int, targets) -> str | None:
+  """Why `rank` is too large for a target (its smaller side), or None."""
+  for target, (a, b) in shapes(cfg, rank, targets).items():
+    n_in, n_out = math.prod(a[1:-1]), math.prod(b[2:])
+    if rank > min(n_in, n_out):
+      return (f"rank {rank} exceeds target {target!r}'s smaller side ({min(n_in, n_out)}: "
+              f"{n_in} in, {n_out} out)")
+  return None
+
+
+def logical_axes(cfg: model_lib.ModelConfig, targets) -> dict:
+  """{target: {"a": names, "b": names}}: the base weight's logical axes split at the rank."""
+  boxed = jax.eval_shape(lambda r: model_lib.init_params(cfg, r), jax.random.key(0))
+  out = {}
+  for target in targets:
+    names = tuple(_weight(boxed, target).names)  # ("layers", in..., out...)
+    n_in = TARGETS[target][1]
+    out[target] = {"a": names[:1 + n_in] + (None,), "b": names[:1] + (None,) + names[1 + n_in:]}
+  return out
+
+
+def init(cfg: model_lib.ModelConfig, rank: int, targets, key) -> dict:
+  """Adapters {target: {"a", "b"}}: A ~ N(0, 1/in), B = 0 (the first forward is the base's)."""
+  out = {}
+  for i, (target, (a_shape, b_shape)) in enumerate(shapes(cfg, rank, targets).items()):
+    fan_in = 1
+    for d in a_shape[1:-1]:
+      fan_in *= d
+    a = jax.random.normal(jax.random.fold_in(key, i), a_shape, jnp.float32) * fan_in ** -0.5
+    out[target] = {"a": a, "b": jnp.zeros(b_shape, jnp.float32)}
+  return out
+
+
+def delta(adapter, scale: float):
+  """scale * A @ B in the base weight's shape [num_layers, in..., out...] (float32)."""
+  a, b = adapter["a"], adapter["b"]
+  layers, rank = a.shape[0], a.shape[-1]
+  a2 = a.reshape(layers, -1, rank)
+  b2 = b.reshape(layers, rank, -1)
+  out = jnp.einsum("lir,lro->lio", a2, b2, preferred_element_type=jnp.float32) * scale
+  return out.reshape(a.shape[:-1] + b.shape[2:])
+
+
+def merge(base, adapters, scale: float):
+  """The base parameters with every adapted weight replaced by W + scale * A @ B (in the
+  base's dtype). Differentiable in the adapters; the base gets no gradient."""
+  base = jax.lax.stop_gradient(base)
+  layers = dict(base["layers"])
+  for target, adapter in adapters.items():
+    (section, name), _ = TARGETS[target]
+    w = layers[section][name]
+    merged = (w.astype(jnp.float32) + delta(adapter, scale)).astype(w.dtype)
+    layers[section] = {**layers[section], name: merged}
+  return {**base, "layers": layers}

@@ -1,0 +1,182 @@
+"""LoRA (jaxgrpo/model/lora.py): adapters on a frozen base, trained by the GRPO update."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from jaxgrpo import build, train, trainer
+from jaxgrpo import config as config_lib
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import lora
+from jaxgrpo.model import sharding as sharding_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = model_lib.ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=8, mlp_dim=64)
+
+
+def test_targets_by_our_names_or_hugging_faces():
+  assert lora.parse_targets("all-linear") == ("q", "k", "v", "o", "gate", "up", "down")
+  assert lora.parse_targets("v_proj, q") == ("q", "v")
+  with pytest.raises(ValueError, match="unknown LoRA target 'qkv'; allowed: all-linear"):
+    lora.parse_targets("q,qkv")
+
+
+def test_adapters_follow_their_weights_axes_and_rank_is_checked():
+  shapes = lora.shapes(CFG, 4, ("q", "o", "down"))
+  # q [layers, d_model, heads, head_dim]: A [2, 32, 4], B [2, 4, 4, 8]; o's input is
+  # (heads, head_dim): A [2, 4, 8, 4], B [2, 4, 32].
+  assert shapes["q"] == ((2, 32, 4), (2, 4, 4, 8))
+  assert shapes["o"] == ((2, 4, 8, 4), (2, 4, 32))
+  assert shapes["down"] == ((2, 64, 4), (2, 4, 32))
+  axes = lora.logical_axes(CFG, ("q",))["q"]
+  assert axes == {"a": ("layers", "embed", None), "b": ("layers", None, "q_heads", "head_dim")}
+  assert lora.check_rank(CFG, 32, ("q",)) is None
+  assert "rank 33 exceeds target 'q'" in lora.check_rank(CFG, 33, ("q",))
+
+
+def test_merge_is_the_base_at_init_and_w_plus_scaled_a_b_after():
+  base = model_lib.init_params(CFG, jax.random.key(0))
+  base = jax.tree.map(lambda x: getattr(x, "value", x), base,
+                      is_leaf=lambda x: hasattr(x, "value"))
+  adapters = lora.init(CFG, 4, lora.parse_targets("all-linear"), jax.random.key(1))
+  merged = lora.merge(base, adapters, 2.0)
+  # B = 0: every weight is the base's, bit for bit (the first forward is the base model's).
+  for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(a, b)
+  # With B set: W + 2 * A @ B, per layer, for q's [d_model] x [heads * head_dim] view.
+  adapters["q"]["b"] = jax.random.normal(jax.random.key(2), adapters["q"]["b"].shape)
+  merged = lora.merge(base, adapters, 2.0)
+  a, b = np.asarray(adapters["q"]["a"]), np.asarray(adapters["q"]["b"]).reshape(2, 4, 32)
+  want = np.asarray(base["layers"]["attn"]["q"]) + 2.0 * np.einsum(
+      "lir,lro->lio", a, b).reshape(2, 32, 4, 8)
+  np.testing.assert_allclose(merged["layers"]["attn"]["q"], want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(merged["layers"]["attn"]["k"], base["layers"]["attn"]["k"])
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+  return train.prepare(["train", f"--config={ROOT}/configs/math.py:smoke",
+                        f"--workdir={tmp_path_factory.mktemp('run')}",
+                        "--config.mesh.data=8"])
+
+
+def _lora_setup(smoke, rank=4, **model):
+  config = ml_collections.ConfigDict(smoke.config.to_dict())
+  config.model.lora_rank = rank
+  config.optim.learning_rate = 1e-2  # large enough that the adapters move in two steps
+  for key, value in model.items():
+    config.model[key] = value
+  config = config_lib.validate(config, jax.device_count())
+  return dataclasses.replace(smoke, config=config)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_only_the_adapters_train_and_the_base_is_the_reference(smoke, beta):
+  setup = _lora_setup(smoke)
+  setup.config.unlock()
+  setup.config.grpo.beta = beta
+  engine, state, base, update = build.training(setup)
+  before = jax.tree.map(np.asarray, base)
+  # The state is the adapters (and Adam's moments of them): no optimizer state per weight.
+  assert set(state.params) == set(lora.TARGETS)
+  n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
+  n_adapters = sum(x.size for x in jax.tree.leaves(state.params))
+  assert n_opt <= 2 * n_adapters + 8
+  # The samplers' first policy is the base itself.
+  for a, b in zip(jax.tree.leaves(update.policy(state, base)), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  for step in (1, 2):
+    state, metrics = trainer.train_step(setup, engine, state, base, update,
+                                        next(setup.train_batches), step=step)
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+  # The base did not move; B did (it started at 0).
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  assert float(jnp.abs(state.params["q"]["b"]).max()) > 0
+  assert engine.compilations["train"] == 1 and update.compilations == 1
+
+
+def test_a_lora_step_on_8_devices_equals_it_on_1(smoke):
+  setup = _lora_setup(smoke)
+  batch = next(setup.train_batches)
+  results = []
+  for devices in (jax.devices()[:1], jax.devices()):
+    mesh = sharding_lib.make_mesh({"data": len(devices), "fsdp": 1, "tensor": 1}, devices)
+    engine, state, base, update = build.training(setup, mesh)
+    state, _ = trainer.train_step(setup, engine, state, base, update, dict(batch), step=1)
+    results.append(jax.tree.map(np.asarray, state.params))
+  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_exactly_exports_merged_and_evaluates(tmp_path):
+  # The smoke preset with rank-4 adapters for 4 steps, a checkpoint every 2: cut at step 2
+  # (as if killed during step 3) and resumed, it logs the straight run's rows bit for bit.
+  import json  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import cli  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import export  # pylint: disable=g-import-not-at-top
+  args = (f"--config={cli.MATH}:smoke", "--config.grpo.max_num_steps=4",
+          "--config.model.lora_rank=4", "--config.model.lora_alpha=8",
+          "--config.optim.learning_rate=0.01", "--config.logging.trackers=")
+  straight = tmp_path / "straight"
+  proc = cli.run_train(*args, workdir=straight)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  shutil.copytree(straight, tmp_path / "cut")
+  shutil.rmtree(tmp_path / "cut" / "checkpoints" / "4")
+  proc = cli.run_train(*args, workdir=tmp_path / "cut")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  timing = lambda r: {k: v for k, v in r.items() if k != "time" and not k.endswith("_s")}
+  rows = lambda w: [timing(json.loads(l)) for l in open(w / "metrics.jsonl")]
+  assert rows(tmp_path / "cut") == rows(straight)
+  # The checkpoint holds the adapters (and their Adam moments), not the weights.
+  from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
+  meta = checkpoint.read_meta(str(straight / "checkpoints"), 4)
+  assert meta["lora"] == {"rank": 4, "alpha": 8.0, "targets": "q,k,v,o,gate,up,down",
+                          "base": "@embedded/arith3"}
+  ckpts = checkpoint.Checkpoints(str(straight / "checkpoints"), read_only=True)
+  state, _ = ckpts.restore(4)
+  ckpts.close()
+  assert set(state["params"]) == set(lora.TARGETS)
+  # Export: the merged weights are the base + alpha/r A B (alpha 8, rank 4: 2 A B).
+  config, model_cfg, _, merged, _ = export.load_run(str(straight))
+  base = export._base(config, model_cfg)
+  want = np.asarray(base["layers"]["attn"]["q"]) + np.asarray(
+      lora.delta(state["params"]["q"], 2.0))
+  np.testing.assert_allclose(merged["layers"]["attn"]["q"], want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(merged["embedding"], base["embedding"])
+  # evaluate: the run's adapters merged into its base give the run's own validation row.
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-statements
+  proc = subprocess.run([sys.executable, "-m", "jaxgrpo.evaluate", *args,
+                         f"--workdir={straight}", f"--out={tmp_path / 'eval'}"],
+                        capture_output=True, text=True, env=cli.env(), cwd=cli.ROOT,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = [json.loads(l) for l in open(straight / "metrics.jsonl") if '"val"' in l][-1]
+  got = json.load(open(tmp_path / "eval" / "eval.json"))["metrics"]
+  assert {k: v for k, v in got.items() if k != "wall_time_s"} == {
+      k: v for k, v in row.items() if k not in ("step", "split", "time", "wall_time_s")}
+  # A LoRA checkpoint resumed without LoRA: one line, before compiling.
+  proc = cli.run_train(f"--config={cli.MATH}:smoke", "--config.grpo.max_num_steps=6",
+                       workdir=straight)
+  cli.assert_clean_error(proc, "config.model.lora_rank=0: the checkpoint",
+                         "was trained with lora_rank=4, lora_alpha=8.0")
+
+
+def test_an_unknown_target_is_one_line():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("m", os.path.join(ROOT, "configs", "math.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("smoke")
+  c.model.lora_rank, c.model.lora_targets = 4, "q,attn"
+  with pytest.raises(config_lib.ConfigError, match=r"config.model.lora_targets='q,attn': "
+                     r"allowed: all-linear, or a comma-separated list of q, k, v, o"):
+    config_lib.validate(c, 8)
