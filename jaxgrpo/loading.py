@@ -241,7 +241,8 @@ def load_policy(config):
   from jaxgrpo.model.tokenizer import Tokenizer
   m = config.model
   arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat",
-                                                    "scan_layers", "attention")}
+                                                    "scan_layers", "attention", "lora_rank",
+                                                    "lora_alpha", "lora_targets")}
   source = m.checkpoint or m.hf_checkpoint
   if source:
     if m.hf_checkpoint:

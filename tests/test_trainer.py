@@ -4,13 +4,18 @@ import dataclasses
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
 import cli  # tests/cli.py
 from jaxgrpo import build, checkpoint, dynamic, rewards, train, trainer
+from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
+from jaxgrpo.model import lora
+from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.runtime import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -255,4 +260,55 @@ def test_dynamic_sampling_updates_on_the_first_informative_groups_in_data_order(
       np.asarray(updated[0]["rewards_N"]).reshape(8, g),
       np.array([[1.0] + [0.0] * (g - 1) if k else [0.0] * g for k in kept]))
   assert metrics["zero_std_group_fraction"] == filled / 8
+
+
+# LoRA (model/lora.py) through the trainer's pieces: here for the module's smoke setup.
+def _lora_setup(smoke, rank=4, **model):
+  config = ml_collections.ConfigDict(smoke.config.to_dict())
+  config.model.lora_rank = rank
+  config.optim.learning_rate = 1e-2  # large enough that the adapters move in two steps
+  for key, value in model.items():
+    config.model[key] = value
+  config = config_lib.validate(config, jax.device_count())
+  return dataclasses.replace(smoke, config=config)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_lora_trains_only_the_adapters_and_the_base_is_the_reference(smoke, beta):
+  setup = _lora_setup(smoke)
+  setup.config.unlock()
+  setup.config.grpo.beta = beta
+  engine, state, base, update = build.training(setup)
+  before = jax.tree.map(np.asarray, base)
+  # The state is the adapters (and Adam's moments of them): no optimizer state per weight.
+  assert set(state.params) == set(lora.TARGETS)
+  n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
+  n_adapters = sum(x.size for x in jax.tree.leaves(state.params))
+  assert n_opt <= 2 * n_adapters + 8
+  # The samplers' first policy is the base itself.
+  for a, b in zip(jax.tree.leaves(update.policy(state, base)), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  for step in (1, 2):
+    state, metrics = trainer.train_step(setup, engine, state, base, update,
+                                        next(setup.train_batches), step=step)
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+  # The base did not move; B did (it started at 0).
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  assert float(jnp.abs(state.params["q"]["b"]).max()) > 0
+  assert engine.compilations["train"] == 1 and update.compilations == 1
+
+
+def test_a_lora_step_on_8_devices_equals_it_on_1(smoke):
+  setup = _lora_setup(smoke)
+  batch = next(setup.train_batches)
+  results = []
+  for devices in (jax.devices()[:1], jax.devices()):
+    mesh = sharding_lib.make_mesh({"data": len(devices), "fsdp": 1, "tensor": 1}, devices)
+    engine, state, base, update = build.training(setup, mesh)
+    state, _ = trainer.train_step(setup, engine, state, base, update, dict(batch), step=1)
+    results.append(jax.tree.map(np.asarray, state.params))
+  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
 
