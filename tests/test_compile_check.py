@@ -119,7 +119,7 @@ SUGGEST = (SMOKE, "--programs=update", "--suggest_micro_batch", "--config.model.
            "--config.generation.max_new_tokens=128")
 
 
-def test_suggest_micro_batch_finds_the_largest_that_fits_as_the_trainer_does(check, tmp_path):
+def test_suggest_micro_batch_finds_the_largest_that_fits(check):
   # 12.7 MiB per chip: 32 fits, 64 does not. fit.choose compiles 128 (does not fit), 16
   # (fits), the line's prediction 64 (does not), then 32 (fits), and answers 32; the check
   # then reports the program it chose.
@@ -132,8 +132,19 @@ def test_suggest_micro_batch_finds_the_largest_that_fits_as_the_trainer_does(che
   assert re.search(r"micro_batch_size=auto -> 32 \(update step [\d.]+ MiB of 12.70 MiB per "
                    r"chip; 4 compiles, \d+ s\)", proc.stdout), proc.stdout
   assert "update: 128 rollouts in micro-batches of 32 (4 per step" in proc.stdout
-  # The trainer's own start-up choice (trainer._fit) on the same topology's devices, with
-  # the config's 'auto' and mesh.memory_limit_gib: one function, one answer.
+
+
+def test_the_trainer_chooses_what_the_check_chooses(check, tmp_path):
+  # The config's own 'auto' and mesh.memory_limit_gib, in the check and in the trainer's
+  # start-up (trainer._fit) on the same topology's devices: the same choice from the same
+  # compiled bytes against the same limit (the smoke preset's one-layer update: one cheap
+  # compile each; the search itself is pinned above and in tests/test_fit.py).
+  args = [SMOKE, "--config.model.checkpoint=", "--config.model.num_layers=1",
+          "--config.grpo.micro_batch_size=auto", "--config.mesh.memory_limit_gib=10",
+          "--config.mesh.data=4"]
+  proc = check("--topology=v5e:2x2", "--programs=update", *args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  from_check = re.search(r"micro_batch_size=auto -> .* per chip;", proc.stdout)[0]
   script = tmp_path / "trainer_fit.py"
   script.write_text(
       "import sys\n"
@@ -144,18 +155,16 @@ def test_suggest_micro_batch_finds_the_largest_that_fits_as_the_trainer_does(che
       "setup = train.prepare(sys.argv)\n"
       "devices = topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu').devices\n"
       "mesh = sharding.make_mesh(setup.config.mesh.to_dict(), devices)\n"
-      "setup, choices = trainer._fit(setup, mesh)\n"
-      "print('trainer chose', setup.config.grpo.micro_batch_size)\n")
+      "setup, choices = trainer._fit(setup, mesh)\n")
   python = os.environ.get("JAXGRPO_TPU_PYTHON") or sys.executable
-  args = [SUGGEST[0], *SUGGEST[3:], "--config.grpo.micro_batch_size=auto",
-          f"--config.mesh.memory_limit_gib={12.7 / 1024}", "--config.mesh.data=4",
-          "--config.logging.trackers="]
-  trainer = subprocess.run([python, str(script), f"--workdir={tmp_path / 'w'}", *args],
+  trainer = subprocess.run([python, str(script), f"--workdir={tmp_path / 'w'}", *args,
+                            "--config.logging.trackers="],
                            capture_output=True, text=True, cwd=ROOT, timeout=600,
                            env=dict(os.environ, JAX_PLATFORMS="cpu",
                                     XLA_FLAGS="--xla_force_host_platform_device_count=4"))
   assert trainer.returncode == 0, trainer.stderr[-3000:]
-  assert "trainer chose 32" in trainer.stdout, trainer.stdout
+  assert from_check.startswith("micro_batch_size=auto -> 32 (update step ")
+  assert from_check in trainer.stderr, (proc.stdout, trainer.stderr)
 
 
 def test_suggest_micro_batch_says_when_nothing_fits(check):

@@ -82,24 +82,22 @@ def _setup(**grpo):
 
 def test_auto_picks_the_largest_micro_batch_whose_compiled_update_fits():
   config, model_cfg, tokenizer, mesh = _setup()
+  config = fit._with(config, micro_batch_size="auto")
   limit = 50 * 10**6
-  choice = fit.choose_micro_batch(config, model_cfg, tokenizer, mesh, limit)
-  # Both read from memory_analysis(): 64 fits under 50 MB, the next valid size does not.
-  assert choice.size == 64
-  assert choice.tried[64].peak <= limit < choice.tried[128].peak
-  assert choice.tried[64].temporaries > 0 and len(choice.tried) == 4
-  assert choice.line().startswith("micro_batch_size=auto -> 64 (update step ")
   # No limit (CPU reports none): the whole batch, nothing compiled.
   assert fit.memory_limit(config, mesh) is None
-  whole = fit.choose_micro_batch(config, model_cfg, tokenizer, mesh, None)
-  assert (whole.size, whole.tried) == (256, {})
-  # resolve: the config comes back with numbers; too small a limit is one line.
-  config_auto = fit._with(config, micro_batch_size="auto")
-  resolved, (only,) = fit.resolve(config_auto, model_cfg, tokenizer, mesh, 32, limit=limit)
-  assert resolved.grpo.micro_batch_size == 64 and only.size == 64
+  config_none, (whole,) = fit.resolve(config, model_cfg, tokenizer, mesh, 32)
+  assert (whole.size, whole.tried, config_none.grpo.micro_batch_size) == (256, {}, 256)
+  # 50 MB: the config comes back with the number; both sizes read from memory_analysis().
+  resolved, (choice,) = fit.resolve(config, model_cfg, tokenizer, mesh, 32, limit=limit)
+  assert resolved.grpo.micro_batch_size == choice.size == 64
+  assert choice.tried[64].peak <= limit < choice.tried[128].peak  # 64 fits, 128 does not
+  assert choice.tried[64].temporaries > 0 and list(choice.tried) == [256, 32, 64, 128]
+  assert choice.line().startswith("micro_batch_size=auto -> 64 (update step ")
+  # Too small a limit is one line naming the sizes tried.
   with pytest.raises(fit.FitError, match=r"config.grpo.micro_batch_size=auto: no valid size "
                      r"fits the update step in 9.54 MiB per chip \(tried 32: .*, 256: "):
-    fit.resolve(config_auto, model_cfg, tokenizer, mesh, 32, limit=10 * 10**6)
+    fit.resolve(config, model_cfg, tokenizer, mesh, 32, limit=10 * 10**6)
 
 
 def test_val_batch_sizes_stop_at_the_validation_set():
