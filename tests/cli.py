@@ -16,6 +16,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MATH = os.path.join(ROOT, "configs", "math.py")
@@ -163,8 +164,18 @@ def wandb_runs(workdir):
   paths = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))
   for path in sorted(paths, key=os.path.getmtime):  # the names have whole seconds
     run = {"id": os.path.basename(path)[4:-6], "config": {}, "history": [], "summary": {}}
-    for record in _leveldb_records(path):
-      record = wandb_internal_pb2.Record.FromString(record)
+    # wandb's service writes the file behind the run's finish() (seen once in ~20 runs on
+    # a loaded machine: a run read without its history): wait for the exit record.
+    records = []
+    for _ in range(100):
+      try:
+        records = [wandb_internal_pb2.Record.FromString(r) for r in _leveldb_records(path)]
+      except Exception:  # pylint: disable=broad-except  (a record still being written)
+        records = []
+      if any(r.WhichOneof("record_type") == "exit" for r in records):
+        break
+      time.sleep(0.1)
+    for record in records:
       kind = record.WhichOneof("record_type")
       items = lambda update: _nest((list(i.nested_key) or [i.key], json.loads(i.value_json))
                                    for i in update)
