@@ -10,8 +10,8 @@ abstract values (the same functions `build.training` uses, nothing allocated), a
     split over the data axes, dividing the batch) whose update step fits the memory limit.
     The update's arguments hold the parameters, the optimizer state, the reference policy
     and the rollouts, so its total is the chip's peak while it runs;
-  * the validation batch: the largest valid `grpo.val_batch_size` (a multiple of the data
-    axes and the processes, at most the validation set rounded up) whose val sampler fits
+  * the validation batch: the largest `grpo.val_batch_size` among doubling multiples of
+    the data axes and the processes, and the whole validation set, whose val sampler fits
     beside the train state it does not take as an argument (optimizer moments, reference
     policy), which stays on the chips all run.
 
@@ -26,7 +26,7 @@ size, and that prediction and its next larger size are compiled to confirm it: t
 always a size that was compiled and fits next to one that was compiled and does not (or the
 largest). When memory is far from affine (the val sampler's, with compaction's stages, is
 not even monotone), each miss narrows the bracket and the line is drawn again; three
-overshoots in a row halve it instead, so the count stays logarithmic. Two to five compiles
+overshoots in a row halve it instead, so the count stays logarithmic. One to five compiles
 for the shipped configs (BENCHMARKS.md); the count and seconds are printed and kept in
 summary.json. `launch/compile_check.py` chooses with the same function, for a TPU topology.
 
