@@ -208,43 +208,30 @@ def choose(sizes: Sequence[int], measure: Callable[[int], Memory], limit: int,
       at(sizes[sizes.index(guess) + 1])
 
 
-def choose_micro_batch(config, model_cfg, tokenizer, mesh, limit: int | None,
-                       report=None) -> Choice:
-  """grpo.micro_batch_size='auto': the largest valid micro-batch whose update step fits."""
-  sizes = micro_batch_sizes(config, mesh)
+# grpo.<key> -> (the program it sizes, the name fit.programs builds it by).
+PROGRAMS = {"micro_batch_size": ("update step", "update"),
+            "val_batch_size": ("val sampler", "val")}
+
+
+def choose_size(key: str, sizes, config, model_cfg, tokenizer, mesh, limit: int | None,
+                report=None) -> Choice:
+  """grpo.<key>='auto': the largest of `sizes` whose program (PROGRAMS[key]) fits `limit`:
+  the update step for micro_batch_size (micro_batch_sizes), the val sampler beside the
+  train state for val_batch_size (val_batch_sizes). No limit: the largest, nothing
+  compiled."""
+  program, which = PROGRAMS[key]
   if limit is None:
-    return Choice("micro_batch_size", "update step", sizes[-1], None, {})
+    return Choice(key, program, sizes[-1], None, {})
   start = time.perf_counter()
 
   def measure(size):
-    c = _with(config, micro_batch_size=size)
-    (_, lowered, resident), = programs(c, model_cfg, tokenizer, mesh, ["update"])
+    (_, lowered, resident), = programs(_with(config, **{key: size}), model_cfg, tokenizer,
+                                       mesh, [which])
     return compile_memory(lowered, resident)
 
-  size, tried = choose(sizes, measure, limit, report and (
-      lambda s, m: report("micro_batch_size", "update step", s, m, limit)))
-  return Choice("micro_batch_size", "update step", size, limit, tried,
-                time.perf_counter() - start)
-
-
-def choose_val_batch(config, model_cfg, tokenizer, mesh, limit: int | None,
-                     num_val_prompts: int, report=None) -> Choice:
-  """grpo.val_batch_size='auto': the largest useful validation batch whose val sampler fits
-  beside the train state."""
-  sizes = val_batch_sizes(mesh, num_val_prompts)
-  if limit is None:
-    return Choice("val_batch_size", "val sampler", sizes[-1], None, {})
-  start = time.perf_counter()
-
-  def measure(size):
-    c = _with(config, val_batch_size=size)
-    (_, lowered, resident), = programs(c, model_cfg, tokenizer, mesh, ["val"])
-    return compile_memory(lowered, resident)
-
-  size, tried = choose(sizes, measure, limit, report and (
-      lambda s, m: report("val_batch_size", "val sampler", s, m, limit)))
-  return Choice("val_batch_size", "val sampler", size, limit, tried,
-                time.perf_counter() - start)
+  size, tried = choose(sizes, measure, limit,
+                       report and (lambda s, m: report(key, program, s, m, limit)))
+  return Choice(key, program, size, limit, tried, time.perf_counter() - start)
 
 
 def report_line(key: str, program: str, size: int, memory: Memory, limit: int) -> str:
@@ -268,10 +255,11 @@ def resolve(config, model_cfg, tokenizer, mesh, num_val_prompts: int, limit=None
   if AUTO in (g.micro_batch_size, g.val_batch_size) and limit is None:
     limit = memory_limit(config, mesh)
   if g.val_batch_size == AUTO and "val_batch_size" in keys:
-    choices.append(choose_val_batch(config, model_cfg, tokenizer, mesh, limit,
-                                    num_val_prompts, report))
+    choices.append(choose_size("val_batch_size", val_batch_sizes(mesh, num_val_prompts),
+                               config, model_cfg, tokenizer, mesh, limit, report))
   if g.micro_batch_size == AUTO and "micro_batch_size" in keys:
-    choices.append(choose_micro_batch(config, model_cfg, tokenizer, mesh, limit, report))
+    choices.append(choose_size("micro_batch_size", micro_batch_sizes(config, mesh), config,
+                               model_cfg, tokenizer, mesh, limit, report))
   for choice in choices:
     if choice.size is None:
       raise FitError(choice.failure())
