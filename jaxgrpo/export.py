@@ -70,7 +70,7 @@ def load_run(workdir: str, step: int | None = None):
   config = run_config(workdir)
   directory, step = run_step(workdir, step)
   try:
-    cfg, _, tokenizer = loading.load_policy(config)
+    cfg, host_params, tokenizer = loading.load_policy(config)
   except loading.USER_ERRORS as e:
     raise ExportError(str(e)) from None
   ckpts = checkpoint.Checkpoints(directory, read_only=True)
@@ -81,24 +81,17 @@ def load_run(workdir: str, step: int | None = None):
   params = state["params"]
   if config.model.get("lora_rank"):  # adapters: merged into the run's base (W + alpha/r A B)
     params = jax.tree.map(np.asarray, lora.merge(
-        _base(config, cfg), params, config.model.lora_alpha / config.model.lora_rank))
+        _base(config, cfg, host_params), params, config.model.lora_alpha / config.model.lora_rank))
   return config, cfg, tokenizer, params, step
 
 
-def _base(config, cfg):
-  """A LoRA run's frozen base as host arrays: its Hugging Face folder, jaxgrpo checkpoint,
-  or the seeded random init it started from (build.place_params's three sources)."""
-  from jaxgrpo import loading  # pylint: disable=g-import-not-at-top
-  m = config.model
-  if m.hf_checkpoint:
-    return hf.load_hf(m.hf_checkpoint, dtype=m.param_dtype)[1]
-  _, host_params, _ = loading.load_policy(config)
-  if host_params is not None:
-    return host_params
+def _base(config, cfg, host_params):
+  """A LoRA run's frozen base as host arrays, from where the run took it (build.place_params:
+  its Hugging Face folder, jaxgrpo checkpoint or seeded random init), on one device."""
+  from jaxgrpo import build  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh = sharding_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  return jax.tree.map(np.asarray, sharding_lib.init_sharded(cfg, mesh,
-                                                            jax.random.key(config.seed)))
+  return jax.tree.map(np.asarray, build.place_params(config, cfg, host_params, mesh))
 
 
 def export(workdir: str, out: str, step: int | None = None) -> tuple[int, list[str]]:

@@ -86,7 +86,8 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_evaluates(tmp_path):
   assert set(state["params"]) == set(lora.TARGETS)
   # Export: the merged weights are the base + alpha/r A B (alpha 8, rank 4: 2 A B).
   config, model_cfg, _, merged, _ = export.load_run(str(straight))
-  base = export._base(config, model_cfg)
+  from jaxgrpo import loading  # pylint: disable=g-import-not-at-top
+  base = export._base(config, model_cfg, loading.load_policy(config)[1])
   want = np.asarray(base["layers"]["attn"]["q"]) + np.asarray(
       lora.delta(state["params"]["q"], 2.0))
   np.testing.assert_allclose(merged["layers"]["attn"]["q"], want, rtol=1e-5, atol=1e-6)
