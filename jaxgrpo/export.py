@@ -1,4 +1,4 @@
-"""python -m jaxgrpo.export <workdir> [--step N] --out DIR
+"""python -m jaxgrpo.export <workdir> [--step N] --out DIR [--format merged|peft]
 
 Writes a run's trained policy as a Hugging Face model folder (config.json, model.safetensors,
 tokenizer files) that transformers and vLLM load. The architecture and tokenizer come from
@@ -6,7 +6,15 @@ the run's own config.json and the checkpoint it started from; a run that started
 Hugging Face folder keeps that folder's config keys, chat template and generation config.
 Without --step the newest checkpoint is exported. Bad input is one line and exit status 2.
 
-`save_hf` writes the folder from parameters (hf.py reads such folders, with the same name map).
+A LoRA run (model.lora_rank > 0) exports its adapters merged into its base (W + alpha/r A B)
+by default, or with --format=peft as a PEFT adapter folder (adapter_config.json,
+adapter_model.safetensors) that `peft.PeftModel.from_pretrained(base, DIR)` loads onto the
+base. Its base_model_name_or_path is the Hugging Face folder the run started from; a run
+that started from jaxgrpo weights (the embedded model, a jaxgrpo checkpoint, a random init)
+gets its base written beside the adapter, as DIR/base, a Hugging Face folder.
+
+`save_hf` writes the folder from parameters (hf.py reads such folders, with the same name map);
+`save_peft` writes the adapter folder.
 """
 
 from __future__ import annotations
@@ -63,9 +71,21 @@ def run_step(workdir: str, step: int | None = None) -> tuple[str, int]:
   return directory, step
 
 
-def load_run(workdir: str, step: int | None = None):
+def load_run(workdir: str, step: int | None = None, merge: bool = True):
   """A run folder's config, model config, tokenizer and the parameters of checkpoint `step`
-  (default: the newest): (config, model_cfg, tokenizer, params, step). Host arrays."""
+  (default: the newest): (config, model_cfg, tokenizer, params, step). Host arrays. A LoRA
+  run's params are its adapters merged into its base, or with merge=False the adapters
+  {target: {"a", "b"}} as the checkpoint holds them."""
+  config, cfg, tokenizer, host_params, params, step = _load(workdir, step)
+  if config.model.get("lora_rank") and merge:  # W + alpha/r A B on the run's base
+    params = jax.tree.map(np.asarray, lora.merge(
+        _base(config, cfg, host_params), params, config.model.lora_alpha / config.model.lora_rank))
+  return config, cfg, tokenizer, params, step
+
+
+def _load(workdir: str, step: int | None):
+  """(config, model_cfg, tokenizer, the starting policy's host params or None, the
+  checkpoint's params, step)."""
   from jaxgrpo import loading  # pylint: disable=g-import-not-at-top
   config = run_config(workdir)
   directory, step = run_step(workdir, step)
@@ -78,11 +98,7 @@ def load_run(workdir: str, step: int | None = None):
     state, _ = ckpts.restore(step)
   finally:
     ckpts.close()
-  params = state["params"]
-  if config.model.get("lora_rank"):  # adapters: merged into the run's base (W + alpha/r A B)
-    params = jax.tree.map(np.asarray, lora.merge(
-        _base(config, cfg, host_params), params, config.model.lora_alpha / config.model.lora_rank))
-  return config, cfg, tokenizer, params, step
+  return config, cfg, tokenizer, host_params, state["params"], step
 
 
 def _base(config, cfg, host_params):
@@ -94,12 +110,69 @@ def _base(config, cfg, host_params):
   return jax.tree.map(np.asarray, build.place_params(config, cfg, host_params, mesh))
 
 
-def export(workdir: str, out: str, step: int | None = None) -> tuple[int, list[str]]:
-  """Exports checkpoint `step` (default: the newest) of `workdir` to `out`."""
-  config, cfg, tokenizer, params, step = load_run(workdir, step)
-  source = config.model.get("hf_checkpoint") or config.model.get("checkpoint") or None
-  written = save_hf(out, cfg, params, tokenizer, source=source)
+FORMATS = ("merged", "peft")
+
+
+def export(workdir: str, out: str, step: int | None = None,
+           fmt: str = "merged") -> tuple[int, list[str]]:
+  """Exports checkpoint `step` (default: the newest) of `workdir` to `out`, as a Hugging
+  Face folder (`merged`) or, for a LoRA run, a PEFT adapter folder (`peft`)."""
+  if fmt not in FORMATS:
+    raise ExportError(f"--format={fmt}: allowed: {', '.join(FORMATS)}")
+  if fmt == "merged":
+    config, cfg, tokenizer, params, step = load_run(workdir, step)
+    source = config.model.get("hf_checkpoint") or config.model.get("checkpoint") or None
+    return step, save_hf(out, cfg, params, tokenizer, source=source)
+  config, cfg, tokenizer, host_params, adapters, step = _load(workdir, step)
+  m = config.model
+  if not m.get("lora_rank"):
+    raise ExportError(f"--format=peft: {workdir} is not a LoRA run (model.lora_rank=0): it "
+                      "has no adapters; allowed for it: --format=merged")
+  written = []
+  if m.hf_checkpoint:  # the adapter goes onto the Hugging Face folder the run started from
+    base_path = os.path.abspath(hf.resolve(m.hf_checkpoint))
+  else:  # jaxgrpo weights: written beside the adapter as a Hugging Face folder PEFT can load
+    base_path = os.path.abspath(os.path.join(out, "base"))
+    base = jax.tree.map(np.asarray, _base(config, cfg, host_params))
+    written += [f"base/{name}" for name in
+                save_hf(base_path, cfg, base, tokenizer, source=m.checkpoint or None)]
+  written += save_peft(out, cfg, adapters, rank=m.lora_rank, alpha=m.lora_alpha,
+                       base_path=base_path)
   return step, written
+
+
+def save_peft(out: str, cfg: model_lib.ModelConfig, adapters, *, rank: int, alpha: float,
+              base_path: str) -> list[str]:
+  """Writes adapters {target: {"a": [layers, in..., r], "b": [layers, r, out...]}} as a PEFT
+  LoRA folder: per layer and target, lora_A.weight [r, in] and lora_B.weight [out, r] in
+  torch's Linear layout, named after the base's Hugging Face tensor (hf_names), so PEFT adds
+  (alpha/r) B A x to the base projection, our x A B (alpha/r) transposed. Float32, as
+  trained. Returns the files written."""
+  os.makedirs(out, exist_ok=True)
+  names = hf.hf_names(cfg)
+  tensors, modules = {}, []
+  for target, adapter in adapters.items():
+    a, b = np.asarray(adapter["a"], np.float32), np.asarray(adapter["b"], np.float32)
+    ours = "/".join(lora.TARGETS[target][0])  # "attn/q"
+    for i in range(cfg.num_layers):
+      theirs = names[f"layer_{i}/{ours}"][0].removesuffix(".weight")
+      tensors[f"base_model.model.{theirs}.lora_A.weight"] = np.ascontiguousarray(
+          a[i].reshape(-1, rank).T)
+      tensors[f"base_model.model.{theirs}.lora_B.weight"] = np.ascontiguousarray(
+          b[i].reshape(rank, -1).T)
+    modules.append(theirs.rpartition(".")[2])  # "q_proj"
+  adapter_config = {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+      "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules,
+      "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+      "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+  with open(os.path.join(out, "adapter_config.json"), "w") as f:
+    json.dump(adapter_config, f, indent=2)
+  safetensors.numpy.save_file(tensors, os.path.join(out, "adapter_model.safetensors"),
+                              metadata={"format": "pt"})
+  written = ["adapter_config.json", "adapter_model.safetensors"]
+  hf.follow_umask(out, written)
+  return written
 
 
 def hf_architecture(cfg: model_lib.ModelConfig) -> str:
@@ -179,9 +252,12 @@ def main(argv=None) -> int:
   parser.add_argument("workdir", help="the run folder (holds config.json and checkpoints/)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
   parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
+  parser.add_argument("--format", default="merged", choices=FORMATS,
+                      help="merged: a Hugging Face model folder (a LoRA run's adapters merged "
+                      "into its base); peft: a LoRA run's PEFT adapter folder")
   args = parser.parse_args(argv)
   try:
-    step, written = export(args.workdir, args.out, args.step)
+    step, written = export(args.workdir, args.out, args.step, args.format)
   except (ExportError, hf.PretrainedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

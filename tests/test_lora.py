@@ -92,6 +92,17 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_evaluates(tmp_path):
       lora.delta(state["params"]["q"], 2.0))
   np.testing.assert_allclose(merged["layers"]["attn"]["q"], want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(merged["embedding"], base["embedding"])
+  # --format=peft: the adapters as a PEFT folder and, since the run started from the
+  # embedded model (no Hugging Face folder to point at), its base beside them as one.
+  from jaxgrpo.model import hf  # pylint: disable=g-import-not-at-top
+  step, written = export.export(str(straight), str(tmp_path / "peft"), fmt="peft")
+  assert step == 4 and {"adapter_config.json", "adapter_model.safetensors",
+                        "base/model.safetensors", "base/config.json"} <= set(written)
+  adapter_config = json.load(open(tmp_path / "peft" / "adapter_config.json"))
+  assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8.0)
+  assert adapter_config["base_model_name_or_path"] == str(tmp_path / "peft" / "base")
+  np.testing.assert_array_equal(hf.load_hf(str(tmp_path / "peft" / "base"))[1]["layers"][
+      "mlp"]["down"], base["layers"]["mlp"]["down"])
   # evaluate: the run's adapters merged into its base give the run's own validation row.
   import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-statements
   proc = subprocess.run([sys.executable, "-m", "jaxgrpo.evaluate", *args,
