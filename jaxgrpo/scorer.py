@@ -25,7 +25,7 @@ a score or None: those rows score None for that reward, an error. `errors[name]`
 them (the trainer logs `reward_errors/<name>`, the fraction of rows), the first traceback
 of each reward is printed once in full and later failures one line each.
 
-Workers are fresh Python processes (RewardPool says why) that import `config.user_modules`
+Workers are fresh Python processes (runtime/workers.py says why) that import `config.user_modules`
 before their first call; a reward goes to them as a reference to its function (module and
 name), so it must be a module-level function of an importable module or of a user module.
 Any other (a lambda, a closure, a function of the main script) runs in the main process, as
@@ -35,21 +35,17 @@ caught.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-from multiprocessing import connection
 import os
 import pickle
-import subprocess
 import sys
-import time
-import traceback
 from typing import Any, Mapping
 
 import numpy as np
 
-from jaxgrpo import plugins, rewards
+from jaxgrpo import rewards
+from jaxgrpo.runtime import workers as workers_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,132 +105,10 @@ def _is_number(value) -> bool:
   return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, str)
 
 
-def _call(task, catch=Exception):
-  """One reward call: ("ok", values) or ("error", traceback). task: (fn, completions,
-  answers, columns), or those pickled (a worker's payload: unpickling can fail too). A worker
-  catches BaseException as well (a reward's sys.exit must not end it); the main process does
-  not (Ctrl-C there is the user's)."""
-  try:
-    fn, completions, answers, columns = pickle.loads(task) if isinstance(task, bytes) else task
-    out = fn(completions, answers, **columns)
-    return ("ok", None if out is None else list(out))
-  except catch:  # pylint: disable=broad-except
-    return ("error", traceback.format_exc())
-
-
-def worker_main() -> None:
-  """A reward worker process (`python -c ...` by RewardPool, file descriptors of its two
-  pipes in argv): import the user's modules, then answer calls until the pipe closes."""
-  calls = connection.Connection(int(sys.argv[1]), writable=False)
-  answers = connection.Connection(int(sys.argv[2]), readable=False)
-  try:
-    plugins.import_modules(sys.argv[3])
-  except plugins.PluginError:
-    pass  # the main process checked them; a call that needs one reports its own error
-  while True:
-    try:
-      payload = calls.recv_bytes()
-    except (EOFError, OSError):
-      return
-    result = _call(payload, BaseException)
-    try:
-      answers.send(result)
-    except (EOFError, OSError):
-      return
-    except Exception:  # pylint: disable=broad-except
-      answers.send(("error", traceback.format_exc()))  # a value that does not pickle
-
-
-class RewardPool:
-  """Worker processes that run reward calls, each call limited to `timeout_s` seconds from
-  when its worker starts it; a worker that times out or dies is replaced.
-
-  A worker is a fresh `python -c` process talking over two pipes, not a multiprocessing
-  child: it never re-imports the parent's main script (a launcher, a notebook, stdin), and
-  a fork of a process that runs jax could deadlock. It sees the parent's sys.path.
-  """
-
-  def __init__(self, workers: int, timeout_s: float, user_modules: str):
-    self.timeout_s, self.user_modules = timeout_s, user_modules
-    self._env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.abspath(p) for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]))
-    self._workers = [self._start() for _ in range(workers)]
-
-  def _start(self):
-    """(process, connection it reads calls from us on, connection we read answers on)."""
-    from_parent, to_worker = os.pipe()
-    from_worker, to_parent = os.pipe()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from jaxgrpo import scorer; scorer.worker_main()",
-         str(from_parent), str(to_parent), self.user_modules],
-        pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, env=self._env)
-    os.close(from_parent)
-    os.close(to_parent)
-    return (proc, connection.Connection(to_worker, readable=False),
-            connection.Connection(from_worker, writable=False))
-
-  def _replace(self, w: int) -> None:
-    proc, calls, answers = self._workers[w]
-    proc.kill()
-    proc.wait()
-    calls.close()
-    answers.close()
-    self._workers[w] = self._start()
-
-  def run(self, payloads: list[bytes]) -> list[tuple]:
-    """Each payload's result, in order: ("ok", values), ("error", traceback) or
-    ("timeout", why)."""
-    results: list[tuple | None] = [None] * len(payloads)
-    queue, idle, busy = collections.deque(range(len(payloads))), collections.deque(
-        range(len(self._workers))), {}
-
-    def died(w: int) -> tuple:
-      proc = self._workers[w][0]
-      proc.kill()
-      code = proc.wait()
-      self._replace(w)
-      return ("error", f"the reward's worker process died (exit code {code}) during the "
-                       "call\n")
-
-    while queue or busy:
-      while idle and queue:
-        w, i = idle.popleft(), queue.popleft()
-        try:
-          self._workers[w][1].send_bytes(payloads[i])
-        except OSError:  # it died between calls (at its start: a module it cannot import)
-          results[i] = died(w)
-          idle.append(w)
-          continue
-        busy[w] = (i, time.monotonic())
-      if not busy:
-        continue
-      deadline = min(start for _, start in busy.values()) + self.timeout_s
-      ready = connection.wait([self._workers[w][2] for w in busy],
-                              timeout=max(0.0, deadline - time.monotonic()))
-      for w in list(busy):
-        i, start = busy[w]
-        if self._workers[w][2] in ready:
-          try:
-            results[i] = self._workers[w][2].recv()
-          except (EOFError, OSError):
-            results[i] = died(w)
-        elif time.monotonic() - start >= self.timeout_s:
-          results[i] = ("timeout", f"the call did not return within reward_timeout_s="
-                                   f"{self.timeout_s:g} s (its worker was replaced)\n")
-          self._replace(w)
-        else:
-          continue
-        del busy[w]
-        idle.append(w)
-    return results
-
-  def close(self) -> None:
-    for proc, calls, answers in self._workers:
-      calls.close()
-      answers.close()
-      proc.kill()
-      proc.wait()
-    self._workers = []
+def reward_call(fn, completions, answers, columns):
+  """One reward call as a worker runs it (workers.call): the reward's values as a list."""
+  out = fn(completions, answers, **columns)
+  return None if out is None else list(out)
 
 
 class Scorer:
@@ -249,7 +123,7 @@ class Scorer:
     self.majority = rewards.majority_reward(self.weights)
     self.workers = workers
     self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    self._pool = RewardPool(workers, timeout_s, user_modules) if workers > 0 else None
+    self._pool = workers_lib.WorkerPool(workers, timeout_s, user_modules) if workers > 0 else None
     self._reported: set[str] = set()
     # A function goes to the workers by reference; what cannot be pickled runs here.
     self._inline = set()
@@ -287,10 +161,10 @@ class Scorer:
     """The results of reward calls (name, first row, end row), in order."""
     results, payloads, remote = [None] * len(calls), [], []
     for i, (name, a, b) in enumerate(calls):
-      task = (rewards.get(name), completions[a:b], answers[a:b],
-              {k: v[a:b] for k, v in columns.items()})
+      task = (reward_call, (rewards.get(name), completions[a:b], answers[a:b],
+                            {k: v[a:b] for k, v in columns.items()}), {})
       if self._pool is None or name in self._inline:
-        results[i] = _call(task)
+        results[i] = workers_lib.call(task)
       else:
         payloads.append(pickle.dumps(task))
         remote.append(i)

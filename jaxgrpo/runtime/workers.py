@@ -1,0 +1,152 @@
+"""Worker processes for the user's code: rewards (scorer.py) and environments
+(rollout/envs.py) run there, each call with a time limit, so that code which raises, hangs or
+exits never stops a run.
+
+A call is a pickled task `(fn, args, kwargs)`: `fn` goes by reference (its module and name),
+so it must be a module-level function of an importable module or of a user module
+(`config.user_modules`, which every worker imports before its first call). A worker answers
+("ok", fn(*args, **kwargs)), ("error", traceback) or, from the pool, ("timeout", why).
+"""
+
+from __future__ import annotations
+
+import collections
+from multiprocessing import connection
+import os
+import pickle
+import subprocess
+import sys
+import time
+import traceback
+
+from jaxgrpo import plugins
+
+
+def call(task, catch=Exception):
+  """One call: ("ok", value) or ("error", traceback). task: (fn, args, kwargs), or those
+  pickled (a worker's payload: unpickling can fail too). A worker catches BaseException as
+  well (the user's sys.exit must not end it); the main process does not (Ctrl-C there is
+  the user's)."""
+  try:
+    fn, args, kwargs = pickle.loads(task) if isinstance(task, bytes) else task
+    return ("ok", fn(*args, **kwargs))
+  except catch:  # pylint: disable=broad-except
+    return ("error", traceback.format_exc())
+
+
+def worker_main() -> None:
+  """A worker process (`python -c ...` by WorkerPool, file descriptors of its two pipes in
+  argv): import the user's modules, then answer calls until the pipe closes."""
+  calls = connection.Connection(int(sys.argv[1]), writable=False)
+  answers = connection.Connection(int(sys.argv[2]), readable=False)
+  try:
+    plugins.import_modules(sys.argv[3])
+  except plugins.PluginError:
+    pass  # the main process checked them; a call that needs one reports its own error
+  while True:
+    try:
+      payload = calls.recv_bytes()
+    except (EOFError, OSError):
+      return
+    result = call(payload, BaseException)
+    try:
+      answers.send(result)
+    except (EOFError, OSError):
+      return
+    except Exception:  # pylint: disable=broad-except
+      answers.send(("error", traceback.format_exc()))  # a value that does not pickle
+
+
+class WorkerPool:
+  """Worker processes that run calls, each call limited to `timeout_s` seconds from
+  when its worker starts it; a worker that times out or dies is replaced.
+
+  A worker is a fresh `python -c` process talking over two pipes, not a multiprocessing
+  child: it never re-imports the parent's main script (a launcher, a notebook, stdin), and
+  a fork of a process that runs jax could deadlock. It sees the parent's sys.path.
+  """
+
+  def __init__(self, workers: int, timeout_s: float, user_modules: str,
+               timeout_key: str = "reward_timeout_s", what: str = "reward"):
+    """timeout_key, what: the config key and the kind of code named in a failure's line."""
+    self.timeout_s, self.user_modules = timeout_s, user_modules
+    self.timeout_key, self.what = timeout_key, what
+    self._env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.abspath(p) for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]))
+    self._workers = [self._start() for _ in range(workers)]
+
+  def _start(self):
+    """(process, connection it reads calls from us on, connection we read answers on)."""
+    from_parent, to_worker = os.pipe()
+    from_worker, to_parent = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from jaxgrpo.runtime import workers; workers.worker_main()",
+         str(from_parent), str(to_parent), self.user_modules],
+        pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, env=self._env)
+    os.close(from_parent)
+    os.close(to_parent)
+    return (proc, connection.Connection(to_worker, readable=False),
+            connection.Connection(from_worker, writable=False))
+
+  def _replace(self, w: int) -> None:
+    proc, calls, answers = self._workers[w]
+    proc.kill()
+    proc.wait()
+    calls.close()
+    answers.close()
+    self._workers[w] = self._start()
+
+  def run(self, payloads: list[bytes]) -> list[tuple]:
+    """Each payload's result, in order: ("ok", values), ("error", traceback) or
+    ("timeout", why)."""
+    results: list[tuple | None] = [None] * len(payloads)
+    queue, idle, busy = collections.deque(range(len(payloads))), collections.deque(
+        range(len(self._workers))), {}
+
+    def died(w: int) -> tuple:
+      proc = self._workers[w][0]
+      proc.kill()
+      code = proc.wait()
+      self._replace(w)
+      return ("error", f"the {self.what}'s worker process died (exit code {code}) during "
+                       "the call\n")
+
+    while queue or busy:
+      while idle and queue:
+        w, i = idle.popleft(), queue.popleft()
+        try:
+          self._workers[w][1].send_bytes(payloads[i])
+        except OSError:  # it died between calls (at its start: a module it cannot import)
+          results[i] = died(w)
+          idle.append(w)
+          continue
+        busy[w] = (i, time.monotonic())
+      if not busy:
+        continue
+      deadline = min(start for _, start in busy.values()) + self.timeout_s
+      ready = connection.wait([self._workers[w][2] for w in busy],
+                              timeout=max(0.0, deadline - time.monotonic()))
+      for w in list(busy):
+        i, start = busy[w]
+        if self._workers[w][2] in ready:
+          try:
+            results[i] = self._workers[w][2].recv()
+          except (EOFError, OSError):
+            results[i] = died(w)
+        elif time.monotonic() - start >= self.timeout_s:
+          results[i] = ("timeout", f"the call did not return within {self.timeout_key}="
+                                   f"{self.timeout_s:g} s (its worker was replaced)\n")
+          self._replace(w)
+        else:
+          continue
+        del busy[w]
+        idle.append(w)
+    return results
+
+  def close(self) -> None:
+    for proc, calls, answers in self._workers:
+      calls.close()
+      answers.close()
+      proc.kill()
+      proc.wait()
+    self._workers = []
