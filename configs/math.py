@@ -88,7 +88,19 @@ def get_config(arg=None):
       compact_stages=0,
       val_temperature=config_dict.placeholder(float),
       val_top_p=config_dict.placeholder(float),
-      val_top_k=config_dict.placeholder(int)))
+      val_top_k=config_dict.placeholder(int),
+      # Multi-turn episodes (env.name set): the prompt and every turn and observation
+      # together fit in this many tokens (0: single-turn, unused).
+      max_episode_tokens=0))
+
+  # Multi-turn episodes (jaxgrpo/envs.py, episodes.py): '' samples one completion per
+  # prompt, as always. A name runs episodes against that environment (registered with
+  # @jaxgrpo.envs.register, built in: 'tools'), made with `kwargs` (a JSON object); each
+  # turn ends at the end token or a `stop_strings` token (comma-separated), each step of an
+  # environment runs in one of `workers` processes within `timeout_s`.
+  c.env = ml_collections.ConfigDict(dict(
+      name="", kwargs="", max_turns=4, max_observation_tokens=64, stop_strings="",
+      timeout_s=30.0, workers=2))
 
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts_per_step=32, num_generations_per_prompt=8, num_iterations=1,

@@ -168,7 +168,13 @@ SCHEMA: dict[str, Any] = {
         "compact_stages": _int(0),
         # None follows the training value (resolved by `validate`); 0 is greedy.
         "val_temperature": _optional(_num(0)), "val_top_p": _optional(_num(0, 1, lo_open=True)),
-        "val_top_k": _optional(_int(0))},
+        "val_top_k": _optional(_int(0)),
+        # Multi-turn (env.name): prompt + turns + observations; 0 with no environment.
+        "max_episode_tokens": _int(0)},
+    # Multi-turn episodes (envs.py, episodes.py); name '' = single-turn rollouts.
+    "env": {"name": _str, "kwargs": _str, "max_turns": _int(1),
+            "max_observation_tokens": _int(1), "stop_strings": _str,
+            "timeout_s": _num(0, lo_open=True), "workers": _int(0)},
     "grpo": {
         "num_prompts_per_step": _int(1), "num_generations_per_prompt": _int(2),
         "num_iterations": _int(1), "beta": _num(0), "kl_type": _choice(*KL_TYPES),
@@ -416,6 +422,7 @@ def _check_cross_fields(c, num_devices: int):
   _check_attention(m)
   _check_backend(c.generation, rows)
   _check_dynamic_sampling(c)
+  _check_env(c)
   _check_stop_rule(g, c.rewards)
   _check_checkpoint(c.checkpoint, g, c.rewards)
   d = c.data
@@ -427,6 +434,41 @@ def _check_cross_fields(c, num_devices: int):
   if "{question}" not in d.prompt_template:
     _fail("data.prompt_template", d.prompt_template, "a template containing {question}")
   _check_no_backslash_n(d.prompt_template)
+
+
+def _check_env(c):
+  """An environment that exists and can be made with its kwargs, and a token budget that
+  holds the prompt (the stop strings are checked against the tokenizer by loading)."""
+  e, gen = c.env, c.generation
+  if not e.name:
+    if gen.max_episode_tokens:
+      _fail("generation.max_episode_tokens", gen.max_episode_tokens,
+            "0 without an environment (env.name='' samples one completion per prompt)")
+    return
+  from jaxgrpo import envs  # pylint: disable=g-import-not-at-top  (no jax)
+  try:
+    envs.get(e.name)
+  except envs.EnvError as err:
+    raise ConfigError(f"config.env.name={e.name!r}: {err}") from None
+  try:
+    envs.parse_kwargs(e.kwargs)
+  except envs.EnvError as err:
+    raise ConfigError(f"config.env.kwargs={e.kwargs!r}: {err}") from None
+  try:
+    envs.instance(e.name, e.kwargs)
+  except Exception as err:  # pylint: disable=broad-except  (the user's constructor)
+    raise ConfigError(f"config.env.kwargs={e.kwargs!r}: environment {e.name!r} cannot be made "
+                      f"with them: {type(err).__name__}: {err}") from None
+  if gen.max_episode_tokens <= c.data.max_prompt_length:
+    _fail("generation.max_episode_tokens", gen.max_episode_tokens,
+          f"more than data.max_prompt_length={c.data.max_prompt_length} (an episode is the "
+          "prompt and every turn and observation after it)")
+  if gen.backend != "native":
+    _fail("env.name", e.name, f"'' with generation.backend={gen.backend!r} (episodes run on "
+          "the native sampler)")
+  if c.grpo.dynamic_sampling != "off":
+    _fail("grpo.dynamic_sampling", c.grpo.dynamic_sampling,
+          "'off' with an environment (dynamic sampling of episodes is not built yet)")
 
 
 def _check_lora(m):

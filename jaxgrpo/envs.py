@@ -1,0 +1,181 @@
+"""Environments: what answers the policy between the turns of a multi-turn episode.
+
+An environment is a class, registered by name and chosen with `config.env.name` ('' keeps
+today's single-turn rollouts):
+
+    import jaxgrpo.envs
+
+    @jaxgrpo.envs.register("guess")
+    class Guess:
+      stop_strings = ()               # strings that end a turn besides the end token (optional)
+
+      def reset(self, row, seed):     # one episode: the data row (every column) and its seed
+        return {"target": int(row["answer"]), "tries": 0}   # the episode's state (picklable)
+
+      def step(self, state, text):    # after each assistant turn: the turn's text
+        state["tries"] += 1
+        if text.strip() == str(state["target"]):
+          return None, 1.0, True, {}  # (observation, reward, done, info)
+        return " wrong, again:", 0.0, False, {"tries": state["tries"]}
+
+A file that registers one is named in `config.user_modules` (imported at start-up, in every
+process and every worker). jaxgrpo makes one instance per process, without arguments or with
+`config.env.kwargs` (a JSON object).
+
+`reset(row, seed)` returns the episode's state. The first prompt is the row's rendered prompt,
+unless reset returns `Start(state, prompt)`: then `prompt` (a string, tokenized alone, as is)
+replaces it. `step(state, text)` gets the state and the text of the turn just sampled (its
+tokens decoded with special tokens kept, so an end token such as `<|im_end|>` is there when
+it ended the turn) and returns `(observation, reward, done, info)`:
+  observation  str or None: the text that follows (tool output, feedback), tokenized alone
+               and appended to the episode, never trained; None: nothing
+  reward       a number or None: added to the episode's reward
+  done         True ends the episode
+  info         a dict; its numeric values are logged as `env/<key>` (means over episodes),
+               and `tool_calls` / `tool_errors` (counts this step) feed the `tool_calls_mean`
+               and `tool_errors_fraction` metrics
+The state a step mutates is the state the next step gets: in a worker process the state
+travels with each call (it must pickle), in the main process it is the same object.
+
+The episode's reward is the sum of its steps' rewards plus `config.rewards` applied to the
+whole transcript (every completion token's text after the prompt), so the shipped rewards
+and maj@k work on the final answer. An environment that raises, hangs past
+`env.timeout_s` or returns something else than the above ends its episode with reward None
+(the row leaves the loss and its group's statistics), counted in `env_errors/<name>`; the
+first traceback is printed once. Seeds come from (seed, step, row, sample), so a
+deterministic environment gives a bitwise-exact resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Callable
+
+_REGISTRY: dict[str, type] = {}
+# One instance per process and (name, kwargs): made on first use, here or in a worker.
+_INSTANCES: dict[tuple[str, str], Any] = {}
+
+
+@dataclasses.dataclass
+class Start:
+  """What `reset` may return instead of a bare state, to replace the first prompt."""
+
+  state: Any
+  prompt: str | None = None
+
+
+class EnvError(ValueError):
+  """An environment that cannot be used (unknown, bad class, bad kwargs), in one line."""
+
+
+def register(name: str) -> Callable[[type], type]:
+  """Class decorator: `@register("name")` makes the environment `config.env.name=name`."""
+  if not isinstance(name, str) or not name.strip() or "," in name:
+    raise EnvError(f"environment name {name!r}: must be a non-empty string without commas")
+
+  def wrap(cls):
+    if not isinstance(cls, type):
+      raise EnvError(f"@jaxgrpo.envs.register({name!r}) decorates a class, not "
+                     f"{type(cls).__name__}")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+      raise EnvError(f"environment {name!r} ({cls.__qualname__}) has no {', '.join(missing)} "
+                     "method; an environment defines reset(row, seed) and step(state, text)")
+    old = _REGISTRY.get(name)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__,
+                                                                   cls.__qualname__):
+      raise EnvError(f"environment {name!r} is registered twice: {old.__module__}."
+                     f"{old.__qualname__} and {cls.__module__}.{cls.__qualname__}")
+    _REGISTRY[name] = cls
+    return cls
+  return wrap
+
+
+def names() -> list[str]:
+  _builtins()
+  return sorted(_REGISTRY)
+
+
+def get(name: str) -> type:
+  _builtins()
+  if name not in _REGISTRY:
+    raise EnvError(f"unknown environment {name!r}; registered: {', '.join(sorted(_REGISTRY))} "
+                   "(an environment of your own: register it with @jaxgrpo.envs.register "
+                   "in a file named in config.user_modules)")
+  return _REGISTRY[name]
+
+
+def _builtins() -> None:
+  from jaxgrpo import tools  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+
+
+def parse_kwargs(text: str) -> dict:
+  """config.env.kwargs (a JSON object, '' for none) -> dict; EnvError naming the problem."""
+  if not text or not text.strip():
+    return {}
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise EnvError(f"not JSON ({e.msg} at character {e.pos}); allowed: a JSON object such as "
+                   "'{\"tools\": \"calculator\"}'") from None
+  if not isinstance(value, dict):
+    raise EnvError(f"a JSON {type(value).__name__}; allowed: a JSON object")
+  return value
+
+
+def instance(name: str, kwargs_json: str = ""):
+  """This process's instance of environment `name` with `kwargs_json` (made once)."""
+  key = (name, kwargs_json or "")
+  if key not in _INSTANCES:
+    _INSTANCES[key] = get(name)(**parse_kwargs(kwargs_json))
+  return _INSTANCES[key]
+
+
+def stop_strings(name: str, kwargs_json: str = "") -> tuple[str, ...]:
+  """The strings that end a turn for this environment, besides the end token."""
+  return tuple(getattr(instance(name, kwargs_json), "stop_strings", ()) or ())
+
+
+def tool_schemas(name: str, kwargs_json: str = "") -> list[dict] | None:
+  """The tools an environment shows the model through the chat template (`tools=`), if any."""
+  fn = getattr(instance(name, kwargs_json), "tool_schemas", None)
+  return fn() if callable(fn) else None
+
+
+def call_reset(name: str, kwargs_json: str, row: dict, seed: int):
+  """One reset, as a worker runs it: (state, prompt or None)."""
+  out = instance(name, kwargs_json).reset(row, seed)
+  return (out.state, out.prompt) if isinstance(out, Start) else (out, None)
+
+
+def call_step(name: str, kwargs_json: str, state, text: str):
+  """One step, as a worker runs it: (the state after it, the step's checked result)."""
+  out = instance(name, kwargs_json).step(state, text)
+  return state, check_step(out)
+
+
+def check_step(out) -> tuple[str | None, float | None, bool, dict]:
+  """A step's return checked: (observation, reward, done, info); ValueError says what is
+  wrong with it (the episode then ends as an environment error)."""
+  if not isinstance(out, tuple) or len(out) != 4:
+    raise ValueError(f"step returned {type(out).__name__} {out!r:.60}; allowed: a tuple "
+                     "(observation, reward, done, info)")
+  observation, reward, done, info = out
+  if observation is not None and not isinstance(observation, str):
+    raise ValueError(f"step's observation is {type(observation).__name__}; allowed: str or None")
+  if reward is not None:
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) and not hasattr(
+        reward, "__float__"):
+      raise ValueError(f"step's reward is {type(reward).__name__}; allowed: a number or None")
+    reward = float(reward)
+    if not math.isfinite(reward):
+      raise ValueError(f"step's reward is {reward}")
+  if not isinstance(done, (bool, int)) and type(done).__name__ != "bool_":
+    raise ValueError(f"step's done is {type(done).__name__}; allowed: bool")
+  if info is None:
+    info = {}
+  if not isinstance(info, dict):
+    raise ValueError(f"step's info is {type(info).__name__}; allowed: a dict")
+  return observation, reward, bool(done), info

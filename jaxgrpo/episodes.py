@@ -1,0 +1,320 @@
+"""Multi-turn episodes: the policy samples a turn, its environment answers, and so on.
+
+One call runs N = B * G episodes (G per prompt, prompt-major as single-turn rollouts) and
+returns them as one token sequence each after the prompt:
+
+    assistant tokens (sampled, trained) | observation tokens (appended, never trained) | ...
+
+with the sampler's log-probs on the assistant tokens. Nothing is re-tokenized: each turn's
+tokens are the sampled ids, each observation is tokenized alone and appended as ids, so what
+the update trains is exactly what was sampled.
+
+Per turn: every live episode's context (prompt + its tokens so far) goes to the engine's
+profile (`train` for training, `val` for validation: still exactly two compiled samplers,
+built with one sample per context and contexts up to `generation.max_episode_tokens`); a
+turn ends at an end token, at a stop string's token (`env.stop_strings` and the
+environment's own), or after `generation.max_new_tokens`. The host then steps the
+environments of the episodes whose turn ended (in worker processes, each call limited to
+`env.timeout_s`: envs.py), appends their observations (at most `env.max_observation_tokens`
+each; longer ones are cut and counted) and starts the next turn.
+
+An episode ends when its environment says done, or it is truncated (the loss may mask it:
+`grpo.mask_truncated_completions`) when it runs out of tokens (the completion region of
+max_episode_tokens - data.max_prompt_length), out of turns (`env.max_turns`), or a turn
+runs past max_new_tokens without ending. An environment that fails ends its episode with
+reward None (the row leaves the loss and its group's statistics).
+
+Deviation from the design note (DESIGN.md): each turn prefills the episode's whole context
+again rather than appending the observation to a KV cache kept on device; the prefill is
+the parallel, compute-bound part, and this keeps the compiled sampler the single-turn one.
+Episodes that ended still ride along in the batch until every episode of the call ended
+(their tokens are dropped); the figures in BENCHMARKS.md say what both cost.
+
+Random draws: turn t of episode (row r, sample g) draws from (the call's key folded with
+t, the episode's global id r*G + g), and its environment's seed comes from (seed, step, r,
+g): a deterministic environment gives a bitwise-exact resume, on any number of devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxgrpo import envs
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.runtime import distributed
+from jaxgrpo.runtime import workers as workers_lib
+
+
+@dataclasses.dataclass
+class Episodes:
+  """N episodes, the tokens after each prompt. Host arrays."""
+
+  tokens_NxT: np.ndarray      # int32: assistant and observation tokens, pad after the end
+  mask_NxT: np.ndarray        # bool: real tokens (both kinds)
+  trained_NxT: np.ndarray     # bool: sampled tokens, the ones the loss counts
+  logp_NxT: np.ndarray        # float32: the sampler's log-probs on trained tokens, else 0
+  lengths_N: np.ndarray       # int32: real tokens
+  truncated_N: np.ndarray     # bool: out of tokens or turns, or a turn cut at max_new_tokens
+  env_reward_N: np.ndarray    # float32: the sum of the steps' rewards (0 where none)
+  env_rewarded_N: np.ndarray  # bool: some step returned a reward
+  failed_N: np.ndarray        # bool: the environment raised, hung or returned garbage
+  turns_N: np.ndarray         # int32: assistant turns
+  tool_calls_N: np.ndarray    # int32: info["tool_calls"] summed
+  tool_errors_N: np.ndarray   # int32: info["tool_errors"] summed
+  observation_tokens_N: np.ndarray  # int32
+  observations: int           # observations appended
+  observations_cut: int       # of which cut at max_observation_tokens
+  prompts: list[list[int]] | None  # per prompt: the environment's own first prompt, if any
+  info: dict[str, np.ndarray]  # env/<key>: per-episode sums of numeric info values (NaN: none)
+  rollout_s: float            # the sampler calls
+  env_s: float                # host time in environments (resets and steps)
+
+
+def stop_ids(tokenizer, strings) -> tuple[int, ...]:
+  """The token id of each stop string; ValueError naming one that is not a single token."""
+  out = []
+  for text in strings:
+    ids = tokenizer.encode(text, add_bos=False)
+    if len(ids) != 1:
+      raise ValueError(f"stop string {text!r} encodes to {len(ids)} tokens {ids}; a turn can "
+                       "end only at one token (a special token of the tokenizer, such as "
+                       "Qwen's </tool_call>)")
+    out.append(ids[0])
+  return tuple(out)
+
+
+def episode_seed(seed: int, step: int, row_id: int, sample: int) -> int:
+  """The environment's seed of one episode: a function of these four numbers alone."""
+  return int(np.random.SeedSequence([seed, step, row_id, sample]).generate_state(1)[0])
+
+
+class Runner:
+  """Runs episodes on a rollout engine whose profiles take one sample per context."""
+
+  def __init__(self, engine, tokenizer, *, env_name: str, env_kwargs: str = "",
+               max_turns: int, max_episode_tokens: int, max_prompt_length: int,
+               max_observation_tokens: int, workers: int = 0, timeout_s: float = 60.0,
+               user_modules: str = "", seed: int = 0, add_bos: bool = True, log=None):
+    self.engine, self.tokenizer = engine, tokenizer
+    self.env_name, self.env_kwargs = env_name, env_kwargs
+    self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
+    self.width = max_episode_tokens
+    self.max_prompt_length = max_prompt_length
+    self.room = max_episode_tokens - max_prompt_length  # the completion region, T
+    self.seed, self.add_bos = seed, add_bos
+    self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    self._pool = (workers_lib.WorkerPool(workers, timeout_s, user_modules,
+                                         timeout_key="env.timeout_s", what="environment")
+                  if workers > 0 else None)
+    self._reported = False
+    self.errors_seen = 0
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.close()
+      self._pool = None
+
+  # -------------------------------------------------------------- environment calls
+
+  def _calls(self, tasks: list[tuple]) -> list[tuple]:
+    """Runs (fn, args) tasks in the pool (or here): ("ok", value) / ("error" | "timeout", why)."""
+    tasks = [(fn, args, {}) for fn, args in tasks]
+    if self._pool is None:
+      return [workers_lib.call(t) for t in tasks]
+    return self._pool.run([pickle.dumps(t) for t in tasks])
+
+  def _failure(self, label: str, why: str) -> None:
+    """Prints the first failure's traceback in full, later ones one line each."""
+    self.errors_seen += 1
+    if not self._reported:
+      self._reported = True
+      self._log(f"warning: environment {self.env_name!r} failed ({label}); its episode ends "
+                f"with no reward (env_errors/{self.env_name} counts them):\n{why.rstrip()}")
+    else:
+      self._log(f"warning: environment {self.env_name!r} failed ({label}): "
+                f"{why.strip().splitlines()[-1]}")
+
+  # -------------------------------------------------------------- the episodes
+
+  def run(self, name: str, params, prompt_tokens_BxL, prompt_mask_BxL, rows: list[dict],
+          num_samples: int, *, key, step: int, row_ids_B=None, label: str = "") -> Episodes:
+    """G = num_samples episodes per prompt with profile `name`; rows: the prompts' data rows;
+    key: the call's key (each turn folds its index in); row_ids_B: global prompt ids (this
+    process's slice of the batch), for the draws and the environments' seeds."""
+    g = num_samples
+    tokens_BxL, mask_BxL = np.asarray(prompt_tokens_BxL), np.asarray(prompt_mask_BxL, bool)
+    b = len(tokens_BxL)
+    n = b * g
+    if row_ids_B is None:
+      row_ids_B = np.arange(b, dtype=np.int32) + jax.process_index() * b
+    row_ids_B = np.asarray(row_ids_B, np.int64)
+    episode_ids = (row_ids_B[:, None] * g + np.arange(g)[None]).reshape(-1).astype(np.int32)
+    prompts = [list(tokens_BxL[i][mask_BxL[i]]) for i in range(b) for _ in range(g)]
+    comp = [[] for _ in range(n)]
+    trained = [[] for _ in range(n)]
+    logps = [[] for _ in range(n)]
+    env_reward = np.zeros(n, np.float32)
+    rewarded = np.zeros(n, bool)
+    failed = np.zeros(n, bool)
+    truncated = np.zeros(n, bool)
+    done = np.zeros(n, bool)
+    turns = np.zeros(n, np.int32)
+    calls = np.zeros(n, np.int32)
+    tool_errors = np.zeros(n, np.int32)
+    obs_tokens = np.zeros(n, np.int32)
+    info: dict[str, np.ndarray] = {}
+    observations = cut = 0
+    t_env = t_rollout = 0.0
+
+    # Resets: one per episode, seeded from (seed, step, row, sample).
+    t0 = time.perf_counter()
+    results = self._calls([
+        (envs.call_reset, (self.env_name, self.env_kwargs, rows[i // g],
+                           episode_seed(self.seed, step, int(row_ids_B[i // g]), i % g)))
+        for i in range(n)])
+    t_env += time.perf_counter() - t0
+    states: list[Any] = [None] * n
+    own_prompts: list[list[int] | None] = [None] * n
+    for i, (status, value) in enumerate(results):
+      if status != "ok":
+        self._failure(f"{label} reset of episode {i}", value)
+        failed[i] = done[i] = True
+        continue
+      states[i], prompt = value
+      if prompt is not None:
+        own_prompts[i] = self.tokenizer.encode(prompt, add_bos=self.add_bos)
+    new_prompts = self._own_prompts(own_prompts, g, failed, done, label)
+    if new_prompts is not None:
+      prompts = [list(new_prompts[i // g]) for i in range(n)]
+
+    for turn in range(self.max_turns):
+      if not distributed.any_process(bool((~done).any())):
+        break
+      ctx_tokens = np.full((n, self.width), self.engine.pad_id, np.int32)
+      ctx_mask = np.zeros((n, self.width), bool)
+      for i in range(n):
+        seq = prompts[i] + comp[i]
+        ctx_tokens[i, self.width - len(seq):] = seq
+        ctx_mask[i, self.width - len(seq):] = True
+      t0 = time.perf_counter()
+      rollout = self.engine.sample(name, params, ctx_tokens, ctx_mask,
+                                   key=jax.random.fold_in(key, turn), row_ids_B=episode_ids)
+      out_tokens, out_logp, out_len, out_trunc = (np.asarray(x) for x in sharding_lib.to_local(
+          (rollout.tokens_NxT, rollout.logp_NxT, rollout.lengths_N, rollout.truncated_N)))
+      t_rollout += time.perf_counter() - t0
+      pending = []
+      for i in np.flatnonzero(~done):
+        k, room = int(out_len[i]), self.room - len(comp[i])
+        take = min(k, room)
+        comp[i] += out_tokens[i, :take].tolist()
+        trained[i] += [True] * take
+        logps[i] += out_logp[i, :take].tolist()
+        turns[i] += 1
+        if take < k or bool(out_trunc[i]):  # out of tokens, or the turn did not end
+          truncated[i] = done[i] = True
+        else:
+          pending.append(i)
+      t0 = time.perf_counter()
+      results = self._calls([
+          (envs.call_step, (self.env_name, self.env_kwargs, states[i],
+                            self.tokenizer.decode(out_tokens[i, :out_len[i]],
+                                                  skip_special=False)))
+          for i in pending])
+      t_env += time.perf_counter() - t0
+      for i, (status, value) in zip(pending, results):
+        if status != "ok":
+          self._failure(f"{label} turn {turn} of episode {i}", value)
+          failed[i] = done[i] = True
+          continue
+        states[i], (observation, reward, finished, step_info) = value
+        if reward is not None:
+          env_reward[i] += reward
+          rewarded[i] = True
+        calls[i] += int(_number(step_info.get("tool_calls", 0)))
+        tool_errors[i] += int(_number(step_info.get("tool_errors", 0)))
+        for k, v in step_info.items():
+          if k not in ("tool_calls", "tool_errors") and _is_number(v):
+            info.setdefault(f"env/{k}", np.full(n, np.nan))
+            info[f"env/{k}"][i] = np.nan_to_num(info[f"env/{k}"][i]) + float(v)
+        if finished:
+          done[i] = True
+          continue
+        if observation:
+          ids = self.tokenizer.encode(observation, add_bos=False)
+          observations += 1
+          if len(ids) > self.max_observation_tokens:
+            ids, cut = ids[:self.max_observation_tokens], cut + 1
+          room = self.room - len(comp[i])
+          comp[i] += ids[:room]
+          trained[i] += [False] * min(len(ids), room)
+          logps[i] += [0.0] * min(len(ids), room)
+          obs_tokens[i] += min(len(ids), room)
+          if len(ids) >= room:  # no room left for the next turn
+            truncated[i] = done[i] = True
+            continue
+        if turn == self.max_turns - 1:  # out of turns, not finished
+          truncated[i] = done[i] = True
+
+    t = self.room
+    tokens = np.full((n, t), self.engine.pad_id, np.int32)
+    mask, trained_mask = np.zeros((n, t), bool), np.zeros((n, t), bool)
+    logp = np.zeros((n, t), np.float32)
+    for i in range(n):
+      k = len(comp[i])
+      tokens[i, :k], mask[i, :k] = comp[i], True
+      trained_mask[i, :k], logp[i, :k] = trained[i], logps[i]
+    return Episodes(
+        tokens_NxT=tokens, mask_NxT=mask, trained_NxT=trained_mask, logp_NxT=logp,
+        lengths_N=mask.sum(1).astype(np.int32), truncated_N=truncated & ~failed,
+        env_reward_N=env_reward, env_rewarded_N=rewarded, failed_N=failed, turns_N=turns,
+        tool_calls_N=calls, tool_errors_N=tool_errors, observation_tokens_N=obs_tokens,
+        observations=observations, observations_cut=cut, prompts=new_prompts, info=info,
+        rollout_s=t_rollout, env_s=t_env)
+
+  def _own_prompts(self, own, g: int, failed, done, label: str):
+    """The prompts environments returned, one per prompt (GRPO compares the G episodes of
+    one prompt, so they must agree); None when none returned one. A row whose episodes
+    disagree, or whose prompt is too long, fails."""
+    if not distributed.any_process(any(p is not None for p in own)):
+      return None
+    out = []
+    for r in range(len(own) // g):
+      group = own[r * g:(r + 1) * g]
+      first = group[0]
+      why = None
+      if any(p != first for p in group):
+        why = "reset returned different prompts for the samples of one row (GRPO compares "
+        why += "the samples of one prompt: return the same Start.prompt for every seed)\n"
+      elif first is not None and len(first) > self.max_prompt_length:
+        why = (f"reset's prompt has {len(first)} tokens; data.max_prompt_length="
+               f"{self.max_prompt_length}\n")
+      if why:
+        self._failure(f"{label} reset of row {r}", why)
+        failed[r * g:(r + 1) * g] = done[r * g:(r + 1) * g] = True
+        first = None
+      out.append(first if first is not None else [self.engine.pad_id])
+    return out
+
+
+def _is_number(v) -> bool:
+  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _number(v) -> float:
+  return float(v) if _is_number(v) else 0.0
+
+
+def prompt_arrays(prompts: list[list[int]], width: int, pad_id: int):
+  """Left-padded [B, width] tokens and mask of token lists (an environment's own prompts)."""
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  mask = np.zeros((len(prompts), width), bool)
+  for i, p in enumerate(prompts):
+    tokens[i, width - len(p):], mask[i, width - len(p):] = p, True
+  return tokens, mask
