@@ -88,12 +88,32 @@ def loss_config(c, mesh) -> grpo.LossConfig:
       num_generations=g.num_generations_per_prompt, beta=g.beta, kl_type=g.kl_type,
       epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
       scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
-      max_new_tokens=c.generation.max_new_tokens, micro_batch_size=g.micro_batch_size,
+      max_new_tokens=completion_width(c), micro_batch_size=g.micro_batch_size,
       logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat,
       scan_layers=scan_layers(c, mesh), attention=attention(c, mesh),
       lora_rank=c.model.lora_rank,
       lora_scale=c.model.lora_alpha / c.model.lora_rank if c.model.lora_rank else 0.0,
-      lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else ())
+      lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else (),
+      trained_mask=bool(c.env.name))
+
+
+def completion_width(c) -> int:
+  """T of the update's [N, T] completions: max_new_tokens, or for multi-turn episodes the
+  tokens after the prompt (every turn and observation: episodes.py)."""
+  if c.env.name:
+    return c.generation.max_episode_tokens - c.data.max_prompt_length
+  return c.generation.max_new_tokens
+
+
+def stop_ids(c, tokenizer) -> tuple[int, ...]:
+  """The ids that end a sampled turn: the tokenizer's end ids, and for episodes the stop
+  strings' (env.stop_strings and the environment's own; checked by loading.check_env)."""
+  if not c.env.name:
+    return tokenizer.stop_ids
+  from jaxgrpo import envs, episodes  # pylint: disable=g-import-not-at-top
+  strings = [s for s in c.env.stop_strings.split(",") if s] + list(
+      envs.stop_strings(c.env.name, c.env.kwargs))
+  return tuple(dict.fromkeys(tokenizer.stop_ids + episodes.stop_ids(tokenizer, strings)))
 
 
 class CountedUpdate:
@@ -124,18 +144,36 @@ class CountedUpdate:
     return self.fn(state, batch, ref_params)
 
 
+def make_runner(c, engine, tokenizer, add_bos: bool = True):
+  """The episode runner of a run with an environment (episodes.py), else None."""
+  if not c.env.name:
+    return None
+  from jaxgrpo import episodes, scorer  # pylint: disable=g-import-not-at-top
+  e = c.env
+  return episodes.Runner(
+      engine, tokenizer, env_name=e.name, env_kwargs=e.kwargs, max_turns=e.max_turns,
+      max_episode_tokens=c.generation.max_episode_tokens,
+      max_prompt_length=c.data.max_prompt_length,
+      max_observation_tokens=e.max_observation_tokens,
+      workers=scorer.resolve_workers(e.workers), timeout_s=e.timeout_s,
+      user_modules=c.user_modules, seed=c.seed, add_bos=add_bos)
+
+
 def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
   """The rollout engine with the config's two profiles (val_k overrides k, for benchmarks)."""
   gen, g = c.generation, c.grpo
   train_sp = sampling.SamplingParams(gen.temperature, gen.top_p, gen.top_k)
   # The validator resolved unset val_* keys to the training values.
   val_sp = sampling.SamplingParams(gen.val_temperature, gen.val_top_p, gen.val_top_k)
-  profiles = {"train": sampling.Profile(train_sp, g.num_generations_per_prompt,
+  # Episodes (episodes.py) sample one turn per context: the G episodes of a prompt part
+  # after their first turn, so each is its own row, its context up to max_episode_tokens.
+  episodes = bool(c.env.name)
+  profiles = {"train": sampling.Profile(train_sp, 1 if episodes else g.num_generations_per_prompt,
                                         gen.max_new_tokens),
-              "val": sampling.Profile(val_sp, val_k or g.val_num_generations_per_prompt,
-                                      gen.max_new_tokens)}
-  common = dict(max_prompt_length=c.data.max_prompt_length, eos_id=tokenizer.stop_ids,
-                pad_id=tokenizer.pad_id, seed=c.seed)
+              "val": sampling.Profile(val_sp, 1 if episodes else (
+                  val_k or g.val_num_generations_per_prompt), gen.max_new_tokens)}
+  common = dict(max_prompt_length=gen.max_episode_tokens if episodes else c.data.max_prompt_length,
+                eos_id=stop_ids(c, tokenizer), pad_id=tokenizer.pad_id, seed=c.seed)
   if gen.backend == "jetstream":
     # Imported here and only here: it imports JetStream and, through it, TensorFlow.
     from jaxgrpo.rollout import jetstream_rollouts  # pylint: disable=g-import-not-at-top

@@ -306,11 +306,12 @@ class ChatPrompt:
 
   add_bos = False
 
-  def __init__(self, template: str, chat):
-    self.template, self.chat = template, chat
+  def __init__(self, template: str, chat, tools: list[dict] | None = None):
+    self.template, self.chat, self.tools = template, chat, tools
 
   def __call__(self, row: dict[str, Any]) -> str:
-    return self.chat.render([{"role": "user", "content": render_prompt(self.template, row)}])
+    return self.chat.render([{"role": "user", "content": render_prompt(self.template, row)}],
+                            tools=self.tools)
 
   def __repr__(self) -> str:
     return f"ChatPrompt({self.template!r})"

@@ -121,6 +121,25 @@ class Runner:
       self._pool.close()
       self._pool = None
 
+  def rewards(self, scores, ep: "Episodes", correctness: str | None):
+    """with_env_rewards: the transcripts' scores with the episodes' own rewards."""
+    return with_env_rewards(scores, ep, correctness)
+
+  def metrics(self, parts) -> dict[str, float]:
+    """`metrics` over every process's episodes; parts: [(rows to count (bool [N]),
+    Episodes)], one per call of `run` (validation pads its last batch)."""
+    fields = [np.concatenate([getattr(ep, f)[keep] for keep, ep in parts])
+              for f in METRIC_FIELDS]
+    keys = distributed.union_keys(sorted({k for _, ep in parts for k in ep.info}))
+    info = [np.concatenate([ep.info.get(k, np.full(len(keep), np.nan))[keep]
+                            for keep, ep in parts]) for k in keys]
+    gathered = distributed.gather_rows(*fields, *info)
+    counts = distributed.gather_rows(np.array(
+        [sum(ep.observations for _, ep in parts),
+         sum(ep.observations_cut for _, ep in parts)]))[0].reshape(-1, 2).sum(0)
+    return metrics(self.env_name, *gathered[:len(fields)], int(counts[0]), int(counts[1]),
+                   dict(zip(keys, gathered[len(fields):])))
+
   # -------------------------------------------------------------- environment calls
 
   def _calls(self, tasks: list[tuple]) -> list[tuple]:
@@ -318,3 +337,45 @@ def prompt_arrays(prompts: list[list[int]], width: int, pad_id: int):
   for i, p in enumerate(prompts):
     tokens[i, width - len(p):], mask[i, width - len(p):] = p, True
   return tokens, mask
+
+
+def with_env_rewards(scores, ep: Episodes, correctness: str | None):
+  """A scorer.Scores of the transcripts with the episodes' own rewards: each episode's reward
+  is its steps' rewards plus the configured rewards' total; it is scored when either scored
+  it and its environment did not fail (a failed episode leaves the loss, as an unscored row
+  does). Validation passes on the correctness reward when there is one, else on this total."""
+  scored = (scores.scored_N | ep.env_rewarded_N) & ~ep.failed_N
+  total = np.where(scored, scores.total_N + ep.env_reward_N, 0.0).astype(np.float32)
+  if correctness is not None:
+    correct = np.where(ep.failed_N, np.nan, scores.correct_N).astype(np.float32)
+    validation = np.nan_to_num(correct, nan=0.0).astype(np.float32)
+  else:
+    correct = np.where(scored, (total > 0).astype(np.float32), np.nan).astype(np.float32)
+    validation = np.where(scored, total, 0.0).astype(np.float32)
+  return dataclasses.replace(scores, total_N=total, scored_N=scored, validation_N=validation,
+                             correct_N=correct)
+
+
+# The per-episode arrays the metrics read, gathered over processes by the caller.
+METRIC_FIELDS = ("turns_N", "tool_calls_N", "tool_errors_N", "observation_tokens_N",
+                 "lengths_N", "failed_N")
+
+
+def metrics(env_name: str, turns_N, tool_calls_N, tool_errors_N, observation_tokens_N,
+            lengths_N, failed_N, observations: int, observations_cut: int,
+            info: dict[str, np.ndarray]) -> dict[str, float]:
+  """What a step (or a validation) logs of its episodes. tool_errors_fraction: of the tool
+  calls, the ones that failed; episode_tokens_mean: tokens after the prompt (turns and
+  observations); env_errors/<name>: the fraction of episodes whose environment failed."""
+  calls = float(np.sum(tool_calls_N))
+  out = {"turns_mean": float(np.mean(turns_N)), "turns_max": int(np.max(turns_N)),
+         "tool_calls_mean": float(np.mean(tool_calls_N)),
+         "tool_errors_fraction": float(np.sum(tool_errors_N) / calls) if calls else 0.0,
+         "observation_tokens_mean": float(np.mean(observation_tokens_N)),
+         "episode_tokens_mean": float(np.mean(lengths_N)),
+         "observation_truncated_fraction": observations_cut / max(observations, 1),
+         f"env_errors/{env_name}": float(np.mean(failed_N))}
+  for key, values in sorted(info.items()):
+    seen = values[~np.isnan(values)]
+    out[key] = float(seen.mean()) if len(seen) else float("nan")
+  return out

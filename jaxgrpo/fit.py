@@ -279,7 +279,7 @@ def _with(config, **grpo_values):
 def programs(c, model_cfg, tokenizer, mesh, which):
   """(name, jax Lowered, bytes of train state resident beside it) for the programs named in
   `which` (update, train, val), built as build.training builds them, from abstract values."""
-  gen, g, o = c.generation, c.grpo, c.optim
+  g, o = c.grpo, c.optim
   optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps,
                                       g.max_num_steps * g.num_iterations, o.weight_decay,
                                       o.grad_clip, o.schedule)
@@ -291,12 +291,13 @@ def programs(c, model_cfg, tokenizer, mesh, which):
     state = abstract_state(params, optimizer, mesh)
     ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
   engine = build.make_engine(c, model_cfg, tokenizer, mesh)
-  b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, gen.max_new_tokens
+  b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, build.completion_width(c)
   n = b * g.num_generations_per_prompt
+  loss = build.loss_config(c, mesh)
   sds = jax.ShapeDtypeStruct
   if "update" in which:
     update = grpo.compile_update(state, ref_params, cfg=model_cfg,
-                                 loss=build.loss_config(c, mesh),
+                                 loss=loss,
                                  sp=engine.profile("train").sampling, optimizer=optimizer,
                                  lr_schedule=lr, mesh=mesh)
     batch = {"prompt_tokens_BxL": sds((b, p), jnp.int32),
@@ -305,19 +306,28 @@ def programs(c, model_cfg, tokenizer, mesh, which):
              "completion_mask_NxT": sds((n, t), bool),
              "old_logp_NxT": sds((n, t), jnp.float32), "rewards_N": sds((n,), jnp.float32),
              "truncated_N": sds((n,), bool), "scored_N": sds((n,), bool)}
-    assert set(batch) == set(grpo.BATCH_RANKS), "grpo's update batch changed its keys"
+    if loss.trained_mask:
+      batch["trained_NxT"] = sds((n, t), bool)
+    assert set(batch) == set(grpo.batch_ranks(loss)), "grpo's update batch changed its keys"
     yield "update step", update.lower(state, batch, ref_params), 0
   # While sampling, the optimizer state and the reference policy stay on the chips; with
   # LoRA the samplers run merged weights, beside the base and the adapters.
   resident = bytes_per_chip((state.step, state.opt_state, ref_params) + (
       (state.params,) if c.model.lora_rank else ()))
   key = jax.eval_shape(lambda: jax.random.key(0))
+  # Episodes: one row per episode (G or k per prompt), contexts of max_episode_tokens.
+  width, per_prompt = engine.max_prompt_length, {"train": 1, "val": 1}
+  if c.env.name:
+    per_prompt = {"train": g.num_generations_per_prompt,
+                  "val": g.val_num_generations_per_prompt}
   for name, rows in (("train", b), ("val", g.val_batch_size)):
     if name not in which:
       continue
+    rows, p = rows * per_prompt[name], width
     # make_engine's eos and pad ids: the engine keeps its compiled samplers private.
     sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
-                                       eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                                       eos_id=build.stop_ids(c, tokenizer),
+                                       pad_id=tokenizer.pad_id,
                                        mesh=mesh, scan_layers=engine.scan_layers,
                                        attention=engine.attention,
                                        decode_block=engine.decode_block,

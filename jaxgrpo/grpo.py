@@ -97,6 +97,9 @@ class LossConfig:
   lora_rank: int = 0
   lora_scale: float = 0.0      # alpha / rank
   lora_targets: tuple = ()
+  # Multi-turn episodes (episodes.py): the batch carries trained_NxT, the sampled tokens;
+  # observation tokens are attended to (completion_mask_NxT) but leave the loss.
+  trained_mask: bool = False
 
 
 class TrainState(NamedTuple):
@@ -284,9 +287,12 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
 
 
 def loss_mask(batch, loss: LossConfig):
-  """The completion tokens the loss counts: rows that no reward scored leave (scorer.py), and
-  truncated rows under mask_truncated_completions."""
+  """The completion tokens the loss counts: rows that no reward scored leave (scorer.py),
+  truncated rows under mask_truncated_completions, and in multi-turn episodes every token
+  the policy did not sample (observations)."""
   mask = batch["completion_mask_NxT"] & batch["scored_N"][:, None]
+  if loss.trained_mask:
+    mask = mask & batch["trained_NxT"]
   if loss.mask_truncated_completions:
     mask = mask & ~batch["truncated_N"][:, None]
   return mask
@@ -339,6 +345,7 @@ def _prepare_rows(batch, loss: LossConfig):
   rows = dict(batch, advantages_N=advantages, mask_NxT=mask,
               weights_NxT=token_weights(mask, loss.loss_agg, loss.max_new_tokens))
   del rows["rewards_N"], rows["truncated_N"], rows["scored_N"]
+  rows.pop("trained_NxT", None)  # in the mask now
   return rows, mask, advantages
 
 
@@ -469,7 +476,7 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
 
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   ref_sh = None if ref_params is None else jax.tree.map(lambda x: x.sharding, ref_params)
-  rows = {k: sharding_lib.batch_sharding(mesh, n) for k, n in BATCH_RANKS.items()}
+  rows = {k: sharding_lib.batch_sharding(mesh, n) for k, n in batch_ranks(loss).items()}
   return jax.jit(step_fn, in_shardings=(state_sh, rows, ref_sh),
                  out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0,
                  compiler_options=compile_options.compiler_options(mesh))
@@ -478,3 +485,8 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
 BATCH_RANKS = {"prompt_tokens_BxL": 2, "prompt_mask_BxL": 2, "completion_tokens_NxT": 2,
                "completion_mask_NxT": 2, "old_logp_NxT": 2, "rewards_N": 1, "truncated_N": 1,
                "scored_N": 1}
+
+
+def batch_ranks(loss: LossConfig) -> dict[str, int]:
+  """The update batch's keys and their ranks: BATCH_RANKS, and trained_NxT for episodes."""
+  return {**BATCH_RANKS, "trained_NxT": 2} if loss.trained_mask else BATCH_RANKS

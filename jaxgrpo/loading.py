@@ -46,7 +46,7 @@ def load_data(config, tokenizer) -> Data:
     from jaxgrpo.model import chat  # pylint: disable=g-import-not-at-top
     try:
       template = data_lib.ChatPrompt(d.prompt_template, chat.ChatTemplate.from_folder(
-          hf.resolve(config.model.hf_checkpoint)))
+          hf.resolve(config.model.hf_checkpoint)), tools=env_tools(config))
     except chat.ChatTemplateError as e:
       raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
   # Before the batches: their length check would otherwise report prompts of <unk> tokens
@@ -147,6 +147,26 @@ def check_source_metrics(config, sources) -> None:
       raise config_lib.ConfigError(
           f"config.{key}={metric!r}: no validation source {source!r}; sources in the data: "
           f"{allowed}")
+
+
+def env_tools(config) -> list[dict] | None:
+  """The tool schemas a run's environment shows the model through the chat template."""
+  if not config.env.name:
+    return None
+  from jaxgrpo import envs  # pylint: disable=g-import-not-at-top
+  return envs.tool_schemas(config.env.name, config.env.kwargs)
+
+
+def check_env(config, tokenizer) -> None:
+  """Stop strings the tokenizer cannot end a turn at: one line, before compiling."""
+  if not config.env.name:
+    return
+  from jaxgrpo import build  # pylint: disable=g-import-not-at-top
+  try:
+    build.stop_ids(config, tokenizer)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"config.env.stop_strings={config.env.stop_strings!r}: {e}"
+                                 ) from None
 
 
 def lora_meta(config) -> dict:

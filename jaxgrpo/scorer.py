@@ -173,10 +173,14 @@ class Scorer:
     return results
 
   def __call__(self, tokens_NxT, lengths_N, batch: Mapping[str, Any], repeats: int,
-               extract: bool = False, label: str = "") -> Scores:
-    """label: where the failures printed happened (e.g. "step 12")."""
+               extract: bool = False, label: str = "", whole: bool = False) -> Scores:
+    """label: where the failures printed happened (e.g. "step 12"). whole: each row's text
+    is all of its `lengths_N` tokens (a multi-turn episode's transcript: every turn and
+    observation), not the part before its first end token."""
     tokens_NxT, lengths_N = np.asarray(tokens_NxT), np.asarray(lengths_N)
-    completions = self.tokenizer.decode_batch(tokens_NxT)
+    completions = ([self.tokenizer.decode(t[:k], until_end=False)
+                    for t, k in zip(tokens_NxT, lengths_N)] if whole
+                   else self.tokenizer.decode_batch(tokens_NxT))
     n = len(completions)
     answers = [row["answer"] for row in batch["rows"] for _ in range(repeats)]
     columns = self.columns(batch, repeats)

@@ -143,6 +143,7 @@ def prepare(argv) -> Setup:
                                                 else ""), file=sys.stderr, flush=True)
   model_cfg, host_params, tokenizer = loading.load_policy(config)
   _check_lora_rank(config, model_cfg)
+  loading.check_env(config, tokenizer)
   data = loading.load_data(config, tokenizer)
   loading.per_process(config, "num_prompts_per_step")
   # Global batches: each process keeps its slice, so the run does not depend on the hosts.

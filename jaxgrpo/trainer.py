@@ -20,26 +20,50 @@ import warnings
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, dynamic, grpo, loading, plot
+from jaxgrpo import build, checkpoint, dynamic, episodes, grpo, loading, plot
 from jaxgrpo.runtime import distributed, faults, metrics, trackers
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import validation
 
 
-def train_step(setup, engine, state, ref_params, update, batch, step, consumed=None):
+def train_step(setup, engine, state, ref_params, update, batch, step, consumed=None,
+               runner=None):
   """One rollout, its rewards and num_iterations updates. Returns (state, metrics).
 
   On several hosts each process samples and scores its own prompts; the update sees the
   global batch, and the logged numbers are gathered over every process's rows.
   consumed: a list to which the global row ids of every batch the step sampled are added
   (with dynamic sampling, more than `batch`: further ones come from setup.train_batches).
+  runner: an episodes.Runner (config.env.name): G multi-turn episodes per prompt instead of
+  G completions.
   """
   c = setup.config
   g = c.grpo.num_generations_per_prompt
-  ds = {}
+  ds, trained, episode_metrics = {}, None, {}
   policy = update.policy(state, ref_params)  # LoRA: the base with the adapters merged
-  if c.grpo.dynamic_sampling != "off":
+  if runner is not None:
+    if consumed is not None:
+      consumed.append(distributed.gather_rows(batch["row_ids_B"])[0])
+    ep = runner.run("train", policy, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"],
+                    batch["rows"], g, key=engine.key("train", step), step=step,
+                    label=f"step {step}")
+    t_rollout = ep.rollout_s + ep.env_s
+    t0 = time.perf_counter()
+    scores = runner.rewards(
+        setup.scorer(ep.tokens_NxT, ep.lengths_N, batch, g, label=f"step {step}", whole=True),
+        ep, setup.scorer.correctness)
+    t_reward = time.perf_counter() - t0
+    lengths_N, truncated_N = ep.lengths_N, ep.truncated_N
+    prompt = (batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"]) if ep.prompts is None else (
+        episodes.prompt_arrays(ep.prompts, c.data.max_prompt_length, setup.tokenizer.pad_id))
+    completion = (ep.tokens_NxT, ep.mask_NxT, ep.logp_NxT, ep.truncated_N)
+    # Sampled tokens only: observations are appended, not generated.
+    trained = ep.trained_NxT
+    generated = int(distributed.gather_rows(trained.sum(axis=1))[0].sum())
+    episode_metrics = runner.metrics([(np.ones(len(ep.turns_N), bool), ep)])
+    episode_metrics.update(env_s=ep.env_s, sampler_s=ep.rollout_s)
+  elif c.grpo.dynamic_sampling != "off":
     (prompt, completion, lengths_N, truncated_N, scores, t_rollout, t_reward, generated,
      ds) = dynamic.sample_step(setup, engine, policy, batch, step, consumed)
   else:
@@ -72,11 +96,14 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   t1 = time.perf_counter()
   aux = {}
   if scored_N.any():  # no scored row: nothing to learn from, and no update (say so below)
-    update_batch = sharding_lib.to_global(engine.mesh, {
+    update_batch = {
         "prompt_tokens_BxL": prompt[0], "prompt_mask_BxL": prompt[1],
         "completion_tokens_NxT": completion[0], "completion_mask_NxT": completion[1],
         "old_logp_NxT": completion[2], "rewards_N": rewards_N,
-        "truncated_N": completion[3], "scored_N": scores.scored_N})
+        "truncated_N": completion[3], "scored_N": scores.scored_N}
+    if trained is not None:  # episodes: observation tokens leave the loss
+      update_batch["trained_NxT"] = trained
+    update_batch = sharding_lib.to_global(engine.mesh, update_batch)
     for _ in range(c.grpo.num_iterations):
       state, aux = update(state, update_batch, ref_params)
     aux = jax.device_get(aux)
@@ -98,7 +125,7 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
       "rollout_tokens_per_s": float((lengths_all_N.sum() if generated is None else generated)
                                     / max(t_rollout, 1e-9)),
       "rollout_s": t_rollout, "reward_s": t_reward, "update_s": t_update,
-      **ds,
+      **ds, **episode_metrics,
   }
   out.update({k: float(v) for k, v in aux.items()})
   values, errors, more = parts[:len(names)], parts[len(names):2 * len(names)], parts[2 * len(
@@ -131,6 +158,8 @@ def run(setup) -> int:
   setup, fitted = _fit(setup)
   c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
   engine, state, ref_params, update = build.training(setup)
+  runner = build.make_runner(c, engine, setup.tokenizer,
+                             getattr(setup.data.template, "add_bos", True) if setup.data else True)
   primary = jax.process_index() == 0
   checkpoints = checkpoint.Checkpoints(
       os.path.join(setup.workdir, checkpoint.DIR_NAME), max_to_keep=ck.max_to_keep,
@@ -154,7 +183,8 @@ def run(setup) -> int:
       project=log.project, run_name=log.run_name,
       tags=[t.strip() for t in log.tags.split(",") if t.strip()], config=c.to_dict())
   validator = validation.Validator(
-      engine, setup.val_batches, setup.scorer,
+      engine, setup.val_batches, setup.scorer, runner=runner,
+      k=g.val_num_generations_per_prompt,
       threshold=g.val_pass_threshold, seed=g.val_seed, mesh=engine.mesh,
       samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None,
       sources=setup.val_sources, stop_metric=g.stop_at_validation_metric,
@@ -198,7 +228,7 @@ def run(setup) -> int:
       step += 1
       batch, consumed = next(setup.train_batches), []
       state, step_metrics = train_step(setup, engine, state, ref_params, update, batch, step,
-                                       consumed)
+                                       consumed, runner)
       if primary:  # the global rows of every batch the step sampled, in order
         _append_jsonl(prompts_log, {"step": step, "row_ids": np.concatenate(consumed).tolist()})
       faults.maybe_inject_sigterm(step)  # test hook (faults.py): a preemption at step N
@@ -268,6 +298,8 @@ def run(setup) -> int:
       else:
         print(_summary_line(summary, setup.workdir, preemption.name), flush=True)
     setup.scorer.close()
+    if runner is not None:
+      runner.close()
     # 0, 1 on a fault, 128 + a second signal's number when one waited.
     return 1 if fault else preemption.exit_status or 0
 

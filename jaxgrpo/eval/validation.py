@@ -243,12 +243,16 @@ class Validator:
 
   def __init__(self, engine, batches: Sequence[dict], scorer, *, threshold: float, seed: int, mesh, samples_dir: str | None = None,
                sources: Sequence[str] = (), stop_metric: str | None = None,
-               confidence: float | None = None, collect: bool = False):
+               confidence: float | None = None, collect: bool = False, runner=None,
+               k: int | None = None):
     """scorer: scorer.Scorer, the seam training scores through too. collect: keep `records`
-    without writing them (the evaluation command writes its own samples.jsonl)."""
+    without writing them (the evaluation command writes its own samples.jsonl). runner: an
+    episodes.Runner: k multi-turn episodes per prompt with the val profile (k: their number;
+    the engine's val profile then samples one turn per episode)."""
     self.engine, self.batches, self.scorer = engine, list(batches), scorer
     self.threshold, self.seed = threshold, seed
-    self.k = engine.profile("val").num_samples
+    self.runner = runner
+    self.k = k if runner is not None else engine.profile("val").num_samples
     self.key = jax.random.key(seed)  # with the prompt index, the only source of randomness
     self.samples_dir, self.mesh = samples_dir, mesh
     self.sources = list(sources)
@@ -270,19 +274,34 @@ class Validator:
     batch is scored (this process's prompts, padding excluded)."""
     t0 = time.perf_counter()
     # Dispatch every batch first: the device samples batch i+1 while the host scores batch i.
-    rollouts = [self.engine.sample("val", params, b["prompt_tokens_BxL"], b["prompt_mask_BxL"],
-                                   key=self.key, row_ids_B=b["row_ids_B"])
-                for b in self.batches]
+    # Episodes run turn by turn with the host in between, one batch after another.
+    rollouts = ([None] * len(self.batches) if self.runner is not None else
+                [self.engine.sample("val", params, b["prompt_tokens_BxL"], b["prompt_mask_BxL"],
+                                    key=self.key, row_ids_B=b["row_ids_B"])
+                 for b in self.batches])
     scores, totals, lengths, truncated, majs, records = [], [], [], [], [], []
+    episode_rows = []  # per batch: (valid rows, Episodes)
     reward_rows = []  # per batch: its valid rows' Scores (for reward_errors/, reward/<key>)
     total_prompts = int(sum(b["valid_B"].sum() for b in self.batches))
     done = tokens_done = 0
     for batch, rollout in zip(self.batches, rollouts):
-      tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
-                                                   rollout.truncated_N))
       extract = self.extractor is not None and (self.majority or self.collect)
-      scored = self.scorer(tokens, lens, batch, self.k, extract=extract,
-                           label=f"validation at step {step}")
+      label = f"validation at step {step}"
+      if self.runner is not None:
+        # The same episodes at every validation: a fixed key, and the environments' seeds
+        # as at step 0 (envs.py).
+        ep = self.runner.run("val", params, batch["prompt_tokens_BxL"],
+                             batch["prompt_mask_BxL"], batch["rows"], self.k, key=self.key,
+                             step=0, row_ids_B=batch["row_ids_B"], label=label)
+        tokens, lens, trunc = ep.tokens_NxT, ep.lengths_N, ep.truncated_N
+        scored = self.runner.rewards(
+            self.scorer(tokens, lens, batch, self.k, extract=extract, label=label, whole=True),
+            ep, self.scorer.correctness)
+        episode_rows.append((np.repeat(batch["valid_B"], self.k), ep))
+      else:
+        tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
+                                                     rollout.truncated_N))
+        scored = self.scorer(tokens, lens, batch, self.k, extract=extract, label=label)
       reward_rows.append((np.repeat(batch["valid_B"], self.k), scored))
       completions, score = scored.completions, scored.validation_N
       scores.append(score)
@@ -334,7 +353,10 @@ class Validator:
                   else float(metrics[name])) for name in self.names}
     # The rewards' own figures before the stop metric's bound, which stays last.
     lcb = {k: out.pop(k) for k in list(out) if k.endswith("_lcb")}
-    out.update(reward_metrics(reward_rows), **lcb)
+    out.update(reward_metrics(reward_rows))
+    if episode_rows:
+      out.update(self.runner.metrics(episode_rows))
+    out.update(lcb)
     if self.samples_dir is not None:
       metrics_lib.write_jsonl(os.path.join(self.samples_dir, f"step_{step}.jsonl"), records)
     return out

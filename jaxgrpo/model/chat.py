@@ -5,7 +5,8 @@ prompt format they were tuned on.
 transformers compiles the template in an immutable sandbox with `trim_blocks` and
 `lstrip_blocks`, adds a `tojson` filter and the globals `raise_exception` and
 `strftime_now`, and passes the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as
-variables. The same is done here; `tools`, `documents` and other extras are not supported.
+variables. The same is done here, with `tools` (a multi-turn environment's tool schemas);
+`documents` and other extras are not supported.
 """
 
 from __future__ import annotations
@@ -62,9 +63,14 @@ class ChatTemplate:
     special = {k: text(v) for k, v in settings.items() if k.endswith("_token")}
     return cls(path, template, special)
 
-  def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+  def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> str:
+    """tools: function schemas (OpenAI's format) the template shows the model, as
+    transformers passes `tools=`; None renders as without (the templates test `if tools`)."""
+    extra = {} if tools is None else {"tools": tools}
     try:
       return self._template.render(messages=list(messages),
-                                   add_generation_prompt=add_generation_prompt, **self._special)
+                                   add_generation_prompt=add_generation_prompt,
+                                   **self._special, **extra)
     except jinja2.exceptions.TemplateError as e:
       raise ChatTemplateError(f"{self.source}: chat_template failed: {e}") from None

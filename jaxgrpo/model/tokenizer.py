@@ -84,18 +84,21 @@ class Tokenizer:
     return [[text[a:b] for t, (a, b) in zip(e.ids, e.offsets) if t == self.unk_id]
             for text, e in zip(texts, encodings)]
 
-  def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+  def decode(self, ids: Iterable[int], skip_special: bool = True,
+             until_end: bool = True) -> str:
     """Returns the text of `ids` up to the first end token (eos or another of `stop_ids`).
 
     Args:
       ids: token ids (a list or a 1-D numpy/jax array).
       skip_special: drop special tokens (pad, bos, eos, ...) from the text. When False, the
         first end token is kept so that the caller can see where the completion ended.
+      until_end: False decodes every id given (a multi-turn episode has an end token after
+        each turn; the caller cuts it to its length).
     """
     ids = [int(i) for i in ids]
     # A sampled row continues past its end (padding or garbage); only the part before it is
     # the completion that rewards should score.
-    end = next((i for i, t in enumerate(ids) if t in self.stop_ids), None)
+    end = next((i for i, t in enumerate(ids) if t in self.stop_ids), None) if until_end else None
     if end is not None:
       ids = ids[:end] if skip_special else ids[:end + 1]
     return self.hf.decode(ids, skip_special_tokens=skip_special)
