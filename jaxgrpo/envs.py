@@ -53,6 +53,8 @@ import json
 import math
 from typing import Any, Callable
 
+import numpy as np
+
 _REGISTRY: dict[str, type] = {}
 # One instance per process and (name, kwargs): made on first use, here or in a worker.
 _INSTANCES: dict[tuple[str, str], Any] = {}
@@ -166,13 +168,12 @@ def check_step(out) -> tuple[str | None, float | None, bool, dict]:
   if observation is not None and not isinstance(observation, str):
     raise ValueError(f"step's observation is {type(observation).__name__}; allowed: str or None")
   if reward is not None:
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) and not hasattr(
-        reward, "__float__"):
+    if isinstance(reward, (bool, str)) or not isinstance(reward, (int, float, np.number)):
       raise ValueError(f"step's reward is {type(reward).__name__}; allowed: a number or None")
     reward = float(reward)
     if not math.isfinite(reward):
       raise ValueError(f"step's reward is {reward}")
-  if not isinstance(done, (bool, int)) and type(done).__name__ != "bool_":
+  if not isinstance(done, (bool, int, np.bool_)):
     raise ValueError(f"step's done is {type(done).__name__}; allowed: bool")
   if info is None:
     info = {}

@@ -265,6 +265,9 @@ class Runner:
         if finished:
           done[i] = True
           continue
+        if turn == self.max_turns - 1:  # out of turns, not finished: no turn would read
+          truncated[i] = done[i] = True  # an observation, so none is appended
+          continue
         if observation:
           ids = self.tokenizer.encode(observation, add_bos=False)
           observations += 1
@@ -277,9 +280,6 @@ class Runner:
           obs_tokens[i] += min(len(ids), room)
           if len(ids) >= room:  # no room left for the next turn
             truncated[i] = done[i] = True
-            continue
-        if turn == self.max_turns - 1:  # out of turns, not finished
-          truncated[i] = done[i] = True
 
     t = self.room
     tokens = np.full((n, t), self.engine.pad_id, np.int32)

@@ -843,3 +843,32 @@ def test_compile_update_on_trace_counts_compilations(params):
   # XLA's compilation (~15 s here), which a call would add without testing anything more.
   update.trace(state, _batch(REWARDS[:4], LENGTHS[:4], num_prompts=2), None)
   assert len(traces) == 2
+
+
+def test_observation_tokens_get_no_gradient(params):
+  # A multi-turn batch (episodes.py): positions 1 and 2 of every row are an environment's
+  # observation, attended to (completion_mask) but not sampled (trained_NxT False). Their
+  # old log-probs moved by 5 (a ratio of e^-5, far outside the clip) leave the gradient
+  # bitwise unchanged, also micro-batched; the same move on a sampled position changes it
+  # (so the comparison is not vacuous).
+  batch = _with_old_logp(_batch([1, 0, 0, 1], [4, 4, 4, 3], num_prompts=2), params)
+  trained = np.ones((4, T), bool)
+  trained[:, 1:3] = False
+  batch = dict(batch, trained_NxT=trained)
+
+  @functools.partial(jax.jit, static_argnums=2, compiler_options=FAST_COMPILE)
+  def grad(p, b, micro):
+    loss = _loss_config(trained_mask=True, micro_batch_size=micro)
+    if micro:
+      return grpo.micro_batch_loss(p, None, b, cfg=CFG, loss=loss, sp=SP)[1]
+    return jax.grad(lambda q: grpo.loss_fn(q, None, b, cfg=CFG, loss=loss, sp=SP)[0])(p)
+
+  moved = lambda mask: dict(batch, old_logp_NxT=batch["old_logp_NxT"] + 5.0 * mask)
+  for micro in (0, 2):
+    base = grad(params, batch, micro)
+    same = grad(params, moved(~trained), micro)
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(same)):
+      np.testing.assert_array_equal(a, b)
+  first = np.zeros((4, T), bool)
+  first[:, 0] = True
+  assert _max_abs_diff(grad(params, batch, 0), grad(params, moved(first), 0)) > 1e-4

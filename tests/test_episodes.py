@@ -1,0 +1,217 @@
+"""episodes.py: multi-turn episodes, a scripted policy against scripted environments."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrpo import envs, episodes, plugins
+from jaxgrpo.model.tokenizer import Tokenizer
+from jaxgrpo.rollout import sampling
+
+# ids: <pad> 0, <bos> 1, <eos> 2, <unk> 3, a 4, b 5, c 6, x 7, y 8, z 9, = 10, ! 11
+TOK = Tokenizer.char_level("abcxyz=!")
+C, A, X, Y, Z, EOS, BANG = 6, 4, 7, 8, 9, 2, 11
+FIXTURE_ENVS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
+                            "user_envs.py")
+
+
+class ScriptedEngine:
+  """Stands in for sampling.RolloutEngine: turn t of episode i samples script[i][t], cut at
+  max_new_tokens (a turn that is cut there did not end: truncated), with log-probs
+  -0.1 (t + 1) - 0.01 * position; it records every call's profile, contexts and row ids."""
+
+  pad_id = 0
+
+  def __init__(self, script, max_new_tokens=4, stops=(EOS,)):
+    self.script, self.t, self.stops = script, max_new_tokens, stops
+    self.calls = []
+
+  def sample(self, name, params, tokens, mask, *, key, row_ids_B):
+    del params, key
+    turn = len(self.calls)
+    self.calls.append((name, np.array(tokens), np.array(mask), np.array(row_ids_B)))
+    n = len(tokens)
+    out = np.zeros((n, self.t), np.int32)
+    logp = np.zeros((n, self.t), np.float32)
+    lengths, truncated = np.zeros(n, np.int32), np.zeros(n, bool)
+    for i in range(n):
+      seq = (self.script[i][turn] if turn < len(self.script[i]) else [EOS])[:self.t]
+      out[i, :len(seq)] = seq
+      logp[i, :len(seq)] = -0.1 * (turn + 1) - 0.01 * np.arange(len(seq))
+      lengths[i] = len(seq)
+      truncated[i] = len(seq) == self.t and seq[-1] not in self.stops
+    j = jnp.asarray
+    return sampling.Rollout(j(out), j(logp), j(logp), j(out != 0), j(lengths), j(truncated))
+
+
+@envs.register("_test_script")
+class Script:
+  """Answers turn t with row["obs"][t] (reward 0.5) and ends the episode after them (reward
+  1); records the text of every turn it saw."""
+
+  texts = []
+
+  def reset(self, row, seed):
+    return {"turn": 0, "obs": row["obs"], "seed": seed}
+
+  def step(self, state, text):
+    Script.texts.append(text)
+    t = state["turn"]
+    state["turn"] += 1
+    if t < len(state["obs"]):
+      return state["obs"][t], 0.5, False, {"seen": len(text)}
+    return None, 1.0, True, {}
+
+
+def _runner(engine, *, max_turns=4, width=12, prompt_len=4, max_obs=8, **kwargs):
+  return episodes.Runner(engine, TOK, env_name=kwargs.pop("env", "_test_script"),
+                         max_turns=max_turns, max_episode_tokens=width,
+                         max_prompt_length=prompt_len, max_observation_tokens=max_obs,
+                         **kwargs)
+
+
+PROMPT = np.array([[0, 1, A, 5]], np.int32)  # <pad> <bos> a b, left-padded
+PROMPT_MASK = np.array([[False, True, True, True]])
+
+
+def _run(runner, rows, g=2, name="train", step=7):
+  return runner.run(name, None, PROMPT, PROMPT_MASK, rows, g, key=jax.random.key(0),
+                    step=step)
+
+
+def test_an_episode_is_its_sampled_and_observation_tokens_exactly():
+  # Episode 0: turn 0 samples "c<eos>", the environment answers "xy" (reward 0.5), turn 1
+  # samples "a<eos>" and the environment ends it (reward 1). Episode 1: turn 0 samples "cc"
+  # and reaches max_new_tokens=2 without ending: truncated, its environment never stepped.
+  Script.texts.clear()
+  engine = ScriptedEngine([[[C, EOS], [A, EOS]], [[C, C]]], max_new_tokens=2)
+  ep = _run(_runner(engine), [{"obs": ["xy"], "answer": ""}])
+  # The completion region is max_episode_tokens 12 - max_prompt_length 4 = 8 tokens.
+  np.testing.assert_array_equal(ep.tokens_NxT, [[C, EOS, X, Y, A, EOS, 0, 0],
+                                                [C, C, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(ep.mask_NxT, [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(ep.trained_NxT, [[1, 1, 0, 0, 1, 1, 0, 0],
+                                                 [1, 1, 0, 0, 0, 0, 0, 0]])
+  # The sampler's log-probs on sampled tokens (turn t: -0.1 (t + 1) - 0.01 position), 0 on
+  # the observation.
+  np.testing.assert_allclose(ep.logp_NxT, [[-0.1, -0.11, 0, 0, -0.2, -0.21, 0, 0],
+                                           [-0.1, -0.11, 0, 0, 0, 0, 0, 0]], atol=1e-7)
+  np.testing.assert_array_equal(ep.lengths_N, [6, 2])
+  np.testing.assert_array_equal(ep.truncated_N, [False, True])
+  np.testing.assert_allclose(ep.env_reward_N, [1.5, 0.0])
+  np.testing.assert_array_equal(ep.env_rewarded_N, [True, False])
+  np.testing.assert_array_equal(ep.turns_N, [2, 1])
+  np.testing.assert_array_equal(ep.observation_tokens_N, [2, 0])
+  # The environment read each turn's tokens decoded with the end token kept.
+  assert Script.texts == ["c<eos>", "a<eos>"]
+  # Turn 0 saw the prompt, right-aligned in the 12-token context; turn 1 saw episode 0's
+  # prompt + "c<eos>xy", and every call was the train profile, one row per episode.
+  names = [call[0] for call in engine.calls]
+  assert names == ["train", "train"]
+  first, second = engine.calls[0][1], engine.calls[1][1]
+  np.testing.assert_array_equal(first[0, -3:], [1, A, 5])
+  np.testing.assert_array_equal(second[0, -7:], [1, A, 5, C, EOS, X, Y])
+  np.testing.assert_array_equal(engine.calls[0][3], [0, 1])  # episode ids r * G + g
+  assert ep.info == {"env/seen": pytest.approx(np.array([6.0, np.nan]), nan_ok=True)}
+
+
+def test_max_turns_episode_tokens_and_observation_tokens_each_end_an_episode():
+  rows = [{"obs": ["xyz", "xy"], "answer": ""}]
+  script = [[[C, EOS], [A, EOS], [A, EOS]]]
+  # max_turns=2: the environment answers twice but the second answer has no next turn: the
+  # episode is truncated after 2 turns, the unused answer not appended.
+  ep = _run(_runner(ScriptedEngine(script), max_turns=2, width=20), rows, g=1)
+  assert ep.turns_N[0] == 2 and ep.truncated_N[0]
+  np.testing.assert_array_equal(ep.tokens_NxT[0, :7], [C, EOS, X, Y, Z, A, EOS])
+  assert ep.lengths_N[0] == 7
+  # max_observation_tokens=1: "xyz" and "xy" are cut to "x" (2 observations, 2 cut); the
+  # episode then ends as the environment says (third step: done).
+  ep = _run(_runner(ScriptedEngine(script), max_obs=1, width=20), rows, g=1)
+  np.testing.assert_array_equal(ep.tokens_NxT[0, :8], [C, EOS, X, A, EOS, X, A, EOS])
+  assert (ep.observations, ep.observations_cut) == (2, 2) and not ep.truncated_N[0]
+  # max_episode_tokens=9 (5 after the 4-token prompt): "c<eos>" + "xyz" leave no room for a
+  # turn: truncated after one turn, the observation kept.
+  ep = _run(_runner(ScriptedEngine(script), width=9), rows, g=1)
+  np.testing.assert_array_equal(ep.tokens_NxT[0], [C, EOS, X, Y, Z])
+  assert ep.turns_N[0] == 1 and ep.truncated_N[0]
+  # ... and a turn longer than the room left is cut there: truncated, its tokens kept.
+  ep = _run(_runner(ScriptedEngine([[[C, C, C, EOS]]]), width=6), rows, g=1)
+  np.testing.assert_array_equal(ep.tokens_NxT[0], [C, C])
+  assert ep.truncated_N[0] and ep.trained_NxT[0].all()
+
+
+def test_validation_episodes_use_the_val_profile_every_turn():
+  engine = ScriptedEngine([[[C, EOS], [A, EOS]]] * 2)
+  _run(_runner(engine), [{"obs": ["x"], "answer": ""}], name="val")
+  assert [call[0] for call in engine.calls] == ["val", "val"]
+
+
+def test_environment_seeds_depend_on_seed_step_row_and_sample_only():
+  seeds = {episodes.episode_seed(0, s, r, g) for s in range(3) for r in range(3)
+           for g in range(3)}
+  assert len(seeds) == 27
+  assert episodes.episode_seed(5, 1, 2, 3) == episodes.episode_seed(5, 1, 2, 3)
+
+
+def test_stop_strings_must_be_one_token():
+  assert episodes.stop_ids(TOK, ["!"]) == (BANG,)
+  with pytest.raises(ValueError, match=r"stop string 'ab' encodes to 2 tokens \[4, 5\]"):
+    episodes.stop_ids(TOK, ["ab"])
+
+
+@pytest.mark.parametrize("fail", ["raise", "hang", "garbage"])
+def test_failing_environments_end_their_episodes_and_are_counted(fail):
+  # fixture_faulty fails in step for every episode whose seed is divisible by 3, in a worker
+  # process with a 1 s limit (a hang is killed there); the others end with reward 0. The run
+  # goes on; the first failure is printed with its traceback, later ones one line each.
+  plugins.import_modules(FIXTURE_ENVS)
+  lines = []
+  runner = _runner(ScriptedEngine([[[C, EOS]]] * 8), env="fixture_faulty",
+                   env_kwargs=f'{{"fail": "{fail}"}}', workers=2, timeout_s=1.0,
+                   user_modules=FIXTURE_ENVS, seed=3, log=lines.append)
+  try:
+    ep = _run(runner, [{"obs": [], "answer": ""}], g=8)
+  finally:
+    runner.close()
+  want = np.array([episodes.episode_seed(3, 7, 0, g) % 3 == 0 for g in range(8)])
+  assert want.any() and not want.all()  # both kinds occur with these seeds
+  np.testing.assert_array_equal(ep.failed_N, want)
+  np.testing.assert_array_equal(ep.env_rewarded_N, ~want)
+  assert not ep.truncated_N.any()
+  assert len(lines) == want.sum()
+  first = {"raise": "ValueError: fixture_faulty fails on seed",
+           "hang": "did not return within env.timeout_s=1 s",
+           "garbage": "step returned str 'garbage'"}[fail]
+  assert first in lines[0] and "episode ends with no reward" in lines[0]
+  if fail == "raise":
+    assert "Traceback" in lines[0]
+  assert all("\n" not in line for line in lines[1:])
+  m = runner.metrics([(np.ones(8, bool), ep)])
+  assert m["env_errors/fixture_faulty"] == pytest.approx(want.mean())
+
+
+def test_with_env_rewards_adds_the_steps_rewards_and_drops_failed_episodes():
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import scorer  # pylint: disable=g-import-not-at-top
+  nan = np.nan
+  # Three episodes: the configured reward scored 1, 0 and None; the environment gave 0.5,
+  # nothing and 1; the third's environment then failed.
+  scores = scorer.Scores(
+      completions=["", "", ""], total_N=np.array([1.0, 0.0, 0.0], np.float32),
+      scored_N=np.array([True, True, False]), breakdown={}, extras={}, errors={},
+      validation_N=np.array([1.0, 0.0, 0.0], np.float32),
+      correct_N=np.array([1.0, 0.0, nan], np.float32), answers=None)
+  ep = dataclasses.replace(
+      _run(_runner(ScriptedEngine([[[C, EOS]]] * 3)), [{"obs": [], "answer": ""}], g=3),
+      env_reward_N=np.array([0.5, 0.0, 1.0], np.float32),
+      env_rewarded_N=np.array([True, False, True]), failed_N=np.array([False, False, True]))
+  out = episodes.with_env_rewards(scores, ep, correctness="exact_match")
+  np.testing.assert_allclose(out.total_N, [1.5, 0.0, 0.0])
+  np.testing.assert_array_equal(out.scored_N, [True, True, False])
+  np.testing.assert_array_equal(out.correct_N, [1.0, 0.0, nan])
+  # Without a correctness reward validation passes on the total.
+  out = episodes.with_env_rewards(scores, ep, correctness=None)
+  np.testing.assert_allclose(out.validation_N, [1.5, 0.0, 0.0])

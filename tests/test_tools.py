@@ -1,0 +1,100 @@
+"""tools.py: the built-in `tools` environment, its tool schemas and the calculator."""
+
+import pytest
+
+from jaxgrpo import envs, tools
+
+
+def calculator_call(expression):
+  return ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+          + expression + '"}}\n</tool_call><|im_end|>')
+
+
+def test_a_turn_with_a_call_gets_the_result_in_qwens_format():
+  env = tools.Tools("calculator")
+  observation, reward, done, info = env.step(None, calculator_call("123*456"))
+  # The model closed its turn with <|im_end|>; the response opens a user turn with the
+  # <tool_response> block and reopens the assistant's, as Qwen2.5's chat template writes it.
+  assert observation == ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response>"
+                         "<|im_end|>\n<|im_start|>assistant\n")
+  assert (reward, done, info) == (None, False, {"tool_calls": 1, "tool_errors": 0})
+  # A turn stopped at </tool_call> (a stop string) is closed by the observation.
+  text = calculator_call("2+2").removesuffix("<|im_end|>")
+  assert env.step(None, text)[0].startswith("<|im_end|>\n<|im_start|>user\n")
+  # Without a chat template: bare blocks.
+  assert tools.Tools("calculator", chat="none").step(None, calculator_call("7*6"))[0] == (
+      "<tool_response>42</tool_response>")
+
+
+def test_a_turn_without_a_call_ends_the_episode():
+  assert tools.Tools().step(None, "The answer is \\boxed{5}<|im_end|>") == (
+      None, None, True, {"tool_calls": 0, "tool_errors": 0})
+
+
+@pytest.mark.parametrize("body, error", [
+    ("{not json}", "Error: the tool call is not JSON"),
+    ('{"name": "search", "arguments": {}}', "Error: unknown tool 'search'; tools: calculator"),
+    ('{"name": "calculator", "arguments": {"expr": "1"}}',
+     "Error: calculator: missing a required argument: 'expression'"),
+    ('{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}',
+     "Error: calculator: not allowed in arithmetic"),
+    ('{"name": "calculator", "arguments": {"expression": "1/0"}}',
+     "Error: calculator: division by zero"),
+    ('["calculator"]', 'Error: a tool call is {"name": ..., "arguments": {...}}'),
+])
+def test_malformed_calls_get_an_error_response_not_a_crash(body, error):
+  observation, _, done, info = tools.Tools().step(None, f"<tool_call>{body}</tool_call>")
+  assert error in observation and not done
+  assert info == {"tool_calls": 1, "tool_errors": 1}
+
+
+def test_an_unclosed_call_and_too_many_calls_are_errors():
+  env = tools.Tools(max_calls_per_turn=1)
+  observation, _, _, info = env.step(None, calculator_call("1+1") + "<tool_call>{")
+  assert "2" in observation and "without </tool_call>" in observation
+  assert info == {"tool_calls": 2, "tool_errors": 1}
+  observation, _, _, info = env.step(None, calculator_call("1+1") * 2)
+  assert "at most 1 tool calls a turn" in observation and info["tool_errors"] == 1
+
+
+def test_the_calculator_is_exact_and_refuses_everything_but_arithmetic():
+  assert tools.calculator("123456789 * 987654321") == "121932631112635269"
+  assert tools.calculator("(2 + 3) ** 2 - 7 // 2") == "22"
+  assert tools.calculator("1 / 4") == "0.25" and tools.calculator("6 / 3") == "2"
+  for bad in ("x + 1", "open('f')", "(1).real", "[1, 2]", "2 ** 1000", "9" * 300):
+    with pytest.raises(ValueError):
+      tools.arithmetic(bad)
+
+
+def test_schemas_come_from_type_hints_and_docstrings():
+  def add(a: int, b: float = 1.0, note: str = "") -> float:
+    """Adds two numbers.
+
+    More text the model does not need."""
+    return a + b
+  assert tools.schema(add) == {"type": "function", "function": {
+      "name": "add", "description": "Adds two numbers.",
+      "parameters": {"type": "object", "required": ["a"], "properties": {
+          "a": {"type": "integer"}, "b": {"type": "number"}, "note": {"type": "string"}}}}}
+
+  def untyped(a, b: int):
+    """No hint on a."""
+  with pytest.raises(tools.ToolError, match="tool 'untyped': argument 'a' has no type hint"):
+    tools.tool(untyped)
+
+  def undocumented(a: int):
+    pass
+  with pytest.raises(tools.ToolError, match="no docstring"):
+    tools.schema(undocumented)
+
+
+def test_tools_by_module_and_name_and_the_environment_registry():
+  env = envs.instance("tools", '{"tools": "jaxgrpo.tools:calculator", "chat": "none"}')
+  assert list(env.tools) == ["calculator"]
+  assert envs.tool_schemas("tools", '{"tools": "calculator"}')[0]["function"]["name"] == (
+      "calculator")
+  with pytest.raises(tools.ToolError, match="unknown tool 'nope'"):
+    tools.Tools("nope")
+  with pytest.raises(envs.EnvError, match="chat='html'; allowed: chatml, none"):
+    tools.Tools(chat="html")
+  assert envs.stop_strings("tools", '{"stop_at_call_end": true}') == ("</tool_call>",)
