@@ -18,12 +18,13 @@ import jax
 import numpy as np
 import pytest
 
-from cli import ARGS, run_train, start_train  # tests/cli.py
+from cli import ARGS, FAST_COMPILE, run_train, start_train  # tests/cli.py
 from jaxgrpo import checkpoint
 from jaxgrpo.runtime import faults
 from jaxgrpo.runtime import metrics as metrics_lib
 
-TIMING = ("time", "rollout_tokens_per_s", "rollout_s", "reward_s", "update_s", "wall_time_s")
+TIMING = ("time", "rollout_tokens_per_s", "rollout_s", "reward_s", "update_s", "wall_time_s",
+          "env_s", "sampler_s")
 
 
 def rows(workdir):
@@ -41,9 +42,9 @@ def prompt_ids(workdir):
     return [json.loads(line) for line in f]
 
 
-def final_params(workdir, step=8):
+def final_params(workdir, step=None):
   ckpts = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True)
-  state, _ = ckpts.restore(step)
+  state, _ = ckpts.restore(max(ckpts.steps()) if step is None else step)
   ckpts.close()
   return state
 
@@ -297,5 +298,44 @@ def test_dynamic_sampling_resumes_exactly_after_sigkill(tmp_path):
   proc.kill()
   proc.wait()
   resumed = run_train(*DYNAMIC, workdir=tmp_path / "killed")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert_same_run(tmp_path / "killed", tmp_path / "straight")
+
+
+# Multi-turn episodes (episodes.py) against tests/fixtures/user_envs.py's deterministic
+# fixture_retry, in an environment worker, for 4 steps on 8 devices.
+EPISODES = (f"--config={ARGS[0].split('=', 1)[1]}", "--config.grpo.max_num_steps=4",
+            "--config.user_modules=tests/fixtures/user_envs.py",
+            "--config.env.name=fixture_retry", "--config.generation.max_episode_tokens=24",
+            "--config.env.workers=1", "--config.logging.trackers=",
+            "--config.generation.val_temperature=0", "--config.mesh.data=8")
+
+
+@pytest.mark.slow
+def test_episodes_run_validate_and_resume_exactly_after_sigkill(tmp_path):
+  straight = run_train(*EPISODES, workdir=tmp_path / "straight",
+                       XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=8")
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  got = rows(tmp_path / "straight")
+  train, val = got[("train", 1)], got[("val", 4)]
+  # The episode metrics, in training and validation; some episodes took a second turn.
+  for row in (train, val):
+    for key in ("turns_mean", "turns_max", "tool_calls_mean", "tool_errors_fraction",
+                "observation_tokens_mean", "episode_tokens_mean", "env_errors/fixture_retry",
+                "env/solved"):
+      assert key in row, key
+    assert row["turns_max"] >= 2 and row["env_errors/fixture_retry"] == 0
+  assert "env_s" in metrics_lib.read_metrics(str(tmp_path / "straight"))[1]
+  # Still exactly two samplers, each compiled once: every turn reuses its profile's.
+  summary = json.load(open(tmp_path / "straight" / "summary.json"))
+  assert summary["compilations"] == {"update": 1, "train_sampler": 1, "val_sampler": 1}
+  # kill -9 after checkpoint 2, resumed: the same rows, prompts and parameters.
+  proc = start_train(*EPISODES, workdir=tmp_path / "killed",
+                     XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=8")
+  wait_for_checkpoint(proc, tmp_path / "killed", 2)
+  proc.kill()
+  proc.wait()
+  resumed = run_train(*EPISODES, workdir=tmp_path / "killed",
+                      XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=8")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert_same_run(tmp_path / "killed", tmp_path / "straight")
