@@ -22,8 +22,9 @@ before a slice is reserved). A number instead (--config.grpo.micro_batch_size=25
 the search. What the check chose for real models and slices is in BENCHMARKS.md.
 
 `arg`: `cpu` shrinks lengths and batches to check the pipeline on a laptop with a tiny model;
-`lora` trains rank-16 adapters on a frozen bfloat16 base instead of every weight (`cpu,lora`:
-both).
+`lora` trains rank-16 adapters on a frozen bfloat16 base instead of every weight; `tools` runs
+multi-turn episodes in which the model may call a calculator tool (`cpu,lora`, `cpu,tools`:
+combined).
 """
 
 import ml_collections
@@ -155,9 +156,9 @@ def get_config(arg=None):
 
   presets = [a for a in (arg or "").split(",") if a]
   for preset in presets:
-    if preset not in ("cpu", "lora"):
-      raise ValueError(f"configs/gsm8k.py: unknown preset {preset!r}; allowed: cpu, lora "
-                       "(or both: cpu,lora)")
+    if preset not in ("cpu", "lora", "tools"):
+      raise ValueError(f"configs/gsm8k.py: unknown preset {preset!r}; allowed: cpu, lora, "
+                       "tools (or several: cpu,lora)")
   if "lora" in presets:
     # Rank-16 adapters on every linear layer of a frozen base (model/lora.py): the optimizer
     # holds the adapters' moments only and the KL reference is the base itself. Adapters
@@ -167,12 +168,25 @@ def get_config(arg=None):
     c.model.lora_rank, c.model.lora_alpha, c.model.lora_targets = 16, 32.0, "all-linear"
     c.model.param_dtype = "bfloat16"
     c.optim.learning_rate = 1e-5
+  if "tools" in presets:
+    # Multi-turn episodes with a calculator (jaxgrpo/tools.py: exact arithmetic by its own
+    # parser, never eval). The chat template shows the tool in the system prompt; the model
+    # calls it as <tool_call>{json}</tool_call> and ends its turn with <|im_end|>; the
+    # result comes back as a user turn of <tool_response> blocks. Up to 4 turns of 512
+    # tokens; the episode (prompt, turns, results) within 400 + 1024 tokens.
+    c.env.name = "tools"
+    c.env.kwargs = '{"tools": "calculator"}'
+    c.env.max_turns = 4
+    c.env.max_observation_tokens = 64
+    c.generation.max_episode_tokens = c.data.max_prompt_length + 1024
   if "cpu" in presets:
     c.mesh.fsdp = 1
     c.mesh.data = -1
     c.model.dtype = "float32"
     c.data.max_prompt_length = 1024  # the fixtures' byte-level tokenizer: long prompts
     c.generation.max_new_tokens = 16
+    if "tools" in presets:  # two short turns and a result
+      c.generation.max_episode_tokens = c.data.max_prompt_length + 64
     c.grpo.num_prompts_per_step = 8
     c.grpo.num_generations_per_prompt = 4
     c.grpo.max_num_steps = 2

@@ -30,9 +30,10 @@ import numpy as np
 from jaxgrpo import rewards
 from jaxgrpo.model.tokenizer import Tokenizer
 
-# A path starting with this prefix names a file packaged with jaxgrpo (GSM8K, MIT licence),
-# so configs can say train_path='@gsm8k/train.jsonl' without knowing the install location.
-GSM8K_PREFIX = "@gsm8k/"
+# A path `@<folder>/NAME` names a file packaged with jaxgrpo under jaxgrpo/assets/<folder>
+# (GSM8K, MIT licence; the calculator task's rows), so configs can say
+# train_path='@gsm8k/train.jsonl' without knowing the install location.
+DATA_ASSETS = ("gsm8k", "calc3")
 _ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 SOURCES = ("arithmetic", "jsonl")
 
@@ -42,9 +43,11 @@ class DataError(ValueError):
 
 
 def resolve_path(path: str) -> str:
-  """Maps `@gsm8k/NAME` to the packaged `jaxgrpo/assets/gsm8k/NAME`; other paths unchanged."""
-  if path.startswith(GSM8K_PREFIX):
-    return os.path.join(_ASSETS_DIR, "gsm8k", path[len(GSM8K_PREFIX):])
+  """Maps `@gsm8k/NAME` (or another of DATA_ASSETS) to the packaged
+  `jaxgrpo/assets/gsm8k/NAME`; other paths unchanged."""
+  for folder in DATA_ASSETS:
+    if path.startswith(f"@{folder}/"):
+      return os.path.join(_ASSETS_DIR, folder, path[len(folder) + 2:])
   return path
 
 

@@ -8,6 +8,8 @@ engine and Validator: the val sampler and the metrics compile once for both.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import sys
@@ -117,8 +119,12 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   key = (side.model_cfg, side.tokenizer.hf.to_str())  # the same prompts and programs
   if key not in validators:
     engine = build.make_engine(c, side.model_cfg, side.tokenizer, mesh)
+    # An environment task (config.env.name): k episodes per prompt, as the run validated.
+    runner = build.make_runner(c, engine, side.tokenizer,
+                               getattr(side.data.template, "add_bos", True))
     validators[key] = validation.Validator(
-        engine, side.val_batches, scorer.from_config(c, side.tokenizer),
+        engine, side.val_batches, scorer.from_config(c, side.tokenizer), runner=runner,
+        k=g.val_num_generations_per_prompt,
         threshold=g.val_pass_threshold, seed=g.val_seed, mesh=mesh, sources=sources,
         stop_metric=g.stop_at_validation_metric, confidence=g.stop_at_validation_confidence,
         collect=True)
@@ -131,6 +137,8 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   wall = time.perf_counter() - t0
   profile = engine.profile("val")
   sp = profile.sampling
+  if validator.runner is not None:  # the profile samples one turn per episode
+    profile = dataclasses.replace(profile, num_samples=validator.k)
   return {"metrics": row, "_per_prompt": validator.per_prompt, "records": validator.records,
           "num_prompts": int(row["num_prompts"]), "wall_time_s": wall, "generated_tokens": tokens,
           "tokens_per_s": tokens / max(row["wall_time_s"], 1e-9),

@@ -45,10 +45,16 @@ def load_data(config, tokenizer) -> Data:
   if d.use_chat_template:
     from jaxgrpo.model import chat  # pylint: disable=g-import-not-at-top
     try:
-      template = data_lib.ChatPrompt(d.prompt_template, chat.ChatTemplate.from_folder(
-          hf.resolve(config.model.hf_checkpoint)), tools=env_tools(config))
+      chat_template = chat.ChatTemplate.from_folder(hf.resolve(config.model.hf_checkpoint))
     except chat.ChatTemplateError as e:
       raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
+    tools = env_tools(config)
+    if tools and not chat_template.shows_tools and jax_process_index() == 0:
+      print(f"warning: environment {config.env.name!r} offers tools "
+            f"({', '.join(t['function']['name'] for t in tools)}) but the chat template of "
+            f"{config.model.hf_checkpoint} does not show tools to the model; describe them in "
+            "data.prompt_template", file=sys.stderr, flush=True)
+    template = data_lib.ChatPrompt(d.prompt_template, chat_template, tools=tools)
   # Before the batches: their length check would otherwise report prompts of <unk> tokens
   # as too long, hiding that the model cannot read them.
   warning = check_encodable(tokenizer, template, train_rows, val_rows, model_name(config))
@@ -147,6 +153,11 @@ def check_source_metrics(config, sources) -> None:
       raise config_lib.ConfigError(
           f"config.{key}={metric!r}: no validation source {source!r}; sources in the data: "
           f"{allowed}")
+
+
+def jax_process_index() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_index()
 
 
 def env_tools(config) -> list[dict] | None:

@@ -98,3 +98,22 @@ def test_tools_by_module_and_name_and_the_environment_registry():
   with pytest.raises(envs.EnvError, match="chat='html'; allowed: chatml, none"):
     tools.Tools(chat="html")
   assert envs.stop_strings("tools", '{"stop_at_call_end": true}') == ("</tool_call>",)
+
+
+def test_the_chat_template_shows_the_tools_schemas():
+  # A ChatML template with Qwen2.5's tools block (shortened): the prompt lists each schema
+  # as JSON in the system turn, as transformers' apply_chat_template(tools=...) renders it.
+  from jaxgrpo import data  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import chat  # pylint: disable=g-import-not-at-top
+  template = ("{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n"
+              "{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+              "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+              "{% endfor %}<|im_start|>assistant\n")
+  schemas = envs.tool_schemas("tools", '{"tools": "calculator"}')
+  prompt = data.ChatPrompt("{question}", chat.ChatTemplate("test", template, {}),
+                           tools=schemas)({"question": "2*3?"})
+  # (trim_blocks, as transformers renders: no newline after a block tag)
+  assert prompt.startswith('<|im_start|>system\n<tools>{"type": "function", "function": '
+                           '{"name": "calculator", "description": "Evaluates')
+  assert "</tools><|im_end|>\n<|im_start|>user\n2*3?<|im_end|>\n" in prompt
+  assert chat.ChatTemplate("test", template, {}).shows_tools

@@ -45,6 +45,9 @@ class ChatTemplate:
     except jinja2.exceptions.TemplateError as e:
       raise ChatTemplateError(f"{source}: chat_template does not compile ({e})") from None
     self._special = special_tokens
+    # Whether the template reads `tools` at all (Qwen2.5's and Llama 3.1's do): a template
+    # that does not cannot show a multi-turn environment's tools to the model.
+    self.shows_tools = "tools" in template
 
   @classmethod
   def from_folder(cls, folder: str) -> "ChatTemplate":
