@@ -215,3 +215,59 @@ def test_with_env_rewards_adds_the_steps_rewards_and_drops_failed_episodes():
   # Without a correctness reward validation passes on the total.
   out = episodes.with_env_rewards(scores, ep, correctness=None)
   np.testing.assert_allclose(out.validation_N, [1.5, 0.0, 0.0])
+
+
+def test_turns_end_at_the_end_token_or_a_stop_string_on_the_real_sampler():
+  # A random 1-layer model over the 12-token vocabulary, sampled at temperature 1 by the
+  # real engine with the end token and "!" (a stop string) as end ids: each turn the
+  # environment saw ends at the first of them (or is cut at max_new_tokens: truncated), and
+  # the next turn's context is exactly the episode so far.
+  from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
+  cfg = model_lib.ModelConfig(vocab_size=TOK.vocab_size, d_model=16, num_layers=1,
+                              num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=32)
+  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+  sp = sampling.SamplingParams(1.0, 1.0, 0)
+  profiles = {n: sampling.Profile(sp, 1, 6) for n in sampling.PROFILE_NAMES}
+  stops = (EOS,) + episodes.stop_ids(TOK, ["!"])
+  engine = sampling.RolloutEngine(cfg, mesh, profiles, max_prompt_length=24, eos_id=stops,
+                                  pad_id=0, seed=0)
+  recorder = _Recording(engine)
+  params = sharding.init_sharded(cfg, mesh, jax.random.key(1))
+  Script.texts.clear()
+  ep = _runner(recorder, width=24, max_turns=3).run(
+      "train", params, PROMPT, PROMPT_MASK, [{"obs": ["x", "y"], "answer": ""}], 8,
+      key=jax.random.key(2), step=0)
+  ends = 0
+  for turn, (tokens, lengths, truncated) in enumerate(recorder.outputs):
+    for row in range(8):
+      k = int(lengths[row])
+      first = next((i for i, t in enumerate(tokens[row]) if t in stops), None)
+      if truncated[row]:
+        assert first is None and k == 6
+      else:
+        assert first == k - 1  # the turn's last token is its first end id
+        ends += tokens[row][k - 1] == BANG
+  assert ends > 0  # some turn ended at the stop string, not only at <eos>
+  assert len(recorder.contexts) >= 2 and ep.turns_N.max() >= 2
+  assert all(t.endswith(("<eos>", "!")) for t in Script.texts)
+  for turn in range(1, len(recorder.contexts)):  # contexts: prompt + episode so far
+    tokens, mask = recorder.contexts[turn]
+    for row in np.flatnonzero(ep.turns_N > turn):
+      seq = list(PROMPT[0][PROMPT_MASK[0]]) + list(ep.tokens_NxT[row][:ep.lengths_N[row]])
+      np.testing.assert_array_equal(tokens[row][mask[row]], seq[:mask[row].sum()])
+
+
+class _Recording:
+  """An engine that keeps each call's contexts and outputs."""
+
+  def __init__(self, engine):
+    self.engine, self.pad_id = engine, engine.pad_id
+    self.contexts, self.outputs = [], []
+
+  def sample(self, name, params, tokens, mask, **kwargs):
+    out = self.engine.sample(name, params, tokens, mask, **kwargs)
+    self.contexts.append((np.array(tokens), np.array(mask)))
+    self.outputs.append(tuple(np.asarray(x) for x in (out.tokens_NxT, out.lengths_N,
+                                                       out.truncated_N)))
+    return out

@@ -9,6 +9,7 @@ import sys
 from jaxgrpo.bench import backends
 from jaxgrpo.bench import common
 from jaxgrpo.bench import early_stop
+from jaxgrpo.bench import episodes
 from jaxgrpo.bench import lora
 from jaxgrpo.bench import memory
 from jaxgrpo.bench import prefill
@@ -20,7 +21,7 @@ from jaxgrpo.bench import truncation
 from jaxgrpo.bench import validation
 
 SUBCOMMANDS = (sampler, rollout, truncation, validation, step, memory, early_stop, backends,
-               prefill, rewards, lora)
+               prefill, rewards, lora, episodes)
 
 
 def run_all(args) -> list[dict]:
