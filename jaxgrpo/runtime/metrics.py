@@ -33,7 +33,9 @@ from jaxgrpo.runtime import trackers as trackers_lib
 JSONL_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 # Shown on the train progress line when present, in this order; the rest live in the logs.
-KEY_METRICS = ("reward_mean", "accuracy", "rollout_tokens_per_s", "loss")
+# (turns_mean and tool_calls_mean: only multi-turn episodes log them.)
+KEY_METRICS = ("reward_mean", "accuracy", "turns_mean", "tool_calls_mean",
+               "rollout_tokens_per_s", "loss")
 _RESERVED = ("step", "split", "time")
 
 
