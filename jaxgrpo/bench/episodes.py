@@ -66,15 +66,13 @@ def run_episodes(args) -> list[dict]:
   single_config.env.name, single_config.generation.max_episode_tokens = "", 0
   g = c.grpo.num_generations_per_prompt
   rows = []
+  # One runner for every step, as a run has: its environment workers start once.
+  runner = build.make_runner(c, engine, setup.tokenizer)
   for rep in range(args.reps + 1):
-    timed = _Timed(engine)
-    runner = build.make_runner(c, timed, setup.tokenizer)
+    timed = runner.engine = _Timed(engine)
     batch = next(setup.train_batches)
-    try:
-      ep = runner.run("train", params, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"],
-                      batch["rows"], g, key=engine.key("train", rep), step=rep)
-    finally:
-      runner.close()
+    ep = runner.run("train", params, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"],
+                    batch["rows"], g, key=engine.key("train", rep), step=rep)
     t0 = time.perf_counter()
     for tokens, mask, kwargs in timed.contexts:
       jax.block_until_ready(prefill_engine.sample("train", params, tokens, mask,
@@ -99,6 +97,7 @@ def run_episodes(args) -> list[dict]:
                        tool_calls_mean=float(ep.tool_calls_N.mean()),
                        single_s=t_single, single_tokens=single_tokens,
                        single_max_new_tokens=longest))
+  runner.close()
   med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
   return [dict(
       bench="episodes", args=list(args.train_args), reps=args.reps, episodes=len(ep.turns_N),
