@@ -110,3 +110,12 @@ def test_an_environment_file_that_fails_to_import_is_one_line(tmp_path):
   c.env.name = "tools"
   with pytest.raises(config_lib.ConfigError, match=r"tool 'f': argument 'x' has no type hint"):
     config_lib.validate(c, 1)
+
+
+def test_a_stop_string_the_tokenizer_cannot_end_a_turn_at_is_one_line(tmp_path):
+  # Needs the tokenizer, so it is checked after loading, still before anything compiles.
+  import cli  # pylint: disable=g-import-not-at-top
+  proc = cli.run_train(f"--config={ROOT}/configs/calculator.py:smoke",
+                       "--config.env.stop_strings=</tool_call>,ab", workdir=tmp_path)
+  cli.assert_clean_error(proc, "config.env.stop_strings='</tool_call>,ab': stop string 'ab' "
+                         "encodes to 2 tokens")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from cli import ARGS, FAST_COMPILE, ROOT, run_train, start_train  # tests/cli.py
+from cli import env as cli_env  # tests/cli.py
 from jaxgrpo import checkpoint
 from jaxgrpo.runtime import faults
 from jaxgrpo.runtime import metrics as metrics_lib
@@ -330,6 +331,18 @@ def test_episodes_run_validate_and_resume_exactly_after_sigkill(tmp_path):
   # Still exactly two samplers, each compiled once: every turn reuses its profile's.
   summary = json.load(open(tmp_path / "straight" / "summary.json"))
   assert summary["compilations"] == {"update": 1, "train_sampler": 1, "val_sampler": 1}
+  # evaluate runs the same validation episodes on the run's last checkpoint: its own row.
+  proc = subprocess.run([sys.executable, "-m", "jaxgrpo.evaluate", *EPISODES,
+                         f"--workdir={tmp_path / 'straight'}", f"--out={tmp_path / 'eval'}"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=600,
+                        env=cli_env(XLA_FLAGS=f"{FAST_COMPILE} "
+                                    "--xla_force_host_platform_device_count=8"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  evaluated = json.load(open(tmp_path / "eval" / "eval.json"))["metrics"]
+  logged = [r for r in metrics_lib.read_metrics(str(tmp_path / "straight"))
+            if r["split"] == "val"][-1]
+  for key in ("accuracy", "pass@1", "turns_mean", "tool_calls_mean", "episode_tokens_mean"):
+    assert evaluated[key] == logged[key], key
   # kill -9 after checkpoint 2, resumed: the same rows, prompts and parameters.
   proc = start_train(*EPISODES, workdir=tmp_path / "killed",
                      XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=8")
