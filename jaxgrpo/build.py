@@ -186,5 +186,5 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                                                      tokenizer=tokenizer, slots=slots, **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
                                 decode_block=gen.decode_block_size,
-                                compact_stages=gen.compact_stages,
+                                compact_stages=gen.compact_stages, episodes=episodes,
                                 attention=attention(c, mesh), **common)

@@ -24,11 +24,12 @@ max_episode_tokens - data.max_prompt_length), out of turns (`env.max_turns`), or
 runs past max_new_tokens without ending. An environment that fails ends its episode with
 reward None (the row leaves the loss and its group's statistics).
 
-Deviation from the design note (DESIGN.md): each turn prefills the episode's whole context
-again rather than appending the observation to a KV cache kept on device; the prefill is
-the parallel, compute-bound part, and this keeps the compiled sampler the single-turn one.
-Episodes that ended still ride along in the batch until every episode of the call ended
-(their tokens are dropped); the figures in BENCHMARKS.md say what both cost.
+Deviation from the issue and the design note (DESIGN.md): each turn prefills the episode's
+whole context again rather than appending the observation to a KV cache kept on device (the
+prefill is the parallel, compute-bound part; the sampler stays the single-turn one, with
+one more input). Episodes that ended are inactive rows of the call (`active_B`): they sample
+nothing and compaction drops them, but they are still prefilled. BENCHMARKS.md says what
+this costs.
 
 Random draws: turn t of episode (row r, sample g) draws from (the call's key folded with
 t, the episode's global id r*G + g), and its environment's seed comes from (seed, step, r,
@@ -224,7 +225,8 @@ class Runner:
         ctx_mask[i, self.width - len(seq):] = True
       t0 = time.perf_counter()
       rollout = self.engine.sample(name, params, ctx_tokens, ctx_mask,
-                                   key=jax.random.fold_in(key, turn), row_ids_B=episode_ids)
+                                   key=jax.random.fold_in(key, turn), row_ids_B=episode_ids,
+                                   active_B=~done)
       out_tokens, out_logp, out_len, out_trunc = (np.asarray(x) for x in sharding_lib.to_local(
           (rollout.tokens_NxT, rollout.logp_NxT, rollout.lengths_N, rollout.truncated_N)))
       t_rollout += time.perf_counter() - t0

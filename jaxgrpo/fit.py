@@ -331,9 +331,11 @@ def programs(c, model_cfg, tokenizer, mesh, which):
                                        mesh=mesh, scan_layers=engine.scan_layers,
                                        attention=engine.attention,
                                        decode_block=engine.decode_block,
-                                       compact_stages=engine.compact_stages)
+                                       compact_stages=engine.compact_stages,
+                                       active=engine.episodes)
     lowered = sampler.lower(params, sds((rows, p), jnp.int32), sds((rows, p), bool),
-                            key, sds((rows,), jnp.int32))
+                            key, sds((rows,), jnp.int32),
+                            *((sds((rows,), bool),) if engine.episodes else ()))
     yield f"{name} sampler", lowered, resident
 
 

@@ -29,10 +29,11 @@ class ScriptedEngine:
     self.script, self.t, self.stops = script, max_new_tokens, stops
     self.calls = []
 
-  def sample(self, name, params, tokens, mask, *, key, row_ids_B):
+  def sample(self, name, params, tokens, mask, *, key, row_ids_B, active_B):
     del params, key
     turn = len(self.calls)
-    self.calls.append((name, np.array(tokens), np.array(mask), np.array(row_ids_B)))
+    self.calls.append((name, np.array(tokens), np.array(mask), np.array(row_ids_B),
+                       np.array(active_B)))
     n = len(tokens)
     out = np.zeros((n, self.t), np.int32)
     logp = np.zeros((n, self.t), np.float32)
@@ -115,6 +116,9 @@ def test_an_episode_is_its_sampled_and_observation_tokens_exactly():
   np.testing.assert_array_equal(first[0, -3:], [1, A, 5])
   np.testing.assert_array_equal(second[0, -7:], [1, A, 5, C, EOS, X, Y])
   np.testing.assert_array_equal(engine.calls[0][3], [0, 1])  # episode ids r * G + g
+  # Episode 1 ended after turn 0: turn 1 samples only episode 0.
+  np.testing.assert_array_equal([call[4] for call in engine.calls], [[True, True],
+                                                                     [True, False]])
   assert ep.info == {"env/seen": pytest.approx(np.array([6.0, np.nan]), nan_ok=True)}
 
 
@@ -231,7 +235,7 @@ def test_turns_end_at_the_end_token_or_a_stop_string_on_the_real_sampler():
   profiles = {n: sampling.Profile(sp, 1, 6) for n in sampling.PROFILE_NAMES}
   stops = (EOS,) + episodes.stop_ids(TOK, ["!"])
   engine = sampling.RolloutEngine(cfg, mesh, profiles, max_prompt_length=24, eos_id=stops,
-                                  pad_id=0, seed=0)
+                                  pad_id=0, seed=0, episodes=True)
   recorder = _Recording(engine)
   params = sharding.init_sharded(cfg, mesh, jax.random.key(1))
   Script.texts.clear()
@@ -242,6 +246,9 @@ def test_turns_end_at_the_end_token_or_a_stop_string_on_the_real_sampler():
   for turn, (tokens, lengths, truncated) in enumerate(recorder.outputs):
     for row in range(8):
       k = int(lengths[row])
+      if ep.turns_N[row] <= turn:  # ended before this turn: an inactive row samples nothing
+        assert k == 0 and not truncated[row]
+        continue
       first = next((i for i, t in enumerate(tokens[row]) if t in stops), None)
       if truncated[row]:
         assert first is None and k == 6

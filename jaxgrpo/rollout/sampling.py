@@ -102,7 +102,7 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
            cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
            mesh=None, share_prefix: bool = True,
            scan_layers: bool | None = None, attention: str | None = None,
-           decode_block: int = 0, compact_stages: int = 0) -> Rollout:
+           decode_block: int = 0, compact_stages: int = 0, active_B=None) -> Rollout:
   """The pure sampler (jit it with `profile` static).
 
   eos_id: the id (or a tuple of ids: instruct models end a turn with any of several) that
@@ -122,6 +122,8 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
   every slot and masks the unfilled ones. compact_stages: > 0 moves the live rows into a batch
   half as large whenever they fit, up to that many times (compaction.py: the same rollout,
   without computing rows that ended); 0 computes every row until the longest ends.
+  active_B: bool [B] (multi-turn episodes, one sample per row): a row that is not active
+  starts done, so it samples nothing (length 0) and compaction drops it at its first stage.
   """
   sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxL.shape[0]
@@ -168,6 +170,8 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
             raws.at[:, :, i].set(raw), masks.at[:, :, i].set(~done_BxG))
 
   done0 = jnp.zeros((b, g), bool)
+  if active_B is not None:  # episodes that ended: nothing to sample (episodes.py)
+    done0 = jnp.broadcast_to(~active_B[:, None], (b, g))
   buffers = (jnp.full((b, g, t), pad_id, jnp.int32), jnp.zeros((b, g, t), jnp.float32),
              jnp.zeros((b, g, t), jnp.float32), jnp.zeros((b, g, t), bool))
   # Token 0 of every sample comes from the (shared) prefill logits.
@@ -232,22 +236,24 @@ def left_pad(prompt_tokens_BxL, prompt_mask_BxL, width: int, pad_id: int):
 def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad_id, mesh,
                     on_trace=None, share_prefix: bool = True,
                     scan_layers: bool | None = None, attention: str | None = None,
-                    decode_block: int = 0, compact_stages: int = 0):
-  """jit(sample) for one profile with explicit shardings: rows over the data axes."""
+                    decode_block: int = 0, compact_stages: int = 0, active: bool = False):
+  """jit(sample) for one profile with explicit shardings: rows over the data axes.
+  active: the sampler takes a sixth argument, `sample`'s active_B (multi-turn episodes);
+  without it the program is the single-turn one."""
 
-  def traced(params, tokens, mask, key, row_ids):
+  def traced(params, tokens, mask, key, row_ids, *active_B):
     if on_trace is not None:
       on_trace()  # runs once per trace, i.e. once per compilation
     return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile, eos_id=eos_id,
                   pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
                   scan_layers=scan_layers, attention=attention, decode_block=decode_block,
-                  compact_stages=compact_stages)
+                  compact_stages=compact_stages, active_B=active_B[0] if active_B else None)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(
       traced,
       in_shardings=(sharding_lib.param_shardings(cfg, mesh), rows2, rows2,
-                    sharding_lib.replicated(mesh), rows1),
+                    sharding_lib.replicated(mesh), rows1) + ((rows1,) if active else ()),
       out_shardings=Rollout(rows2, rows2, rows2, rows2, rows1, rows1),
       compiler_options=compile_options.compiler_options(mesh))
 
@@ -259,11 +265,12 @@ class RolloutEngine:
                max_prompt_length: int, eos_id, pad_id: int, seed: int,
                share_prefix: bool = True, scan_layers: bool | None = None,
                attention: str | None = None, decode_block: int = 0,
-               compact_stages: int = 0):
+               compact_stages: int = 0, episodes: bool = False):
     """share_prefix=False prefills every sample's copy of its prompt (see `sample`); only
     for measuring what prefix sharing buys. scan_layers, attention: the prefill's;
     decode_block: the decode step's key block; compact_stages: how many times the live rows
-    may move into a batch half as large (`sample`)."""
+    may move into a batch half as large (`sample`); episodes: the samplers take which rows
+    are active (`sample(active_B=)`, multi-turn episodes: episodes.py)."""
     names = tuple(profiles)
     if sorted(names) != sorted(PROFILE_NAMES):
       raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "
@@ -274,7 +281,7 @@ class RolloutEngine:
     self._calls = {name: 0 for name in PROFILE_NAMES}
     self._base_key = jax.random.key(seed)
     self.scan_layers, self.attention, self.decode_block = scan_layers, attention, decode_block
-    self.compact_stages = compact_stages
+    self.compact_stages, self.episodes = compact_stages, episodes
     self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)
 
   def _build(self, *, eos_id, share_prefix: bool):
@@ -284,7 +291,7 @@ class RolloutEngine:
                                   on_trace=functools.partial(self._count, name),
                                   share_prefix=share_prefix, scan_layers=self.scan_layers,
                                   attention=self.attention, decode_block=self.decode_block,
-                                  compact_stages=self.compact_stages)
+                                  compact_stages=self.compact_stages, active=self.episodes)
             for name in PROFILE_NAMES}
 
   def _count(self, name):
@@ -301,12 +308,13 @@ class RolloutEngine:
     return self.profiles[name]
 
   def sample(self, name: str, params, prompt_tokens_BxL, prompt_mask_BxL, *,
-             step: int | None = None, key=None, row_ids_B=None) -> Rollout:
+             step: int | None = None, key=None, row_ids_B=None, active_B=None) -> Rollout:
     """Samples with profile `name`. Without `step` or `key` each call draws a fresh key
     (a per-profile counter); pass `key` to reuse one on purpose (fixed validation key).
 
     row_ids_B: an id per prompt (default 0..B-1); prompt b's draws depend only on the key
     and its id, so validation passes each prompt's index in the validation set.
+    active_B: an engine built with `episodes` only: the rows to sample (default all).
     """
     self.profile(name)
     if key is not None and step is not None:
@@ -332,11 +340,18 @@ class RolloutEngine:
     row_ids_B = np.asarray(row_ids_B, np.int32)
     if row_ids_B.shape != (rows,):
       raise ValueError(f"row_ids_B has shape {row_ids_B.shape}; expected ({rows},)")
-    return self._roll(name, params, tokens, mask, key, row_ids_B)
+    if not self.episodes:
+      if active_B is not None:
+        raise ValueError("active_B: only an engine built with episodes=True takes it")
+      return self._roll(name, params, tokens, mask, key, row_ids_B)
+    active_B = np.ones(rows, bool) if active_B is None else np.asarray(active_B, bool)
+    return self._roll(name, params, tokens, mask, key, row_ids_B, active_B)
 
-  def _roll(self, name: str, params, tokens_BxL, mask_BxL, key, row_ids_B) -> Rollout:
-    """The rollout itself, from this process's left-padded prompts (numpy)."""
-    tokens, mask, row_ids_B = sharding_lib.to_global(self.mesh,
-                                                     (tokens_BxL, mask_BxL, row_ids_B))
+  def _roll(self, name: str, params, tokens_BxL, mask_BxL, key, row_ids_B,
+            *active_B) -> Rollout:
+    """The rollout itself, from this process's left-padded prompts (numpy); active_B for
+    an episodes engine."""
+    tokens, mask, row_ids_B, *active_B = sharding_lib.to_global(
+        self.mesh, (tokens_BxL, mask_BxL, row_ids_B, *active_B))
     return self._samplers[name](params, tokens, mask, sharding_lib.replicate_key(self.mesh, key),
-                                row_ids_B)
+                                row_ids_B, *active_B)
