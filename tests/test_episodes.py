@@ -1,13 +1,19 @@
 """episodes.py: multi-turn episodes, a scripted policy against scripted environments."""
 
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cli import ROOT, run_train, start_train, xla_flags  # tests/cli.py
+from cli import env as cli_env  # tests/cli.py
 from jaxgrpo import envs, episodes, plugins
+from jaxgrpo.runtime import metrics as metrics_lib
 from jaxgrpo.model.tokenizer import Tokenizer
 from jaxgrpo.rollout import sampling
 
@@ -278,3 +284,55 @@ class _Recording:
     self.outputs.append(tuple(np.asarray(x) for x in (out.tokens_NxT, out.lengths_N,
                                                        out.truncated_N)))
     return out
+
+
+# Multi-turn episodes (episodes.py): the calculator task (configs/calculator.py: the tools
+# environment, deterministic) in an environment worker, for 2 steps on 8 devices.
+EPISODES = (f"--config={os.path.join(ROOT, 'configs', 'calculator.py')}:smoke",
+            "--config.checkpoint.save_period=1", "--config.grpo.num_prompts_per_step=8",
+            "--config.env.workers=1", "--config.logging.trackers=",
+            "--config.generation.val_temperature=0", "--config.mesh.data=8")
+
+
+@pytest.mark.slow
+def test_episodes_run_validate_and_resume_exactly_after_sigkill(tmp_path):
+  from test_faults import assert_same_run, rows, wait_for_checkpoint  # pylint: disable=g-import-not-at-top
+  straight = run_train(*EPISODES, workdir=tmp_path / "straight",
+                       XLA_FLAGS=xla_flags(8))
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  got = rows(tmp_path / "straight")
+  train, val = got[("train", 1)], got[("val", 2)]
+  # The episode metrics, in training and validation.
+  for row in (train, val):
+    for key in ("turns_mean", "turns_max", "tool_calls_mean", "tool_errors_fraction",
+                "observation_tokens_mean", "episode_tokens_mean", "env_errors/tools"):
+      assert key in row, key
+    assert row["env_errors/tools"] == 0
+  # The warm start calls the calculator in some episodes: a second turn after its result.
+  assert max(r["turns_max"] for r in got.values()) >= 2
+  assert max(r["tool_calls_mean"] for r in got.values()) > 0
+  assert "env_s" in metrics_lib.read_metrics(str(tmp_path / "straight"))[1]
+  # Still exactly two samplers, each compiled once: every turn reuses its profile's.
+  summary = json.load(open(tmp_path / "straight" / "summary.json"))
+  assert summary["compilations"] == {"update": 1, "train_sampler": 1, "val_sampler": 1}
+  # evaluate runs the same validation episodes on the run's last checkpoint: its own row.
+  proc = subprocess.run([sys.executable, "-m", "jaxgrpo.evaluate", *EPISODES,
+                         f"--workdir={tmp_path / 'straight'}", f"--out={tmp_path / 'eval'}"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=600,
+                        env=cli_env(XLA_FLAGS=xla_flags(8)))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  evaluated = json.load(open(tmp_path / "eval" / "eval.json"))["metrics"]
+  logged = [r for r in metrics_lib.read_metrics(str(tmp_path / "straight"))
+            if r["split"] == "val"][-1]
+  for key in ("accuracy", "pass@1", "turns_mean", "tool_calls_mean", "episode_tokens_mean"):
+    assert evaluated[key] == logged[key], key
+  # kill -9 after checkpoint 1, resumed: the same rows, prompts and parameters.
+  proc = start_train(*EPISODES, workdir=tmp_path / "killed",
+                     XLA_FLAGS=xla_flags(8))
+  wait_for_checkpoint(proc, tmp_path / "killed", 1)
+  proc.kill()
+  proc.wait()
+  resumed = run_train(*EPISODES, workdir=tmp_path / "killed",
+                      XLA_FLAGS=xla_flags(8))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert_same_run(tmp_path / "killed", tmp_path / "straight")
