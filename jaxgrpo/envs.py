@@ -110,7 +110,10 @@ def get(name: str) -> type:
 
 
 def _builtins() -> None:
-  from jaxgrpo import tools  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  """Registers the built-in environments (once)."""
+  if "tools" not in _REGISTRY:
+    from jaxgrpo import tools  # pylint: disable=g-import-not-at-top  (tools imports no envs)
+    register("tools")(tools.Tools)
 
 
 def parse_kwargs(text: str) -> dict:

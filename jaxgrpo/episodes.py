@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxgrpo import envs
+from jaxgrpo import envs, plugins
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.runtime import distributed
 from jaxgrpo.runtime import workers as workers_lib
@@ -111,7 +111,8 @@ class Runner:
     self.room = max_episode_tokens - max_prompt_length  # the completion region, T
     self.seed, self.add_bos = seed, add_bos
     self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    self._pool = (workers_lib.WorkerPool(workers, timeout_s, user_modules,
+    self._pool = (workers_lib.WorkerPool(workers, timeout_s,
+                                         (plugins.import_modules, (user_modules,)),
                                          timeout_key="env.timeout_s", what="environment")
                   if workers > 0 else None)
     self._reported = False

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxgrpo import rewards
+from jaxgrpo import plugins, rewards
 from jaxgrpo.runtime import workers as workers_lib
 
 
@@ -123,7 +123,8 @@ class Scorer:
     self.majority = rewards.majority_reward(self.weights)
     self.workers = workers
     self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    self._pool = workers_lib.WorkerPool(workers, timeout_s, user_modules) if workers > 0 else None
+    self._pool = workers_lib.WorkerPool(
+        workers, timeout_s, (plugins.import_modules, (user_modules,))) if workers > 0 else None
     self._reported: set[str] = set()
     # A function goes to the workers by reference; what cannot be pickled runs here.
     self._inline = set()

@@ -38,8 +38,6 @@ import re
 import typing
 from typing import Callable
 
-from jaxgrpo import envs
-
 _TOOLS: dict[str, Callable] = {}
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
                dict: "object"}
@@ -158,8 +156,8 @@ def calculator(expression: str) -> str:
 
 
 # ------------------------------------------------------------------ the environment
+# (registered as `tools` by envs.py, which imports this module)
 
-@envs.register("tools")
 class Tools:
   """Runs the tool calls of each turn; a turn without one ends the episode (module doc)."""
 
@@ -169,11 +167,11 @@ class Tools:
     template writes them) or 'none' (bare <tool_response> blocks); stop_at_call_end: end a
     turn at `</tool_call>` too (a stop string), not only at the end token."""
     if chat not in ("chatml", "none"):
-      raise envs.EnvError(f"tools: chat={chat!r}; allowed: chatml, none")
+      raise ToolError(f"tools: chat={chat!r}; allowed: chatml, none")
     self.tools = dict(resolve(n.strip()) for n in str(tools).split(",") if n.strip())
     if not self.tools:
-      raise envs.EnvError("tools: no tool named; allowed: a comma-separated list of "
-                          f"{', '.join(sorted(_TOOLS))} (or module:function)")
+      raise ToolError("tools: no tool named; allowed: a comma-separated list of "
+                      f"{', '.join(sorted(_TOOLS))} (or module:function)")
     self.chat, self.max_calls = chat, int(max_calls_per_turn)
     self.stop_strings = ("</tool_call>",) if stop_at_call_end else ()
 

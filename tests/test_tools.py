@@ -95,7 +95,7 @@ def test_tools_by_module_and_name_and_the_environment_registry():
       "calculator")
   with pytest.raises(tools.ToolError, match="unknown tool 'nope'"):
     tools.Tools("nope")
-  with pytest.raises(envs.EnvError, match="chat='html'; allowed: chatml, none"):
+  with pytest.raises(tools.ToolError, match="chat='html'; allowed: chatml, none"):
     tools.Tools(chat="html")
   assert envs.stop_strings("tools", '{"stop_at_call_end": true}') == ("</tool_call>",)
 

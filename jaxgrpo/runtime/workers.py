@@ -1,11 +1,12 @@
-"""Worker processes for the user's code: rewards (scorer.py) and environments
-(rollout/envs.py) run there, each call with a time limit, so that code which raises, hangs or
+"""Worker processes for the user's code: rewards (scorer.py) and environments (envs.py,
+episodes.py) run there, each call with a time limit, so that code which raises, hangs or
 exits never stops a run.
 
 A call is a pickled task `(fn, args, kwargs)`: `fn` goes by reference (its module and name),
-so it must be a module-level function of an importable module or of a user module
-(`config.user_modules`, which every worker imports before its first call). A worker answers
-("ok", fn(*args, **kwargs)), ("error", traceback) or, from the pool, ("timeout", why).
+so it must be a module-level function of an importable module or of a user module (the
+pool's `startup` task, run once in each worker before its first call, imports
+`config.user_modules`). A worker answers ("ok", fn(*args, **kwargs)), ("error", traceback)
+or, from the pool, ("timeout", why).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import subprocess
 import sys
 import time
 import traceback
-
-from jaxgrpo import plugins
 
 
 def call(task, catch=Exception):
@@ -34,15 +33,19 @@ def call(task, catch=Exception):
     return ("error", traceback.format_exc())
 
 
+def _nothing() -> None:
+  """A worker's start-up when there is none to run."""
+
+
 def worker_main() -> None:
-  """A worker process (`python -c ...` by WorkerPool, file descriptors of its two pipes in
-  argv): import the user's modules, then answer calls until the pipe closes."""
+  """A worker process (`python -c ...` by WorkerPool; in argv the file descriptors of its
+  two pipes and its start-up task, pickled, in hex): run the start-up task, then answer
+  calls until the pipe closes."""
   calls = connection.Connection(int(sys.argv[1]), writable=False)
   answers = connection.Connection(int(sys.argv[2]), readable=False)
-  try:
-    plugins.import_modules(sys.argv[3])
-  except plugins.PluginError:
-    pass  # the main process checked them; a call that needs one reports its own error
+  # Its failure is ignored: the main process ran the same (the user's modules imported when
+  # the config was checked); a call that needs what failed reports its own error.
+  call(bytes.fromhex(sys.argv[3]), BaseException)
   while True:
     try:
       payload = calls.recv_bytes()
@@ -66,10 +69,14 @@ class WorkerPool:
   a fork of a process that runs jax could deadlock. It sees the parent's sys.path.
   """
 
-  def __init__(self, workers: int, timeout_s: float, user_modules: str,
+  def __init__(self, workers: int, timeout_s: float, startup: tuple | None = None,
                timeout_key: str = "reward_timeout_s", what: str = "reward"):
-    """timeout_key, what: the config key and the kind of code named in a failure's line."""
-    self.timeout_s, self.user_modules = timeout_s, user_modules
+    """startup: a task (fn, args) each worker runs once, before its first call
+    (plugins.import_modules and config.user_modules, for rewards and environments).
+    timeout_key, what: the config key and the kind of code named in a failure's line."""
+    self.timeout_s = timeout_s
+    fn, args = startup if startup is not None else (_nothing, ())
+    self._startup = pickle.dumps((fn, tuple(args), {})).hex()
     self.timeout_key, self.what = timeout_key, what
     self._env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.abspath(p) for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]))
@@ -81,7 +88,7 @@ class WorkerPool:
     from_worker, to_parent = os.pipe()
     proc = subprocess.Popen(
         [sys.executable, "-c", "from jaxgrpo.runtime import workers; workers.worker_main()",
-         str(from_parent), str(to_parent), self.user_modules],
+         str(from_parent), str(to_parent), self._startup],
         pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, env=self._env)
     os.close(from_parent)
     os.close(to_parent)
