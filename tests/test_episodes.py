@@ -287,10 +287,12 @@ class _Recording:
 
 
 # Multi-turn episodes (episodes.py): the calculator task (configs/calculator.py: the tools
-# environment, deterministic) in an environment worker, for 2 steps on 8 devices.
+# environment, deterministic), for 2 steps on 8 devices. Environments and rewards run in
+# the main process here: worker processes (each importing jaxgrpo and math-verify) cost the
+# suite seconds a run, and test_failing_environments_... above runs environments in them.
 EPISODES = (f"--config={os.path.join(ROOT, 'configs', 'calculator.py')}:smoke",
             "--config.checkpoint.save_period=1", "--config.grpo.num_prompts_per_step=8",
-            "--config.env.workers=1", "--config.logging.trackers=",
+            "--config.env.workers=0", "--config.reward_workers=0", "--config.logging.trackers=",
             "--config.generation.val_temperature=0", "--config.mesh.data=8")
 
 
