@@ -61,7 +61,7 @@ def run_episodes(args) -> list[dict]:
   prefill_engine = sampling.RolloutEngine(
       engine.cfg, engine.mesh, one, max_prompt_length=engine.max_prompt_length,
       eos_id=build.stop_ids(c, setup.tokenizer), pad_id=engine.pad_id, seed=c.seed,
-      scan_layers=engine.scan_layers, attention=engine.attention)
+      scan_layers=engine.scan_layers, attention=engine.attention, episodes=True)
   single_config = ml_collections.ConfigDict(c.to_dict())
   single_config.env.name, single_config.generation.max_episode_tokens = "", 0
   g = c.grpo.num_generations_per_prompt
