@@ -237,12 +237,13 @@ def tokenize_prompts(tokenizer: Tokenizer, prompts: Sequence[str],
   """
   ids_list = tokenizer.encode_batch(prompts)
   _check_lengths(ids_list, prompts, range(len(prompts)), max_prompt_length)
-  return _pad_left(ids_list, tokenizer.pad_id, max_prompt_length)
+  return pad_left(ids_list, tokenizer.pad_id, max_prompt_length)
 
 
-def _pad_left(ids_list: Sequence[Sequence[int]], pad_id: int,
+def pad_left(ids_list: Sequence[Sequence[int]], pad_id: int,
               max_prompt_length: int) -> tuple[np.ndarray, np.ndarray]:
-  """Left-pads id lists already checked to fit in `max_prompt_length`."""
+  """Left-pads id lists already checked to fit in `max_prompt_length` (also a multi-turn
+  episode's contexts: episodes.py)."""
   tokens_BxL = np.full((len(ids_list), max_prompt_length), pad_id, dtype=np.int32)
   mask_BxL = np.zeros((len(ids_list), max_prompt_length), dtype=bool)
   for i, ids in enumerate(ids_list):
@@ -293,7 +294,7 @@ def _prepare(rows: Sequence[dict[str, Any]], row_ids: Sequence[int], tokenizer: 
 
 def _collate(records: Sequence[dict[str, Any]], pad_id: int,
              max_prompt_length: int) -> dict[str, Any]:
-  tokens_BxL, mask_BxL = _pad_left([r["ids"] for r in records], pad_id, max_prompt_length)
+  tokens_BxL, mask_BxL = pad_left([r["ids"] for r in records], pad_id, max_prompt_length)
   return {"prompt_tokens_BxL": tokens_BxL, "prompt_mask_BxL": mask_BxL,
           "row_ids_B": np.array([r["row_id"] for r in records], dtype=np.int32),
           "prompts": [r["prompt"] for r in records],

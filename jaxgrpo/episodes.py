@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxgrpo import envs, plugins
+from jaxgrpo import data, envs, plugins
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.runtime import distributed
 from jaxgrpo.runtime import workers as workers_lib
@@ -116,7 +116,6 @@ class Runner:
                                          timeout_key="env.timeout_s", what="environment")
                   if workers > 0 else None)
     self._reported = False
-    self.errors_seen = 0
 
   def close(self) -> None:
     if self._pool is not None:
@@ -153,7 +152,6 @@ class Runner:
 
   def _failure(self, label: str, why: str) -> None:
     """Prints the first failure's traceback in full, later ones one line each."""
-    self.errors_seen += 1
     if not self._reported:
       self._reported = True
       self._log(f"warning: environment {self.env_name!r} failed ({label}); its episode ends "
@@ -218,12 +216,8 @@ class Runner:
     for turn in range(self.max_turns):
       if not distributed.any_process(bool((~done).any())):
         break
-      ctx_tokens = np.full((n, self.width), self.engine.pad_id, np.int32)
-      ctx_mask = np.zeros((n, self.width), bool)
-      for i in range(n):
-        seq = prompts[i] + comp[i]
-        ctx_tokens[i, self.width - len(seq):] = seq
-        ctx_mask[i, self.width - len(seq):] = True
+      ctx_tokens, ctx_mask = data.pad_left([prompts[i] + comp[i] for i in range(n)],
+                                           self.engine.pad_id, self.width)
       t0 = time.perf_counter()
       rollout = self.engine.sample(name, params, ctx_tokens, ctx_mask,
                                    key=jax.random.fold_in(key, turn), row_ids_B=episode_ids,
@@ -331,15 +325,6 @@ def _is_number(v) -> bool:
 
 def _number(v) -> float:
   return float(v) if _is_number(v) else 0.0
-
-
-def prompt_arrays(prompts: list[list[int]], width: int, pad_id: int):
-  """Left-padded [B, width] tokens and mask of token lists (an environment's own prompts)."""
-  tokens = np.full((len(prompts), width), pad_id, np.int32)
-  mask = np.zeros((len(prompts), width), bool)
-  for i, p in enumerate(prompts):
-    tokens[i, width - len(p):], mask[i, width - len(p):] = p, True
-  return tokens, mask
 
 
 def with_env_rewards(scores, ep: Episodes, correctness: str | None):

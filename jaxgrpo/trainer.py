@@ -20,7 +20,8 @@ import warnings
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, dynamic, episodes, grpo, loading, plot
+from jaxgrpo import build, checkpoint, dynamic, grpo, loading, plot
+from jaxgrpo import data as data_lib
 from jaxgrpo.runtime import distributed, faults, metrics, trackers
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -42,9 +43,9 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   g = c.grpo.num_generations_per_prompt
   ds, trained, episode_metrics = {}, None, {}
   policy = update.policy(state, ref_params)  # LoRA: the base with the adapters merged
+  if consumed is not None and c.grpo.dynamic_sampling == "off":  # (else: dynamic.py's)
+    consumed.append(distributed.gather_rows(batch["row_ids_B"])[0])
   if runner is not None:
-    if consumed is not None:
-      consumed.append(distributed.gather_rows(batch["row_ids_B"])[0])
     ep = runner.run("train", policy, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"],
                     batch["rows"], g, key=engine.key("train", step), step=step,
                     label=f"step {step}")
@@ -56,7 +57,7 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
     t_reward = time.perf_counter() - t0
     lengths_N, truncated_N = ep.lengths_N, ep.truncated_N
     prompt = (batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"]) if ep.prompts is None else (
-        episodes.prompt_arrays(ep.prompts, c.data.max_prompt_length, setup.tokenizer.pad_id))
+        data_lib.pad_left(ep.prompts, setup.tokenizer.pad_id, c.data.max_prompt_length))
     completion = (ep.tokens_NxT, ep.mask_NxT, ep.logp_NxT, ep.truncated_N)
     # Sampled tokens only: observations are appended, not generated.
     trained = ep.trained_NxT
@@ -67,8 +68,6 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
     (prompt, completion, lengths_N, truncated_N, scores, t_rollout, t_reward, generated,
      ds) = dynamic.sample_step(setup, engine, policy, batch, step, consumed)
   else:
-    if consumed is not None:
-      consumed.append(distributed.gather_rows(batch["row_ids_B"])[0])
     t0 = time.perf_counter()
     rollout = engine.sample("train", policy, batch["prompt_tokens_BxL"],
                             batch["prompt_mask_BxL"], step=step)
