@@ -49,7 +49,7 @@ def load_data(config, tokenizer) -> Data:
     except chat.ChatTemplateError as e:
       raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
     tools = env_tools(config)
-    if tools and not chat_template.shows_tools and jax_process_index() == 0:
+    if tools and not chat_template.shows_tools and _primary():
       print(f"warning: environment {config.env.name!r} offers tools "
             f"({', '.join(t['function']['name'] for t in tools)}) but the chat template of "
             f"{config.model.hf_checkpoint} does not show tools to the model; describe them in "
@@ -58,8 +58,7 @@ def load_data(config, tokenizer) -> Data:
   # Before the batches: their length check would otherwise report prompts of <unk> tokens
   # as too long, hiding that the model cannot read them.
   warning = check_encodable(tokenizer, template, train_rows, val_rows, model_name(config))
-  import jax  # pylint: disable=g-import-not-at-top
-  if warning and jax.process_index() == 0:
+  if warning and _primary():
     print(warning, file=sys.stderr, flush=True)
   return Data(train_rows, val_rows, val_sources, template)
 
@@ -155,9 +154,10 @@ def check_source_metrics(config, sources) -> None:
           f"{allowed}")
 
 
-def jax_process_index() -> int:
+def _primary() -> bool:
+  """Process 0, which prints the start-up warnings of every process."""
   import jax  # pylint: disable=g-import-not-at-top
-  return jax.process_index()
+  return jax.process_index() == 0
 
 
 def env_tools(config) -> list[dict] | None:
@@ -260,6 +260,16 @@ def resume_point(config, workdir: str, model_cfg, train_batches):
   return directory, step
 
 
+# config.model keys that are not the network's architecture (model.ModelConfig's fields).
+NOT_ARCHITECTURE = ("checkpoint", "hf_checkpoint", "remat", "scan_layers", "attention",
+                    "lora_rank", "lora_alpha", "lora_targets")
+
+
+def architecture(config) -> dict:
+  """config.model's architecture keys, as model.ModelConfig.from_dict takes them."""
+  return {k: v for k, v in config.model.items() if k not in NOT_ARCHITECTURE}
+
+
 def load_policy(config):
   """(ModelConfig, host params or None, Tokenizer), all checked on the host.
 
@@ -271,9 +281,7 @@ def load_policy(config):
   from jaxgrpo.model import decoder as model_lib
   from jaxgrpo.model.tokenizer import Tokenizer
   m = config.model
-  arch = {k: v for k, v in m.items() if k not in ("checkpoint", "hf_checkpoint", "remat",
-                                                    "scan_layers", "attention", "lora_rank",
-                                                    "lora_alpha", "lora_targets")}
+  arch = architecture(config)
   source = m.checkpoint or m.hf_checkpoint
   if source:
     if m.hf_checkpoint:

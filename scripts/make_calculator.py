@@ -26,12 +26,11 @@ import json
 import os
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from tokenizers import AddedToken
 
+import make_warmstart  # scripts/make_warmstart.py, beside this file
 from jaxgrpo.model import hf
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model.tokenizer import Tokenizer
@@ -116,19 +115,7 @@ def main():
   optimizer = optax.adam(args.lr)
   params, opt_state = policy.params, optimizer.init(policy.params)
 
-  @jax.jit
-  def step(params, opt_state, tokens_BxT, target_BxT):
-    def loss_fn(p):
-      mask = tokens_BxT != tok.pad_id
-      logits = model_lib.Decoder(cfg).apply({"params": p}, tokens_BxT,
-                                            jnp.cumsum(mask, axis=1) - 1, mask)
-      logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-      nll = -jnp.take_along_axis(logp, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
-      w = target_BxT[:, 1:].astype(jnp.float32)
-      return (nll * w).sum() / w.sum()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  step = make_warmstart.sft_step(cfg, optimizer, tok.pad_id)
 
   # Held-out checks at temperature 1: how often the first turn calls the tool, and how often
   # the answer after a (forced) correct tool response is copied right.

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgrpo import data, rewards
+from jaxgrpo import data, loading, rewards
 from jaxgrpo.model import hf
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model.tokenizer import Tokenizer
@@ -54,6 +54,29 @@ def encode_examples(tok: Tokenizer, rows):
   return tokens, target_mask
 
 
+def sft_step(cfg, optimizer, pad_id: int):
+  """The jitted supervised step: (params, opt_state, tokens_BxT, target_BxT) -> (params,
+  opt_state, loss), next-token loss on the target positions of right-padded rows.
+  scripts/make_calculator.py uses it too."""
+
+  @jax.jit
+  def step(params, opt_state, tokens_BxT, target_BxT):
+    def loss_fn(p):
+      mask = tokens_BxT != pad_id
+      # Right-padded rows: positions count from 0 at the first token.
+      logits = model_lib.Decoder(cfg).apply({"params": p}, tokens_BxT,
+                                            jnp.cumsum(mask, axis=1) - 1, mask)
+      logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+      nll = -jnp.take_along_axis(logp, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+      w = target_BxT[:, 1:].astype(jnp.float32)
+      return (nll * w).sum() / w.sum()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.path.join(ROOT, "jaxgrpo", "assets", "arith3"))
@@ -66,9 +89,7 @@ def main():
   args = ap.parse_args()
 
   config = load_default_config()
-  m = config.model.to_dict()
-  m.pop("checkpoint")
-  cfg = model_lib.ModelConfig.from_dict(m)
+  cfg = model_lib.ModelConfig.from_dict(loading.architecture(config))
   tok = Tokenizer.char_level("0123456789+=")
   d = config.data
   train_rows = data.arithmetic_examples(d.num_train_examples, d.num_digits, seed=args.seed,
@@ -83,20 +104,7 @@ def main():
   optimizer = optax.adam(args.lr)
   params, opt_state = policy.params, optax.adam(args.lr).init(policy.params)
 
-  @jax.jit
-  def step(params, opt_state, tokens_BxT, target_BxT):
-    def loss_fn(p):
-      mask = tokens_BxT != tok.pad_id
-      # Right-padded rows: positions count from 0 at the first token.
-      logits = model_lib.Decoder(cfg).apply({"params": p}, tokens_BxT,
-                                            jnp.cumsum(mask, axis=1) - 1, mask)
-      logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-      nll = -jnp.take_along_axis(logp, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
-      w = target_BxT[:, 1:].astype(jnp.float32)
-      return (nll * w).sum() / w.sum()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  step = sft_step(cfg, optimizer, tok.pad_id)
 
   def evaluate(params, seed):
     policy.params = params
