@@ -174,13 +174,14 @@ def get_config(arg=None):
     # calls it as <tool_call>{json}</tool_call> and ends its turn with <|im_end|>; the
     # result comes back as a user turn of <tool_response> blocks. Up to 4 turns; the
     # episode (turns and results) has the single-turn run's 512 tokens after the prompt.
-    # (Each turn prefills the whole context again: at 400 + 1024 the train sampler of
-    # Qwen2.5-1.5B needed 17.6 GiB a chip on v5e:2x4, at 400 + 512 13.4: BENCHMARKS.md.)
+    # Turns run on a KV cache kept between them (rollout/turns.py), which decodes each row
+    # at its own slot: no compaction.
     c.env.name = "tools"
     c.env.kwargs = '{"tools": "calculator"}'
     c.env.max_turns = 4
     c.env.max_observation_tokens = 64
     c.generation.max_episode_tokens = c.data.max_prompt_length + 512
+    c.generation.compact_stages = 0
   if "cpu" in presets:
     c.mesh.fsdp = 1
     c.mesh.data = -1

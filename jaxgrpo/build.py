@@ -165,15 +165,15 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
   train_sp = sampling.SamplingParams(gen.temperature, gen.top_p, gen.top_k)
   # The validator resolved unset val_* keys to the training values.
   val_sp = sampling.SamplingParams(gen.val_temperature, gen.val_top_p, gen.val_top_k)
-  # Episodes (episodes.py) sample one turn per context: the G episodes of a prompt part
-  # after their first turn, so each is its own row, its context up to max_episode_tokens.
+  # Episodes (episodes.py, turns.py) sample one turn per row: the G episodes of a prompt
+  # share its prefill, but part after their first turn, so each is its own row.
   episodes = bool(c.env.name)
   profiles = {"train": sampling.Profile(train_sp, 1 if episodes else g.num_generations_per_prompt,
                                         gen.max_new_tokens),
               "val": sampling.Profile(val_sp, 1 if episodes else (
                   val_k or g.val_num_generations_per_prompt), gen.max_new_tokens)}
-  common = dict(max_prompt_length=gen.max_episode_tokens if episodes else c.data.max_prompt_length,
-                eos_id=stop_ids(c, tokenizer), pad_id=tokenizer.pad_id, seed=c.seed)
+  common = dict(max_prompt_length=c.data.max_prompt_length, eos_id=stop_ids(c, tokenizer),
+                pad_id=tokenizer.pad_id, seed=c.seed)
   if gen.backend == "jetstream":
     # Imported here and only here: it imports JetStream and, through it, TensorFlow.
     from jaxgrpo.rollout import jetstream_rollouts  # pylint: disable=g-import-not-at-top
@@ -184,7 +184,13 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
              for name in profiles}
     return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
                                                      tokenizer=tokenizer, slots=slots, **common)
+  if episodes:  # the turns' programs, on a KV cache kept between turns (turns.py)
+    from jaxgrpo.rollout import turns  # pylint: disable=g-import-not-at-top
+    return turns.EpisodeEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
+                               max_episode_tokens=gen.max_episode_tokens,
+                               max_append_tokens=c.env.max_observation_tokens + 1,
+                               attention=attention(c, mesh), **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
                                 decode_block=gen.decode_block_size,
-                                compact_stages=gen.compact_stages, episodes=episodes,
+                                compact_stages=gen.compact_stages,
                                 attention=attention(c, mesh), **common)

@@ -9,27 +9,25 @@ with the sampler's log-probs on the assistant tokens. Nothing is re-tokenized: e
 tokens are the sampled ids, each observation is tokenized alone and appended as ids, so what
 the update trains is exactly what was sampled.
 
-Per turn: every live episode's context (prompt + its tokens so far) goes to the engine's
-profile (`train` for training, `val` for validation: still exactly two compiled samplers,
-built with one sample per context and contexts up to `generation.max_episode_tokens`); a
-turn ends at an end token, at a stop string's token (`env.stop_strings` and the
-environment's own), or after `generation.max_new_tokens`. The host then steps the
-environments of the episodes whose turn ended (in worker processes, each call limited to
-`env.timeout_s`: envs.py), appends their observations (at most `env.max_observation_tokens`
-each; longer ones are cut and counted) and starts the next turn.
+Per turn (turns.py, the device side): each prompt is prefilled once for its G episodes,
+and the episodes' KV cache is kept on device between turns: a turn appends each live
+episode's new tokens (the previous turn's last sampled token and the observation) at its
+own place, one prefill of those tokens only, and decodes the turn with the engine's profile
+(`train` for training, `val` for validation: every turn of an episode draws with its
+profile, and no other distribution exists). A turn ends at an end token, at a stop string's
+token (`env.stop_strings` and the environment's own), or after `generation.max_new_tokens`.
+The host then steps the environments of the episodes whose turn ended (in worker
+processes, each call limited to `env.timeout_s`: envs.py), appends their observations (at
+most `env.max_observation_tokens` each; longer ones are cut and counted) and starts the
+next turn. Episodes that ended are inactive rows: they append and sample nothing (they
+still run through the turn's decode steps, masked: the cache keeps its rows in place, so
+there is no compaction).
 
 An episode ends when its environment says done, or it is truncated (the loss may mask it:
 `grpo.mask_truncated_completions`) when it runs out of tokens (the completion region of
 max_episode_tokens - data.max_prompt_length), out of turns (`env.max_turns`), or a turn
 runs past max_new_tokens without ending. An environment that fails ends its episode with
 reward None (the row leaves the loss and its group's statistics).
-
-Deviation from the issue and the design note (DESIGN.md): each turn prefills the episode's
-whole context again rather than appending the observation to a KV cache kept on device (the
-prefill is the parallel, compute-bound part; the sampler stays the single-turn one, with
-one more input). Episodes that ended are inactive rows of the call (`active_B`): they sample
-nothing and compaction drops them, but they are still prefilled. BENCHMARKS.md says what
-this costs.
 
 Random draws: turn t of episode (row r, sample g) draws from (the call's key folded with
 t, the episode's global id r*G + g), and its environment's seed comes from (seed, step, r,
@@ -106,7 +104,6 @@ class Runner:
     self.engine, self.tokenizer = engine, tokenizer
     self.env_name, self.env_kwargs = env_name, env_kwargs
     self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
-    self.width = max_episode_tokens
     self.max_prompt_length = max_prompt_length
     self.room = max_episode_tokens - max_prompt_length  # the completion region, T
     self.seed, self.add_bos = seed, add_bos
@@ -175,7 +172,6 @@ class Runner:
       row_ids_B = np.arange(b, dtype=np.int32) + jax.process_index() * b
     row_ids_B = np.asarray(row_ids_B, np.int64)
     episode_ids = (row_ids_B[:, None] * g + np.arange(g)[None]).reshape(-1).astype(np.int32)
-    prompts = [list(tokens_BxL[i][mask_BxL[i]]) for i in range(b) for _ in range(g)]
     comp = [[] for _ in range(n)]
     trained = [[] for _ in range(n)]
     logps = [[] for _ in range(n)]
@@ -211,17 +207,26 @@ class Runner:
         own_prompts[i] = self.tokenizer.encode(prompt, add_bos=self.add_bos)
     new_prompts = self._own_prompts(own_prompts, g, failed, done, label)
     if new_prompts is not None:
-      prompts = [list(new_prompts[i // g]) for i in range(n)]
+      tokens_BxL, mask_BxL = data.pad_left(new_prompts, self.engine.pad_id,
+                                           self.max_prompt_length)
 
+    # The episodes' KV cache (turns.py): each prompt prefilled once for its G episodes, but
+    # for its last token, which turn 0 appends. Each turn then appends a row's new tokens
+    # (`new`: the last turn's last sampled token and the observation) at its slot (`slot`:
+    # its tokens after the prompt's last already in the cache) and samples the turn.
+    t0 = time.perf_counter()
+    cache = self.engine.start(name, params, tokens_BxL, mask_BxL, g)
+    t_rollout += time.perf_counter() - t0
+    last_B = [int(np.asarray(tokens_BxL)[r][np.asarray(mask_BxL, bool)[r]][-1]) for r in range(b)]
+    new = [[last_B[i // g]] for i in range(n)]
+    slot = np.zeros(n, np.int32)
     for turn in range(self.max_turns):
       if not distributed.any_process(bool((~done).any())):
         break
-      ctx_tokens, ctx_mask = data.pad_left([prompts[i] + comp[i] for i in range(n)],
-                                           self.engine.pad_id, self.width)
       t0 = time.perf_counter()
-      rollout = self.engine.sample(name, params, ctx_tokens, ctx_mask,
-                                   key=jax.random.fold_in(key, turn), row_ids_B=episode_ids,
-                                   active_B=~done)
+      rollout, cache = self.engine.turn(
+          name, params, cache, slot, [[] if done[i] else new[i] for i in range(n)],
+          key=jax.random.fold_in(key, turn), row_ids_B=episode_ids, active_B=~done)
       out_tokens, out_logp, out_len, out_trunc = (np.asarray(x) for x in sharding_lib.to_local(
           (rollout.tokens_NxT, rollout.logp_NxT, rollout.lengths_N, rollout.truncated_N)))
       t_rollout += time.perf_counter() - t0
@@ -233,6 +238,9 @@ class Runner:
         trained[i] += [True] * take
         logps[i] += out_logp[i, :take].tolist()
         turns[i] += 1
+        # The turn's tokens but its last are in the cache now (the decode loop fed them).
+        slot[i] += len(new[i]) + k - 1
+        new[i] = [int(out_tokens[i, k - 1])]
         if take < k or bool(out_trunc[i]):  # out of tokens, or the turn did not end
           truncated[i] = done[i] = True
         else:
@@ -272,6 +280,7 @@ class Runner:
             ids, cut = ids[:self.max_observation_tokens], cut + 1
           room = self.room - len(comp[i])
           comp[i] += ids[:room]
+          new[i] += ids[:room]
           trained[i] += [False] * min(len(ids), room)
           logps[i] += [0.0] * min(len(ids), room)
           obs_tokens[i] += min(len(ids), room)

@@ -315,15 +315,12 @@ def programs(c, model_cfg, tokenizer, mesh, which):
   resident = bytes_per_chip((state.step, state.opt_state, ref_params) + (
       (state.params,) if c.model.lora_rank else ()))
   key = jax.eval_shape(lambda: jax.random.key(0))
-  # Episodes: one row per episode (G or k per prompt), contexts of max_episode_tokens.
-  width, per_prompt = engine.max_prompt_length, {"train": 1, "val": 1}
-  if c.env.name:
-    per_prompt = {"train": g.num_generations_per_prompt,
-                  "val": g.val_num_generations_per_prompt}
   for name, rows in (("train", b), ("val", g.val_batch_size)):
     if name not in which:
       continue
-    rows, p = rows * per_prompt[name], width
+    if engine.episodes:  # a turn: on the episodes' KV cache, one row per episode
+      yield f"{name} sampler", _episode_turn(c, engine, name, rows, params, key), resident
+      continue
     # make_engine's eos and pad ids: the engine keeps its compiled samplers private.
     sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
                                        eos_id=build.stop_ids(c, tokenizer),
@@ -331,12 +328,33 @@ def programs(c, model_cfg, tokenizer, mesh, which):
                                        mesh=mesh, scan_layers=engine.scan_layers,
                                        attention=engine.attention,
                                        decode_block=engine.decode_block,
-                                       compact_stages=engine.compact_stages,
-                                       active=engine.episodes)
+                                       compact_stages=engine.compact_stages)
     lowered = sampler.lower(params, sds((rows, p), jnp.int32), sds((rows, p), bool),
-                            key, sds((rows,), jnp.int32),
-                            *((sds((rows,), bool),) if engine.episodes else ()))
+                            key, sds((rows,), jnp.int32))
     yield f"{name} sampler", lowered, resident
+
+
+def _episode_turn(c, engine, name: str, prompts: int, params, key):
+  """The lowered turn program of an episode engine (rollout/turns.py) for `prompts` prompts'
+  G (train) or k (val) episodes each. Its arguments hold the episodes' KV cache (kept on
+  the chips between turns), so its peak is the rollout's: the start program (the prompts'
+  prefill, the cache as its output) needs less."""
+  from jaxgrpo.rollout import turns  # pylint: disable=g-import-not-at-top
+  g = c.grpo
+  n = prompts * (g.num_generations_per_prompt if name == "train"
+                 else g.val_num_generations_per_prompt)
+  mesh, sds = engine.mesh, jax.ShapeDtypeStruct
+  start = turns.compile_start(engine.cfg, 1, engine.num_slots, mesh=mesh,
+                              scan_layers=engine.scan_layers, attention=engine.attention)
+  cache = jax.eval_shape(start, params, sds((n, engine.max_prompt_length), jnp.int32),
+                         sds((n, engine.max_prompt_length), bool))
+  turn = turns.compile_turn(engine.cfg, engine.profile(name), eos_id=engine.eos_id,
+                            pad_id=engine.pad_id, mesh=mesh, scan_layers=engine.scan_layers,
+                            attention=engine.attention)
+  rows1 = lambda dtype: sds((n,), dtype)
+  return turn.lower(params, cache, rows1(jnp.int32),
+                    sds((n, engine.max_append_tokens), jnp.int32), rows1(jnp.int32), key,
+                    rows1(jnp.int32), rows1(bool))
 
 
 def abstract_params(model_cfg, mesh):

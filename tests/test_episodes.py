@@ -15,7 +15,7 @@ from cli import env as cli_env  # tests/cli.py
 from jaxgrpo import envs, episodes, plugins
 from jaxgrpo.runtime import metrics as metrics_lib
 from jaxgrpo.model.tokenizer import Tokenizer
-from jaxgrpo.rollout import sampling
+from jaxgrpo.rollout import sampling, turns
 
 # ids: <pad> 0, <bos> 1, <eos> 2, <unk> 3, a 4, b 5, c 6, x 7, y 8, z 9, = 10, ! 11
 TOK = Tokenizer.char_level("abcxyz=!")
@@ -25,9 +25,12 @@ FIXTURE_ENVS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixture
 
 
 class ScriptedEngine:
-  """Stands in for sampling.RolloutEngine: turn t of episode i samples script[i][t], cut at
+  """Stands in for turns.EpisodeEngine: turn t of episode i samples script[i][t], cut at
   max_new_tokens (a turn that is cut there did not end: truncated), with log-probs
-  -0.1 (t + 1) - 0.01 * position; it records every call's profile, contexts and row ids."""
+  -0.1 (t + 1) - 0.01 * position. Its "cache" is each row's tokens (what the real one holds
+  keys and values of): the prompt but its last token, then each turn's appended tokens and
+  its sampled tokens but the last. It checks each turn's slots against it and records every
+  turn's profile, contexts (the cache with the turn's new tokens), row ids and active rows."""
 
   pad_id = 0
 
@@ -35,23 +38,37 @@ class ScriptedEngine:
     self.script, self.t, self.stops = script, max_new_tokens, stops
     self.calls = []
 
-  def sample(self, name, params, tokens, mask, *, key, row_ids_B, active_B):
+  def start(self, name, params, tokens, mask, samples):
+    del name, params
+    rows = [list(np.asarray(tokens)[r][np.asarray(mask)[r]][:-1]) for r in range(len(tokens))]
+    return {"rows": [list(rows[i // samples]) for i in range(len(rows) * samples)],
+            "base": [len(rows[i // samples]) for i in range(len(rows) * samples)]}
+
+  def turn(self, name, params, cache, slot, new, *, key, row_ids_B, active_B):
     del params, key
     turn = len(self.calls)
-    self.calls.append((name, np.array(tokens), np.array(mask), np.array(row_ids_B),
+    n = len(new)
+    for i in range(n):
+      if active_B[i]:  # the slot is where the row's cache ends
+        assert slot[i] == len(cache["rows"][i]) - cache["base"][i], (i, slot[i], cache)
+        cache["rows"][i] += list(new[i])
+      else:
+        assert not new[i]
+    self.calls.append((name, [list(r) for r in cache["rows"]], np.array(row_ids_B),
                        np.array(active_B)))
-    n = len(tokens)
     out = np.zeros((n, self.t), np.int32)
     logp = np.zeros((n, self.t), np.float32)
     lengths, truncated = np.zeros(n, np.int32), np.zeros(n, bool)
-    for i in range(n):
+    for i in np.flatnonzero(active_B):
       seq = (self.script[i][turn] if turn < len(self.script[i]) else [EOS])[:self.t]
       out[i, :len(seq)] = seq
       logp[i, :len(seq)] = -0.1 * (turn + 1) - 0.01 * np.arange(len(seq))
       lengths[i] = len(seq)
       truncated[i] = len(seq) == self.t and seq[-1] not in self.stops
+      cache["rows"][i] += list(seq[:-1])  # the decode loop feeds all but the last token
     j = jnp.asarray
-    return sampling.Rollout(j(out), j(logp), j(logp), j(out != 0), j(lengths), j(truncated))
+    return (sampling.Rollout(j(out), j(logp), j(logp), j(out != 0), j(lengths), j(truncated)),
+            cache)
 
 
 @envs.register("_test_script")
@@ -114,16 +131,15 @@ def test_an_episode_is_its_sampled_and_observation_tokens_exactly():
   np.testing.assert_array_equal(ep.observation_tokens_N, [2, 0])
   # The environment read each turn's tokens decoded with the end token kept.
   assert Script.texts == ["c<eos>", "a<eos>"]
-  # Turn 0 saw the prompt, right-aligned in the 12-token context; turn 1 saw episode 0's
-  # prompt + "c<eos>xy", and every call was the train profile, one row per episode.
+  # Turn 0 saw the prompt; turn 1 saw episode 0's prompt + "c<eos>xy", and every call was the train profile, one row per episode.
   names = [call[0] for call in engine.calls]
   assert names == ["train", "train"]
   first, second = engine.calls[0][1], engine.calls[1][1]
-  np.testing.assert_array_equal(first[0, -3:], [1, A, 5])
-  np.testing.assert_array_equal(second[0, -7:], [1, A, 5, C, EOS, X, Y])
-  np.testing.assert_array_equal(engine.calls[0][3], [0, 1])  # episode ids r * G + g
+  np.testing.assert_array_equal(first[0], [1, A, 5])
+  np.testing.assert_array_equal(second[0], [1, A, 5, C, EOS, X, Y])
+  np.testing.assert_array_equal(engine.calls[0][2], [0, 1])  # episode ids r * G + g
   # Episode 1 ended after turn 0: turn 1 samples only episode 0.
-  np.testing.assert_array_equal([call[4] for call in engine.calls], [[True, True],
+  np.testing.assert_array_equal([call[3] for call in engine.calls], [[True, True],
                                                                      [True, False]])
   assert ep.info == {"env/seen": pytest.approx(np.array([6.0, np.nan]), nan_ok=True)}
 
@@ -240,12 +256,12 @@ def test_turns_end_at_the_end_token_or_a_stop_string_on_the_real_sampler():
   sp = sampling.SamplingParams(1.0, 1.0, 0)
   profiles = {n: sampling.Profile(sp, 1, 6) for n in sampling.PROFILE_NAMES}
   stops = (EOS,) + episodes.stop_ids(TOK, ["!"])
-  engine = sampling.RolloutEngine(cfg, mesh, profiles, max_prompt_length=24, eos_id=stops,
-                                  pad_id=0, seed=0, episodes=True)
+  engine = turns.EpisodeEngine(cfg, mesh, profiles, max_prompt_length=4, max_episode_tokens=24,
+                               max_append_tokens=9, eos_id=stops, pad_id=0, seed=0)
   recorder = _Recording(engine)
   params = sharding.init_sharded(cfg, mesh, jax.random.key(1))
   Script.texts.clear()
-  ep = _runner(recorder, width=24, max_turns=3).run(
+  ep = _runner(recorder, width=24, max_turns=3, max_obs=8).run(
       "train", params, PROMPT, PROMPT_MASK, [{"obs": ["x", "y"], "answer": ""}], 8,
       key=jax.random.key(2), step=0)
   ends = 0
@@ -262,28 +278,44 @@ def test_turns_end_at_the_end_token_or_a_stop_string_on_the_real_sampler():
         assert first == k - 1  # the turn's last token is its first end id
         ends += tokens[row][k - 1] == BANG
   assert ends > 0  # some turn ended at the stop string, not only at <eos>
-  assert len(recorder.contexts) >= 2 and ep.turns_N.max() >= 2
   assert all(t.endswith(("<eos>", "!")) for t in Script.texts)
-  for turn in range(1, len(recorder.contexts)):  # contexts: prompt + episode so far
-    tokens, mask = recorder.contexts[turn]
+  # What each turn's cache held with its new tokens (the prompt but its last token, then
+  # every turn's appended and fed tokens), at the slots the runner passed: the prompt and
+  # the episode so far, exactly.
+  assert len(recorder.contexts) >= 2 and ep.turns_N.max() >= 2
+  prompt = list(PROMPT[0][PROMPT_MASK[0]])
+  for turn, (context, slot) in enumerate(recorder.contexts):
     for row in np.flatnonzero(ep.turns_N > turn):
-      seq = list(PROMPT[0][PROMPT_MASK[0]]) + list(ep.tokens_NxT[row][:ep.lengths_N[row]])
-      np.testing.assert_array_equal(tokens[row][mask[row]], seq[:mask[row].sum()])
+      seq = prompt + list(ep.tokens_NxT[row][:ep.lengths_N[row]])
+      assert context[row] == seq[:len(context[row])]
+      assert slot[row] == len(context[row]) - len(prompt) - len(recorder.news[turn][row]) + 1
 
 
 class _Recording:
-  """An engine that keeps each call's contexts and outputs."""
+  """An engine that keeps each turn's contexts (the tokens its cache holds, with the turn's
+  new ones), slots and outputs."""
 
   def __init__(self, engine):
     self.engine, self.pad_id = engine, engine.pad_id
-    self.contexts, self.outputs = [], []
+    self.contexts, self.outputs, self.news = [], [], []
+    self._rows = None
 
-  def sample(self, name, params, tokens, mask, **kwargs):
-    out = self.engine.sample(name, params, tokens, mask, **kwargs)
-    self.contexts.append((np.array(tokens), np.array(mask)))
+  def start(self, name, params, tokens, mask, samples):
+    self._rows = [list(tokens[r][mask[r]][:-1]) for r in range(len(tokens))
+                  for _ in range(samples)]
+    return self.engine.start(name, params, tokens, mask, samples)
+
+  def turn(self, name, params, cache, slot, new, **kwargs):
+    out, cache = self.engine.turn(name, params, cache, slot, new, **kwargs)
+    for row, ids in enumerate(new):
+      self._rows[row] += list(ids)
+    self.contexts.append(([list(r) for r in self._rows], np.array(slot)))
+    self.news.append([list(ids) for ids in new])
     self.outputs.append(tuple(np.asarray(x) for x in (out.tokens_NxT, out.lengths_N,
                                                        out.truncated_N)))
-    return out
+    for row, k in enumerate(self.outputs[-1][1]):
+      self._rows[row] += self.outputs[-1][0][row, :max(k - 1, 0)].tolist()
+    return out, cache
 
 
 # Multi-turn episodes (episodes.py): the calculator task (configs/calculator.py: the tools

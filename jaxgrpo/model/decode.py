@@ -187,12 +187,22 @@ def _at_slot(i, shape, axis: int):
   return slots, jnp.reshape(i, (-1,) + (1,) * (len(shape) - 1))
 
 
-def _write(buffer, new, i, axis: int):
-  """buffer with `new` (size 1 along `axis`) written at slot i (scalar, or one per row)."""
+def _write(buffer, new, i, axis: int, layer=None):
+  """buffer with `new` (size 1 along `axis`) written at slot i (scalar, or one per row).
+  layer: the buffer carries a leading [num_layers] axis and `new` is that layer's (the
+  stacked decode step); `axis` then counts from after it."""
+  lead = () if layer is None else (layer,)
   if jnp.ndim(i) == 0:  # one dynamic slice: the sampler's hot loop
-    return jax.lax.dynamic_update_slice_in_dim(buffer, new, i, axis=axis)
-  slots, at = _at_slot(i, buffer.shape, axis)
-  return jnp.where(slots == at, new, buffer)
+    if layer is None:
+      return jax.lax.dynamic_update_slice_in_dim(buffer, new, i, axis=axis)
+    start = [layer] + [0] * new.ndim
+    start[1 + axis] = i
+    return jax.lax.dynamic_update_slice(buffer, new[None], start)
+  # One slot per row: a scatter, in place, of the rows' own slots; a slot past the end is
+  # dropped (an episode's turn may sample past its room: episodes.py cuts those tokens).
+  index = [slice(None)] * new.ndim
+  index[0], index[axis] = jnp.arange(new.shape[0]), i
+  return buffer.at[lead + tuple(index)].set(jnp.squeeze(new, axis), mode="drop")
 
 
 def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
@@ -296,15 +306,13 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     return x, k, v, layer_k, layer_v
 
   if isinstance(w.layers, Layer):  # stacked (prepare(stacked=True)): one compiled block
-    if jnp.ndim(i) != 0:
-      raise ValueError("stacked decode weights take one step for every row (a scalar i)")
     def body(carry, xs):
       x, gen_k, gen_v = carry
       l, layer, prompt_k, prompt_v = xs
       x, k, v, _, _ = layer_step(layer, x, prompt_k, prompt_v, gen_k[l], gen_v[l])
       # Only this token's slot is written into the carried caches (in place), not the layer.
-      gen_k = jax.lax.dynamic_update_slice(gen_k, k[None, ..., None], (l, 0, 0, 0, 0, i))
-      gen_v = jax.lax.dynamic_update_slice(gen_v, v[None, :, :, :, None], (l, 0, 0, 0, i, 0))
+      gen_k = _write(gen_k, k[..., None], i, axis=4, layer=l)
+      gen_v = _write(gen_v, v[:, :, :, None], i, axis=3, layer=l)
       return (x, gen_k, gen_v), None
 
     (x, gen_k, gen_v), _ = jax.lax.scan(
@@ -324,3 +332,70 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   logits_VxN = jax.lax.optimization_barrier(w.head @ _norm(x, w.final_norm, cfg))
   logits = logits_VxN.astype(f32).T
   return logits.reshape(b, g, -1), cache
+
+
+def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, cache: Cache,
+           stacked: bool = False, attention: str = "xla"):
+  """Appends new tokens to a cache of one sample per row (G = 1), one prefill of them at each
+  row's own place: row n's first new_len_N[n] tokens of tokens_NxE go to its generated slots
+  slot_N[n], slot_N[n] + 1, ... at positions prompt length + slot, each attending to the
+  row's prompt, its generated slots before slot_N[n] and, causally, the new tokens before
+  it (decoder.Block.extend: the training forward's layers, on raw parameters). Returns the
+  logits [N, V] (float32) after each row's last new token (a row with none gets those of
+  its pad) and the cache with the new tokens' keys and values written (slots past the end
+  are dropped).
+
+  Multi-turn episodes (episodes.py) append each observation this way, with the turn's last
+  sampled token (the decode loop never feeds it), instead of prefilling the whole context
+  again. params: the Decoder's; stacked: the cache's fields carry a leading layer axis.
+  """
+  n, e = tokens_NxE.shape
+  dt = model_lib.DTYPES[cfg.dtype]
+  prompt_mask_NxL = cache.prompt_bias[:, 0, 0] == 0.0
+  slots = (cache.gen_k if stacked else cache.gen_k[0]).shape[-1]
+  j_E = jnp.arange(e, dtype=jnp.int32)
+  positions_NxE = (jnp.sum(prompt_mask_NxL, -1).astype(jnp.int32) + slot_N)[:, None] + j_E
+  new_NxE = j_E < new_len_N[:, None]
+  # What the new tokens see besides themselves: [prompt | generated slots before slot_N].
+  seen_NxS = jnp.concatenate([prompt_mask_NxL, jnp.arange(slots) < slot_N[:, None]], axis=1)
+  # Where each new token's K/V go; a pad's slot is out of range, so the scatter drops it.
+  write_NxE = jnp.where(new_NxE, slot_N[:, None] + j_E, slots)
+  rows_Nx1 = jnp.arange(n)[:, None]
+  block = model_lib.Block(cfg, attention)
+  x = jnp.take(params["embedding"], tokens_NxE, axis=0).astype(dt)[:, None]  # [N, 1, E, d]
+
+  def layer(x, p, prompt_k, prompt_v, gen_k, gen_v):
+    """One block over the new tokens: x, and their keys and values [N, E, H_kv, D]."""
+    seen_k = jnp.concatenate([jnp.swapaxes(prompt_k, 2, 3), jnp.swapaxes(gen_k[:, :, 0], 2, 3)],
+                             axis=2)  # [N, H_kv, S, D]
+    seen_v = jnp.concatenate([prompt_v, gen_v[:, :, 0]], axis=2)
+    x, (k, v) = block.apply({"params": p}, x, positions_NxE[:, None], seen_k, seen_v, seen_NxS,
+                            new_NxE[:, None], True, method=model_lib.Block.extend)
+    return x, k[:, 0].astype(gen_k.dtype), v[:, 0].astype(gen_v.dtype)
+
+  if stacked:
+    def body(carry, xs):
+      x, gen_k, gen_v = carry
+      l, p, prompt_k, prompt_v = xs
+      x, k, v = layer(x, p, prompt_k, prompt_v, gen_k[l], gen_v[l])
+      gen_k = gen_k.at[l, rows_Nx1, :, 0, :, write_NxE].set(k, mode="drop")
+      gen_v = gen_v.at[l, rows_Nx1, :, 0, write_NxE, :].set(v, mode="drop")
+      return (x, gen_k, gen_v), None
+
+    (x, gen_k, gen_v), _ = jax.lax.scan(
+        body, (x, cache.gen_k, cache.gen_v),
+        (jnp.arange(cfg.num_layers), params["layers"], cache.prompt_k, cache.prompt_v))
+  else:
+    gen_k, gen_v = [], []
+    for l in range(cfg.num_layers):
+      p = jax.tree.map(lambda a, l=l: a[l], params["layers"])
+      x, k, v = layer(x, p, cache.prompt_k[l], cache.prompt_v[l], cache.gen_k[l],
+                      cache.gen_v[l])
+      gen_k.append(cache.gen_k[l].at[rows_Nx1, :, 0, :, write_NxE].set(k, mode="drop"))
+      gen_v.append(cache.gen_v[l].at[rows_Nx1, :, 0, write_NxE, :].set(v, mode="drop"))
+    gen_k, gen_v = tuple(gen_k), tuple(gen_v)
+  last_NxD = jnp.take_along_axis(x[:, 0], jnp.maximum(new_len_N - 1, 0)[:, None, None],
+                                 axis=1)[:, 0]
+  head = (params["embedding"].T if cfg.tie_embeddings else params["lm_head"]).astype(dt)
+  logits = model_lib.rms_norm(last_NxD, params["final_norm"]["scale"], cfg) @ head
+  return logits.astype(jnp.float32), cache._replace(gen_k=gen_k, gen_v=gen_v)

@@ -290,14 +290,17 @@ class Attention(nn.Module):
     return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
   def extend(self, x_BxGxTxD, positions_BxGxT, prompt_k, prompt_v, prompt_mask_BxL,
-             mask_BxGxT):
+             mask_BxGxT, return_kv: bool = False):
     """T new tokens per sample, attending to the shared prompt K/V and causally to
-    themselves (the training-time twin of decode.step); see attention.extend."""
+    themselves (the training-time twin of decode.step); see attention.extend. return_kv:
+    also the new tokens' K/V [B, G, T, H_kv, D] (multi-turn episodes append them to their
+    cache: decode.extend)."""
     t = x_BxGxTxD.shape[2]
     q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
     own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
-    return self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
-                                          own_BxGxTxS, self.attention))
+    out = self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
+                                         own_BxGxTxS, self.attention))
+    return (out, (k, v)) if return_kv else out
 
 
 class MLP(nn.Module):
@@ -334,10 +337,14 @@ class Block(nn.Module):
     x = x + h
     return x + self.mlp(constrain_rows(self.mlp_norm(x))), kv
 
-  def extend(self, x, positions, prompt_k, prompt_v, prompt_mask, mask):
-    x = x + self.attn.extend(constrain_rows(self.attn_norm(x)), positions, prompt_k, prompt_v,
-                             prompt_mask, mask)
-    return x + self.mlp(constrain_rows(self.mlp_norm(x)))
+  def extend(self, x, positions, prompt_k, prompt_v, prompt_mask, mask,
+             return_kv: bool = False):
+    h = self.attn.extend(constrain_rows(self.attn_norm(x)), positions, prompt_k, prompt_v,
+                         prompt_mask, mask, return_kv)
+    h, kv = h if return_kv else (h, None)
+    x = x + h
+    x = x + self.mlp(constrain_rows(self.mlp_norm(x)))
+    return (x, kv) if return_kv else x
 
 
 def _prefill_layer(block, x, positions, mask):

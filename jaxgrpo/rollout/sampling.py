@@ -102,7 +102,7 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
            cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
            mesh=None, share_prefix: bool = True,
            scan_layers: bool | None = None, attention: str | None = None,
-           decode_block: int = 0, compact_stages: int = 0, active_B=None) -> Rollout:
+           decode_block: int = 0, compact_stages: int = 0) -> Rollout:
   """The pure sampler (jit it with `profile` static).
 
   eos_id: the id (or a tuple of ids: instruct models end a turn with any of several) that
@@ -122,10 +122,8 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
   every slot and masks the unfilled ones. compact_stages: > 0 moves the live rows into a batch
   half as large whenever they fit, up to that many times (compaction.py: the same rollout,
   without computing rows that ended); 0 computes every row until the longest ends.
-  active_B: bool [B] (multi-turn episodes, one sample per row): a row that is not active
-  starts done, so it samples nothing (length 0) and compaction drops it at its first stage.
   """
-  sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
+  g, t = profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxL.shape[0]
   if row_ids_B is None:
     row_ids_B = jnp.arange(b, dtype=jnp.int32)
@@ -140,8 +138,28 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
   logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxL, prompt_mask_BxL,
                                  scan_layers, attention, stacked_kv=stacked)
   prompt_len_B = jnp.sum(prompt_mask_BxL, axis=-1).astype(jnp.int32)
-  weights = decode.prepare(params, cfg, stacked)
   cache = decode.init_cache(ks, vs, prompt_mask_BxL, cfg, pg, t, stacked, decode_block)
+  rollout, _ = _decode(decode.prepare(params, cfg, stacked), cache, logits_BxV, prompt_len_B,
+                       key, row_ids_B, cfg=cfg, profile=profile, eos_id=eos_id,
+                       pad_id=pad_id, mesh=mesh, stacked=stacked, decode_block=decode_block,
+                       compact_stages=compact_stages, shape=(pb, pg))
+  return rollout
+
+
+def _decode(weights, cache, logits_BxV, prompt_len_B, key, row_ids_B, *, cfg, profile,
+            eos_id, pad_id, mesh, stacked, decode_block=0, compact_stages=0, shape,
+            done_B=None, start_B=None):
+  """The decode loop after a prefill: G samples of B prompts (`shape`: the loop's (pb, pg)
+  view of them) drawn from logits_BxV and then token by token with `decode.step`.
+  Returns the Rollout and the cache (its generated slots filled; not with compaction).
+
+  Multi-turn episodes (G = 1): done_B rows start done (sample nothing); start_B: the
+  generated slot each row's first fed token goes to (its slots before hold its earlier
+  turns), so each row writes and attends at its own slot (decode.step with one i per row).
+  """
+  sp, g, t = profile.sampling, profile.num_samples, profile.max_new_tokens
+  b = len(row_ids_B)
+  pb, pg = shape
   if mesh is not None:  # keep caches split by rows (and KV heads) through the loop
     # One sharding per field is a tree prefix: it applies to every layer's array.
     cache = jax.lax.with_sharding_constraint(cache, sharding_lib.cache_shardings(mesh, stacked))
@@ -170,8 +188,8 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
             raws.at[:, :, i].set(raw), masks.at[:, :, i].set(~done_BxG))
 
   done0 = jnp.zeros((b, g), bool)
-  if active_B is not None:  # episodes that ended: nothing to sample (episodes.py)
-    done0 = jnp.broadcast_to(~active_B[:, None], (b, g))
+  if done_B is not None:
+    done0 = jnp.broadcast_to(done_B[:, None], (b, g))
   buffers = (jnp.full((b, g, t), pad_id, jnp.int32), jnp.zeros((b, g, t), jnp.float32),
              jnp.zeros((b, g, t), jnp.float32), jnp.zeros((b, g, t), bool))
   # Token 0 of every sample comes from the (shared) prefill logits.
@@ -184,6 +202,8 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
 
   groups = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
   sizes = compaction.bucket_sizes(b * g // groups, compact_stages)
+  # The generated slot of the token fed at step i: i - 1, or per row after its earlier turns.
+  offset_B = jnp.int32(0) if start_B is None else start_B
 
   def cond(carry):
     i, _, done, _, _ = carry
@@ -193,8 +213,9 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
 
   def body(carry):
     i, token, done, cache, buffers = carry
-    # The token fed at step i sits at position prompt_length + i - 1.
-    logits, cache = decode.step(weights, cfg, token.reshape(pb, pg), prompt_len_B + i - 1, i - 1,
+    # The token fed at step i sits at position prompt_length + slot.
+    slot = offset_B + i - 1
+    logits, cache = decode.step(weights, cfg, token.reshape(pb, pg), prompt_len_B + slot, slot,
                                 cache, decode_block)
     new, logp, raw = pick(logits, i, done)
     buffers = record(buffers, i, new, logp, raw, done)
@@ -214,12 +235,13 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
         u_TxDxn=None if u_TxBxG is None else u_TxBxG.reshape(t, groups, -1),
         prompt_len_Dxn=jnp.repeat(prompt_len_B, pg).reshape(groups, -1))
     tokens, logps, raws, masks = compaction.finish(i, token, done, cache, buffers, ctx)
+    cache = None
   # Truncated: rows that ran through the last step without ending there. Read off the buffers,
   # which hold every row whatever stage it ended in (a compacted run's final `done` covers
   # only the last stage's slots).
   truncated = masks[:, -1] & ~is_stop(tokens[:, -1]) if stops is not None else masks[:, -1]
   lengths = jnp.sum(masks, axis=-1).astype(jnp.int32)
-  return Rollout(tokens, logps, raws, masks, lengths, truncated)
+  return Rollout(tokens, logps, raws, masks, lengths, truncated), cache
 
 
 def left_pad(prompt_tokens_BxL, prompt_mask_BxL, width: int, pad_id: int):
@@ -236,24 +258,22 @@ def left_pad(prompt_tokens_BxL, prompt_mask_BxL, width: int, pad_id: int):
 def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad_id, mesh,
                     on_trace=None, share_prefix: bool = True,
                     scan_layers: bool | None = None, attention: str | None = None,
-                    decode_block: int = 0, compact_stages: int = 0, active: bool = False):
-  """jit(sample) for one profile with explicit shardings: rows over the data axes.
-  active: the sampler takes a sixth argument, `sample`'s active_B (multi-turn episodes);
-  without it the program is the single-turn one."""
+                    decode_block: int = 0, compact_stages: int = 0):
+  """jit(sample) for one profile with explicit shardings: rows over the data axes."""
 
-  def traced(params, tokens, mask, key, row_ids, *active_B):
+  def traced(params, tokens, mask, key, row_ids):
     if on_trace is not None:
       on_trace()  # runs once per trace, i.e. once per compilation
     return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile, eos_id=eos_id,
                   pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
                   scan_layers=scan_layers, attention=attention, decode_block=decode_block,
-                  compact_stages=compact_stages, active_B=active_B[0] if active_B else None)
+                  compact_stages=compact_stages)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(
       traced,
       in_shardings=(sharding_lib.param_shardings(cfg, mesh), rows2, rows2,
-                    sharding_lib.replicated(mesh), rows1) + ((rows1,) if active else ()),
+                    sharding_lib.replicated(mesh), rows1),
       out_shardings=Rollout(rows2, rows2, rows2, rows2, rows1, rows1),
       compiler_options=compile_options.compiler_options(mesh))
 
@@ -265,23 +285,23 @@ class RolloutEngine:
                max_prompt_length: int, eos_id, pad_id: int, seed: int,
                share_prefix: bool = True, scan_layers: bool | None = None,
                attention: str | None = None, decode_block: int = 0,
-               compact_stages: int = 0, episodes: bool = False):
+               compact_stages: int = 0):
     """share_prefix=False prefills every sample's copy of its prompt (see `sample`); only
     for measuring what prefix sharing buys. scan_layers, attention: the prefill's;
     decode_block: the decode step's key block; compact_stages: how many times the live rows
-    may move into a batch half as large (`sample`); episodes: the samplers take which rows
-    are active (`sample(active_B=)`, multi-turn episodes: episodes.py)."""
+    may move into a batch half as large (`sample`)."""
     names = tuple(profiles)
     if sorted(names) != sorted(PROFILE_NAMES):
       raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "
                        f"{list(PROFILE_NAMES)} (training may only sample with 'train')")
     self.cfg, self.mesh, self.profiles = cfg, mesh, dict(profiles)
-    self.max_prompt_length, self.pad_id = max_prompt_length, pad_id
+    self.max_prompt_length, self.pad_id, self.eos_id = max_prompt_length, pad_id, eos_id
     self.compilations = {name: 0 for name in PROFILE_NAMES}
     self._calls = {name: 0 for name in PROFILE_NAMES}
     self._base_key = jax.random.key(seed)
     self.scan_layers, self.attention, self.decode_block = scan_layers, attention, decode_block
-    self.compact_stages, self.episodes = compact_stages, episodes
+    self.compact_stages = compact_stages
+    self.episodes = False  # multi-turn episodes: turns.EpisodeEngine
     self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)
 
   def _build(self, *, eos_id, share_prefix: bool):
@@ -291,7 +311,7 @@ class RolloutEngine:
                                   on_trace=functools.partial(self._count, name),
                                   share_prefix=share_prefix, scan_layers=self.scan_layers,
                                   attention=self.attention, decode_block=self.decode_block,
-                                  compact_stages=self.compact_stages, active=self.episodes)
+                                  compact_stages=self.compact_stages)
             for name in PROFILE_NAMES}
 
   def _count(self, name):
@@ -308,13 +328,12 @@ class RolloutEngine:
     return self.profiles[name]
 
   def sample(self, name: str, params, prompt_tokens_BxL, prompt_mask_BxL, *,
-             step: int | None = None, key=None, row_ids_B=None, active_B=None) -> Rollout:
+             step: int | None = None, key=None, row_ids_B=None) -> Rollout:
     """Samples with profile `name`. Without `step` or `key` each call draws a fresh key
     (a per-profile counter); pass `key` to reuse one on purpose (fixed validation key).
 
     row_ids_B: an id per prompt (default 0..B-1); prompt b's draws depend only on the key
     and its id, so validation passes each prompt's index in the validation set.
-    active_B: an engine built with `episodes` only: the rows to sample (default all).
     """
     self.profile(name)
     if key is not None and step is not None:
@@ -323,35 +342,37 @@ class RolloutEngine:
     if width > self.max_prompt_length:
       raise ValueError(f"prompt length {width} exceeds max_prompt_length="
                        f"{self.max_prompt_length}")
-    rows = np.shape(prompt_tokens_BxL)[0]  # this process's prompts
-    procs = jax.process_count()
-    multiple = sharding_lib.batch_size_multiple(self.mesh)
-    if (rows * procs) % multiple:
-      raise ValueError(f"{rows * procs} prompts do not divide over the {multiple} "
-                       f"data-parallel devices (mesh data x fsdp)")
+    rows = self._check_rows(np.shape(prompt_tokens_BxL)[0])
     if key is None:
       step = self._calls[name] if step is None else step
       key = self.key(name, step)
       self._calls[name] = step + 1
     tokens, mask = left_pad(prompt_tokens_BxL, prompt_mask_BxL, self.max_prompt_length,
                             self.pad_id)
-    if row_ids_B is None:  # the global batch's row numbers (each process holds a slice)
+    return self._roll(name, params, tokens, mask, key, self._row_ids(row_ids_B, rows))
+
+  def _check_rows(self, rows: int) -> int:
+    """rows (this process's prompts), checked to divide over the data-parallel devices."""
+    multiple = sharding_lib.batch_size_multiple(self.mesh)
+    if (rows * jax.process_count()) % multiple:
+      raise ValueError(f"{rows * jax.process_count()} prompts do not divide over the "
+                       f"{multiple} data-parallel devices (mesh data x fsdp)")
+    return rows
+
+  @staticmethod
+  def _row_ids(row_ids_B, rows: int):
+    """row_ids_B as int32, by default the global batch's row numbers (each process holds a
+    slice)."""
+    if row_ids_B is None:
       row_ids_B = np.arange(rows, dtype=np.int32) + jax.process_index() * rows
     row_ids_B = np.asarray(row_ids_B, np.int32)
     if row_ids_B.shape != (rows,):
       raise ValueError(f"row_ids_B has shape {row_ids_B.shape}; expected ({rows},)")
-    if not self.episodes:
-      if active_B is not None:
-        raise ValueError("active_B: only an engine built with episodes=True takes it")
-      return self._roll(name, params, tokens, mask, key, row_ids_B)
-    active_B = np.ones(rows, bool) if active_B is None else np.asarray(active_B, bool)
-    return self._roll(name, params, tokens, mask, key, row_ids_B, active_B)
+    return row_ids_B
 
-  def _roll(self, name: str, params, tokens_BxL, mask_BxL, key, row_ids_B,
-            *active_B) -> Rollout:
-    """The rollout itself, from this process's left-padded prompts (numpy); active_B for
-    an episodes engine."""
-    tokens, mask, row_ids_B, *active_B = sharding_lib.to_global(
-        self.mesh, (tokens_BxL, mask_BxL, row_ids_B, *active_B))
+  def _roll(self, name: str, params, tokens_BxL, mask_BxL, key, row_ids_B) -> Rollout:
+    """The rollout itself, from this process's left-padded prompts (numpy)."""
+    tokens, mask, row_ids_B = sharding_lib.to_global(self.mesh, (tokens_BxL, mask_BxL,
+                                                                 row_ids_B))
     return self._samplers[name](params, tokens, mask, sharding_lib.replicate_key(self.mesh, key),
-                                row_ids_B, *active_B)
+                                row_ids_B)
