@@ -47,6 +47,7 @@ def get_config(arg=None):
   # A call is 64 tokens; then a 7-token response and the copied answer.
   c.generation.max_new_tokens = 72
   c.generation.max_episode_tokens = 128
+  c.generation.compact_stages = 2  # direct answers end after 6 tokens, calls after 64
   c.env.name = "tools"
   c.env.kwargs = '{"tools": "calculator", "chat": "none", "stop_at_call_end": true}'
   c.env.max_turns = 3

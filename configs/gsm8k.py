@@ -174,14 +174,13 @@ def get_config(arg=None):
     # calls it as <tool_call>{json}</tool_call> and ends its turn with <|im_end|>; the
     # result comes back as a user turn of <tool_response> blocks. Up to 4 turns; the
     # episode (turns and results) has the single-turn run's 512 tokens after the prompt.
-    # Turns run on a KV cache kept between them (rollout/turns.py), which decodes each row
-    # at its own slot: no compaction.
+    # Turns run on a KV cache kept between them (rollout/turns.py): the prompt prefilled
+    # once for its episodes, each observation appended at its episode's place.
     c.env.name = "tools"
     c.env.kwargs = '{"tools": "calculator"}'
     c.env.max_turns = 4
     c.env.max_observation_tokens = 64
     c.generation.max_episode_tokens = c.data.max_prompt_length + 512
-    c.generation.compact_stages = 0
   if "cpu" in presets:
     c.mesh.fsdp = 1
     c.mesh.data = -1

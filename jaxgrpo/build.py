@@ -189,6 +189,7 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
     return turns.EpisodeEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
                                max_episode_tokens=gen.max_episode_tokens,
                                max_append_tokens=c.env.max_observation_tokens + 1,
+                               compact_stages=gen.compact_stages,
                                attention=attention(c, mesh), **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
                                 decode_block=gen.decode_block_size,

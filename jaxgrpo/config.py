@@ -467,11 +467,10 @@ def _check_env(c):
     _fail("env.name", e.name, f"'' with generation.backend={gen.backend!r} (episodes run on "
           "the native sampler)")
   # An episode's turns run on its KV cache, each row at its own slot (rollout/turns.py):
-  # no compaction (the cache keeps its rows in place) and no key blocks (one step per row).
-  for key in ("compact_stages", "decode_block_size"):
-    if gen[key]:
-      _fail(f"generation.{key}", gen[key], "0 with an environment (episode turns decode "
-            "each row at its own slot of the KV cache they keep)")
+  # the decode's key blocks read one slot range for every row.
+  if gen.decode_block_size:
+    _fail("generation.decode_block_size", gen.decode_block_size, "0 with an environment "
+          "(episode turns decode each row at its own slot of the KV cache they keep)")
   if c.grpo.dynamic_sampling != "off":
     _fail("grpo.dynamic_sampling", c.grpo.dynamic_sampling,
           "'off' with an environment (dynamic sampling of episodes is not built yet)")

@@ -350,7 +350,7 @@ def _episode_turn(c, engine, name: str, prompts: int, params, key):
                          sds((n, engine.max_prompt_length), bool))
   turn = turns.compile_turn(engine.cfg, engine.profile(name), eos_id=engine.eos_id,
                             pad_id=engine.pad_id, mesh=mesh, scan_layers=engine.scan_layers,
-                            attention=engine.attention)
+                            attention=engine.attention, compact_stages=engine.compact_stages)
   rows1 = lambda dtype: sds((n,), dtype)
   return turn.lower(params, cache, rows1(jnp.int32),
                     sds((n, engine.max_append_tokens), jnp.int32), rows1(jnp.int32), key,

@@ -79,6 +79,9 @@ def test_check_step_accepts_numpy_numbers_and_none_info():
                                          "more than data.max_prompt_length=9"),
     ("grpo.dynamic_sampling", "filter", "config.grpo.dynamic_sampling='filter': allowed: 'off'"
                                         " with an environment"),
+    # Episode turns run on their KV cache, each row at its own slot (rollout/turns.py).
+    ("generation.decode_block_size", 16, "config.generation.decode_block_size=16: allowed: 0 "
+                                         "with an environment"),
 ])
 def test_bad_environment_settings_are_one_line(key, value, error):
   c = _math_config()

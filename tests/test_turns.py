@@ -13,6 +13,7 @@ from numpy_params import left_padded_prompts, peaked_params  # tests/numpy_param
 CFG = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                         head_dim=8, mlp_dim=64)
 PAD, L, T, E, G = 0, 6, 5, 4, 2  # prompt width, max_new_tokens, appended tokens, episodes/prompt
+EOS = (43, 51, 2)  # end ids the peaked model samples in about half the rows
 W = L + 2 * T + E  # max_episode_tokens: room for two turns and an observation
 SP = sampling.SamplingParams(1.0, 1.0, 0)
 
@@ -28,21 +29,24 @@ def _profiles(t=T):
 
 def _reference(mesh, width, scan_layers):
   """A single-turn engine that prefills each episode's whole context (one sample per row)."""
-  return sampling.RolloutEngine(CFG, mesh, _profiles(), max_prompt_length=width, eos_id=None,
+  return sampling.RolloutEngine(CFG, mesh, _profiles(), max_prompt_length=width, eos_id=EOS,
                                 pad_id=PAD, seed=0, scan_layers=scan_layers)
 
 
-@pytest.mark.parametrize("scan_layers,axes", [(False, {"data": 1}), (True, {"data": 1}),
-                                              (False, {"data": 4, "tensor": 2})])
-def test_two_turns_on_the_cache_equal_sampling_the_whole_context(params, scan_layers, axes):
+@pytest.mark.parametrize("scan_layers,axes,compact", [
+    (False, {"data": 1}, 0), (True, {"data": 1}, 0), (False, {"data": 1}, 2),
+    (True, {"data": 4, "tensor": 2}, 2)])
+def test_two_turns_on_the_cache_equal_sampling_the_whole_context(params, scan_layers, axes,
+                                                                 compact):
   # On 8 devices (rows over data, KV heads over tensor) too: the cache's per-row writes and
-  # the donated cache keep their shardings.
+  # the donated cache keep their shardings. With compaction, the rows that end (at token
+  # EOS, or inactive) leave the decode and their stages' K/V go back to their rows.
   mesh = sharding.make_mesh(axes, devices=jax.devices()[:int(np.prod(list(axes.values())))])
   engine = turns.EpisodeEngine(CFG, mesh, _profiles(), max_prompt_length=L,
-                               max_episode_tokens=W, max_append_tokens=E, eos_id=None,
-                               pad_id=PAD, seed=0, scan_layers=scan_layers)
+                               max_episode_tokens=W, max_append_tokens=E, eos_id=EOS,
+                               pad_id=PAD, seed=0, scan_layers=scan_layers,
+                               compact_stages=compact)
   prompts, mask = left_padded_prompts(CFG.vocab_size, PAD)  # 8 prompts, 1..6 real tokens
-  prompts, mask = prompts[:4], mask[:4]
   n = len(prompts) * G
   contexts = [list(prompts[i // G][mask[i // G]]) for i in range(n)]
   ids = np.arange(n, dtype=np.int32) * 3 + 1  # episode ids: the draws' streams
@@ -50,12 +54,14 @@ def test_two_turns_on_the_cache_equal_sampling_the_whole_context(params, scan_la
   slot = np.zeros(n, np.int32)
   new = [[c[-1]] for c in contexts]  # turn 0 appends each prompt's last token
   rng = np.random.default_rng(0)
+  ended = 0
   for turn in range(2):
     active = np.ones(n, bool)
     active[3] = turn == 0  # episode 3 ended after its first turn: it samples nothing
     key = jax.random.key(turn)
-    got, cache = engine.turn("train", params, cache, slot, new, key=key, row_ids_B=ids,
-                             active_B=active)
+    got, cache = engine.turn("train", params, cache, slot, [new[i] if active[i] else []
+                                                             for i in range(n)],
+                             key=key, row_ids_B=ids, active_B=active)
     tokens, mask_w = sampling.left_pad(
         np.array([[PAD] * (W - len(c)) + c for c in contexts]),
         np.array([[False] * (W - len(c)) + [True] * len(c) for c in contexts]), W, PAD)
@@ -66,13 +72,16 @@ def test_two_turns_on_the_cache_equal_sampling_the_whole_context(params, scan_la
                                   np.asarray(want.tokens_NxT)[live])
     np.testing.assert_allclose(np.asarray(got.logp_NxT)[live], np.asarray(want.logp_NxT)[live],
                                atol=2e-5)
-    assert not np.asarray(got.mask_NxT)[3].any() or turn == 0
+    assert turn == 0 or np.asarray(got.lengths_N)[3] == 0
     # The next turn appends this turn's last token and an observation of 0..2 tokens.
-    out = np.asarray(got.tokens_NxT)
+    out, lengths = np.asarray(got.tokens_NxT), np.asarray(got.lengths_N)
+    ended += int((lengths[live] < T).sum())
     for i in live:
       obs = rng.integers(3, CFG.vocab_size, rng.integers(0, 3)).tolist()
-      contexts[i] = contexts[i] + out[i].tolist() + obs
-      slot[i] += len(new[i]) + T - 1  # the turn's tokens but its last are in the cache
-      new[i] = [int(out[i, -1])] + obs
+      k = int(lengths[i])
+      contexts[i] = contexts[i] + out[i, :k].tolist() + obs
+      slot[i] += len(new[i]) + k - 1  # the turn's tokens but its last are in the cache
+      new[i] = [int(out[i, k - 1])] + obs
+  assert 0 < ended < 2 * n - 1  # some turns ended at EOS, some ran to max_new_tokens
   assert engine.compilations == {"train": 1, "val": 0}
   assert engine.start_compilations == {"train": 1, "val": 0}

@@ -78,6 +78,11 @@ class Context(NamedTuple):
   mesh: object
   u_TxDxn: jax.Array | None  # every original row's uniforms, grouped
   prompt_len_Dxn: jax.Array  # every original row's prompt length, grouped
+  # Multi-turn episodes (rollout/turns.py, G = 1): every original row's first generated
+  # slot of this call, grouped (None: slot i - 1 for every row at step i); and whether the
+  # full cache comes back with every stage's K/V written to their rows.
+  offset_Dxn: jax.Array | None = None
+  keep_cache: bool = False
 
 
 class Stage(NamedTuple):
@@ -88,6 +93,7 @@ class Stage(NamedTuple):
   done_DxM: jax.Array
   rows_DxM: jax.Array   # the slot's original row, its index within the group (0..n-1)
   prompt_len_DxM: jax.Array
+  offset_DxM: jax.Array  # the row's first generated slot of the call (0 single-turn)
   cache: decode.Cache   # M * D rows, G = 1
 
 
@@ -138,7 +144,28 @@ def _compact(stage: Stage, size: int, ctx: Context, first: bool) -> Stage:
   idx = jnp.argsort(stage.done_DxM, axis=1, stable=True)[:, :size]
   pick = lambda x: jnp.take_along_axis(x, idx, axis=1)
   return Stage(stage.i, pick(stage.token_DxM), pick(stage.done_DxM), pick(stage.rows_DxM),
-               pick(stage.prompt_len_DxM), _compact_cache(stage.cache, idx, ctx, first))
+               pick(stage.prompt_len_DxM), pick(stage.offset_DxM),
+               _compact_cache(stage.cache, idx, ctx, first))
+
+
+def _write_back(full: decode.Cache, stage: Stage, ctx: Context) -> decode.Cache:
+  """The full cache (G = 1, rows in order) with a compacted stage's generated K/V written
+  back to the rows they came from, each group its own (rows stay on their device)."""
+  d = ctx.groups
+
+  def put(full_x, stage_x):
+    grouped = full_x.reshape(d, -1, *full_x.shape[1:])
+    out = jax.vmap(lambda f, r, x: f.at[r].set(x))(
+        grouped, stage.rows_DxM, stage_x.reshape(d, -1, *stage_x.shape[1:]))
+    return out.reshape(full_x.shape)
+
+  if ctx.stacked:
+    gen_k, gen_v = jax.vmap(put)(full.gen_k, stage.cache.gen_k), jax.vmap(put)(
+        full.gen_v, stage.cache.gen_v)
+  else:
+    gen_k = tuple(put(f, x) for f, x in zip(full.gen_k, stage.cache.gen_k))
+    gen_v = tuple(put(f, x) for f, x in zip(full.gen_v, stage.cache.gen_v))
+  return full._replace(gen_k=gen_k, gen_v=gen_v)
 
 
 def _scatter(buffers, rows_DxM, i, values):
@@ -161,9 +188,11 @@ def _loop(stage: Stage, buffers, ctx: Context, next_size: int | None):
   def body(carry):
     s, buffers = carry
     m = s.token_DxM.shape[1]
+    # The token fed at step i sits at generated slot i - 1 (single-turn: one slot for every
+    # row) or after the row's earlier turns (episodes: one slot per row).
+    slot = s.i - 1 if ctx.offset_Dxn is None else s.offset_DxM.reshape(-1) + s.i - 1
     logits, cache = decode.step(ctx.weights, ctx.cfg, s.token_DxM.reshape(d * m, 1),
-                                s.prompt_len_DxM.reshape(-1) + s.i - 1, s.i - 1, s.cache,
-                                ctx.block)
+                                s.prompt_len_DxM.reshape(-1) + slot, slot, s.cache, ctx.block)
     u = None
     if ctx.u_TxDxn is not None:
       u_Dxn = jax.lax.dynamic_index_in_dim(ctx.u_TxDxn, s.i, keepdims=False)
@@ -178,13 +207,16 @@ def _loop(stage: Stage, buffers, ctx: Context, next_size: int | None):
 
 def finish(i, token_BxG, done_BxG, cache: decode.Cache, buffers_BxGxT, ctx: Context):
   """Continues the sampler's first stage (stopped when the live rows fit in sizes[1]) in
-  the compacted stages. Returns the buffers (tokens, logps, raws, masks) as [N, T]."""
+  the compacted stages. Returns the buffers (tokens, logps, raws, masks) as [N, T], and with
+  ctx.keep_cache the full cache (every stage's generated K/V back in their rows), else None."""
   d, t = ctx.groups, ctx.max_new_tokens
   n = token_BxG.size // d
   grouped = lambda x: x.reshape(d, n)
+  offsets = (jnp.zeros((d, n), jnp.int32) if ctx.offset_Dxn is None else ctx.offset_Dxn)
+  full = cache if ctx.keep_cache else None
   stage = Stage(i, grouped(token_BxG), grouped(done_BxG),
                 jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (d, n)), ctx.prompt_len_Dxn,
-                cache)
+                offsets, cache)
   buffers = tuple(x.reshape(d, n, t) for x in buffers_BxGxT)
   # Every stage compacts, even after the last row ended (its loop then runs no step): under
   # a lax.cond that skips it, XLA kept the branches' caches apart (CPU: 1.8x the sampler's
@@ -194,4 +226,6 @@ def finish(i, token_BxG, done_BxG, cache: decode.Cache, buffers_BxGxT, ctx: Cont
     stage = _compact(stage, ctx.sizes[k], ctx, first=k == 1)
     last = k + 1 == len(ctx.sizes)
     stage, buffers = _loop(stage, buffers, ctx, None if last else ctx.sizes[k + 1])
-  return tuple(x.reshape(d * n, t) for x in buffers)
+    if full is not None:  # before the next stage gathers from this one and drops it
+      full = _write_back(full, stage, ctx)
+  return tuple(x.reshape(d * n, t) for x in buffers), full

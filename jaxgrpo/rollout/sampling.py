@@ -151,7 +151,8 @@ def _decode(weights, cache, logits_BxV, prompt_len_B, key, row_ids_B, *, cfg, pr
             done_B=None, start_B=None):
   """The decode loop after a prefill: G samples of B prompts (`shape`: the loop's (pb, pg)
   view of them) drawn from logits_BxV and then token by token with `decode.step`.
-  Returns the Rollout and the cache (its generated slots filled; not with compaction).
+  Returns the Rollout and, for episodes (start_B), the cache with the fed tokens' K/V in
+  their rows' slots (compaction writes each stage's back: compaction.finish), else None.
 
   Multi-turn episodes (G = 1): done_B rows start done (sample nothing); start_B: the
   generated slot each row's first fed token goes to (its slots before hold its earlier
@@ -233,9 +234,11 @@ def _decode(weights, cache, logits_BxV, prompt_len_B, key, row_ids_B, *, cfg, pr
         is_stop=None if stops is None else is_stop, samples=pg, groups=groups,
         sizes=sizes, max_new_tokens=t, block=decode_block, stacked=stacked, mesh=mesh,
         u_TxDxn=None if u_TxBxG is None else u_TxBxG.reshape(t, groups, -1),
-        prompt_len_Dxn=jnp.repeat(prompt_len_B, pg).reshape(groups, -1))
-    tokens, logps, raws, masks = compaction.finish(i, token, done, cache, buffers, ctx)
-    cache = None
+        prompt_len_Dxn=jnp.repeat(prompt_len_B, pg).reshape(groups, -1),
+        offset_Dxn=None if start_B is None else start_B.reshape(groups, -1),
+        keep_cache=start_B is not None)
+    (tokens, logps, raws, masks), cache = compaction.finish(i, token, done, cache, buffers,
+                                                            ctx)
   # Truncated: rows that ran through the last step without ending there. Read off the buffers,
   # which hold every row whatever stage it ended in (a compacted run's final `done` covers
   # only the last stage's slots).

@@ -19,8 +19,10 @@ turn costs one prefill of E tokens per episode, not of its whole context, and th
 episodes of a prompt share its prefill.
 
 Rows whose episode ended are inactive (done from the start: they sample nothing, and their
-append is empty). Deviation from the single-turn sampler: no compaction (the cache must come
-back in row order), so an inactive row still runs through each decode step, masked.
+append is empty), and with `compact_stages` the decode drops them and the rows that end, as
+the single-turn sampler does (compaction.py), writing each compacted stage's keys and values
+back to their rows for the next turn. The decode's key blocks (`decode_block_size`) are not
+used: each row writes and reads at its own slot.
 
 Both programs of a profile draw with that profile alone: training episodes can only sample
 with `train`, validation episodes with `val` (the on-policy guard is kept).
@@ -73,10 +75,11 @@ def start(params, prompt_tokens_BxL, prompt_mask_BxL, *, cfg: model_lib.ModelCon
 def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, row_ids_N,
          active_N, *, cfg: model_lib.ModelConfig, profile: sampling.Profile, eos_id,
          pad_id: int, mesh=None, scan_layers: bool | None = None,
-         attention: str | None = None):
+         attention: str | None = None, compact_stages: int = 0):
   """One turn of N episodes: appends row n's first new_len_N[n] tokens at its generated slot
   slot_N[n] and samples the turn after them with `profile` (one sample per row; row n's
-  draws from (key, row_ids_N[n]) alone). Returns (sampling.Rollout, the cache)."""
+  draws from (key, row_ids_N[n]) alone). compact_stages: the decode's (compaction.py; each
+  stage's K/V are written back to their rows). Returns (sampling.Rollout, the cache)."""
   stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
   attention = attention_lib.resolve_attention(attention, jax.default_backend(), cfg.dtype)
   logits_NxV, cache = decode.extend(params, cfg, new_tokens_NxE, new_len_N, slot_N, cache,
@@ -85,7 +88,8 @@ def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, ro
   return sampling._decode(  # pylint: disable=protected-access
       decode.prepare(params, cfg, stacked), cache, logits_NxV, prompt_len_N, key, row_ids_N,
       cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh, stacked=stacked,
-      shape=(len(row_ids_N), 1), done_B=~active_N, start_B=slot_N + new_len_N)
+      shape=(len(row_ids_N), 1), done_B=~active_N, start_B=slot_N + new_len_N,
+      compact_stages=compact_stages)
 
 
 def compile_start(cfg: model_lib.ModelConfig, samples: int, num_slots: int, *, mesh,
@@ -109,7 +113,7 @@ def compile_start(cfg: model_lib.ModelConfig, samples: int, num_slots: int, *, m
 
 def compile_turn(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_id,
                  pad_id: int, mesh, on_trace=None, scan_layers: bool | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, compact_stages: int = 0):
   """jit(turn) for one profile with explicit shardings; the cache is donated."""
   stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
 
@@ -118,7 +122,7 @@ def compile_turn(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_i
       on_trace()  # runs once per trace, i.e. once per compilation
     return turn(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N,
                 cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                scan_layers=scan_layers, attention=attention)
+                scan_layers=scan_layers, attention=attention, compact_stages=compact_stages)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   caches = sharding_lib.cache_shardings(mesh, stacked)
@@ -144,7 +148,8 @@ class EpisodeEngine(sampling.RolloutEngine):
 
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles, *, max_prompt_length: int,
                max_episode_tokens: int, max_append_tokens: int, eos_id, pad_id: int,
-               seed: int, scan_layers: bool | None = None, attention: str | None = None):
+               seed: int, scan_layers: bool | None = None, attention: str | None = None,
+               compact_stages: int = 0):
     if max_episode_tokens <= max_prompt_length or max_prompt_length < 2:
       raise ValueError(f"max_episode_tokens={max_episode_tokens} must exceed "
                        f"max_prompt_length={max_prompt_length} (at least 2)")
@@ -154,7 +159,8 @@ class EpisodeEngine(sampling.RolloutEngine):
     self.num_slots = slots(max_prompt_length, max_episode_tokens)
     self.start_compilations = {name: 0 for name in sampling.PROFILE_NAMES}
     super().__init__(cfg, mesh, profiles, max_prompt_length=max_prompt_length, eos_id=eos_id,
-                     pad_id=pad_id, seed=seed, scan_layers=scan_layers, attention=attention)
+                     pad_id=pad_id, seed=seed, scan_layers=scan_layers, attention=attention,
+                     compact_stages=compact_stages)
     self.episodes = True
 
   def _build(self, *, eos_id, share_prefix: bool):
@@ -163,7 +169,8 @@ class EpisodeEngine(sampling.RolloutEngine):
     self._turns = {name: compile_turn(self.cfg, self.profiles[name], eos_id=eos_id,
                                       pad_id=self.pad_id, mesh=self.mesh,
                                       on_trace=functools.partial(self._count, name),
-                                      scan_layers=self.scan_layers, attention=self.attention)
+                                      scan_layers=self.scan_layers, attention=self.attention,
+                                      compact_stages=self.compact_stages)
                    for name in sampling.PROFILE_NAMES}
     return {}
 
