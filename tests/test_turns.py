@@ -33,14 +33,16 @@ def _reference(mesh, width, scan_layers):
                                 pad_id=PAD, seed=0, scan_layers=scan_layers)
 
 
-@pytest.mark.parametrize("scan_layers,axes,compact", [
-    (False, {"data": 1}, 0), (True, {"data": 1}, 0), (False, {"data": 1}, 2),
-    (True, {"data": 4, "tensor": 2}, 2)])
+@pytest.mark.parametrize("scan_layers,axes,compact,chunk", [
+    (False, {"data": 1}, 0, 16), (True, {"data": 1}, 0, 2), (False, {"data": 1}, 2, 2),
+    (True, {"data": 4, "tensor": 2}, 2, 16)])
 def test_two_turns_on_the_cache_equal_sampling_the_whole_context(params, scan_layers, axes,
-                                                                 compact):
+                                                                 compact, chunk, monkeypatch):
   # On 8 devices (rows over data, KV heads over tensor) too: the cache's per-row writes and
   # the donated cache keep their shardings. With compaction, the rows that end (at token
-  # EOS, or inactive) leave the decode and their stages' K/V go back to their rows.
+  # EOS, or inactive) leave the decode and their stages' K/V go back to their rows. Chunk 2:
+  # appends of up to 3 tokens take two chunks, the second attending to the first.
+  monkeypatch.setattr(turns, "APPEND_CHUNK", chunk)
   mesh = sharding.make_mesh(axes, devices=jax.devices()[:int(np.prod(list(axes.values())))])
   engine = turns.EpisodeEngine(CFG, mesh, _profiles(), max_prompt_length=L,
                                max_episode_tokens=W, max_append_tokens=E, eos_id=EOS,

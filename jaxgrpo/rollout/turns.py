@@ -8,7 +8,8 @@ host; this module is the device side, two programs per profile:
          episode) of [prompt | R generated slots], R = max_episode_tokens -
          max_prompt_length + 1 (the completion region and the prompt's last token);
   turn   appends each row's new tokens to its cache (decode.extend: one prefill of them at
-         the row's own slot, attending to everything before) and decodes the turn from the
+         the row's own slot, attending to everything before; in chunks of APPEND_CHUNK, as
+         many as the call's longest append needs) and decodes the turn from the
          logits after them (sampling._decode, each row at its own slot), with the profile's
          draws. The cache goes in and comes back (donated: updated in place).
 
@@ -82,14 +83,46 @@ def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, ro
   stage's K/V are written back to their rows). Returns (sampling.Rollout, the cache)."""
   stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
   attention = attention_lib.resolve_attention(attention, jax.default_backend(), cfg.dtype)
-  logits_NxV, cache = decode.extend(params, cfg, new_tokens_NxE, new_len_N, slot_N, cache,
-                                    stacked, attention)
+  logits_NxV, cache = append(params, cfg, new_tokens_NxE, new_len_N, slot_N, cache, stacked,
+                             attention)
   prompt_len_N = jnp.sum(cache.prompt_bias[:, 0, 0] == 0.0, axis=-1).astype(jnp.int32)
   return sampling._decode(  # pylint: disable=protected-access
       decode.prepare(params, cfg, stacked), cache, logits_NxV, prompt_len_N, key, row_ids_N,
       cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh, stacked=stacked,
       shape=(len(row_ids_N), 1), done_B=~active_N, start_B=slot_N + new_len_N,
       compact_stages=compact_stages)
+
+
+# The append runs in chunks of this many tokens, as many as the longest append of the call
+# needs: most turns append a handful (turn 0 one token, a tool result a few), while the
+# program's static width is max_observation_tokens + 1. On the calculator task (width 49,
+# results of 7 tokens) one 49-wide append was 68% of a turn on CPU (BENCHMARKS.md).
+APPEND_CHUNK = 16
+
+
+def append(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N,
+           cache: decode.Cache, stacked: bool, attention: str):
+  """decode.extend of each row's new tokens, APPEND_CHUNK at a time (a loop of as many chunks
+  as the longest row needs; chunk c attends to the ones before it through the cache).
+  Returns the logits after each row's last new token and the cache."""
+  n, e = tokens_NxE.shape
+  chunk = min(APPEND_CHUNK, e)
+  chunks = -(-e // chunk)
+  tokens_NxE = jnp.pad(tokens_NxE, ((0, 0), (0, chunks * chunk - e)))
+
+  def body(c, carry):
+    logits_NxV, cache = carry
+    start = c * chunk
+    len_N = jnp.clip(new_len_N - start, 0, chunk)
+    logits, cache = decode.extend(
+        params, cfg, jax.lax.dynamic_slice_in_dim(tokens_NxE, start, chunk, axis=1), len_N,
+        slot_N + start, cache, stacked, attention)
+    # A row's logits are those after its last new token: from its last chunk with tokens.
+    return jnp.where((len_N > 0)[:, None], logits, logits_NxV), cache
+
+  used = -(-jnp.max(new_len_N) // chunk)
+  logits0 = jnp.zeros((n, cfg.vocab_size), jnp.float32)
+  return jax.lax.fori_loop(0, used, body, (logits0, cache))
 
 
 def compile_start(cfg: model_lib.ModelConfig, samples: int, num_slots: int, *, mesh,
