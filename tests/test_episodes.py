@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cli import ROOT, run_train, xla_flags  # tests/cli.py
+from cli import ROOT, command, run_train, xla_flags  # tests/cli.py
 from cli import env as cli_env  # tests/cli.py
 from jaxgrpo import envs, episodes, plugins
 from jaxgrpo.runtime import metrics as metrics_lib
@@ -366,7 +366,28 @@ def test_episodes_run_validate_evaluate_and_resume_exactly(tmp_path):
   import shutil  # pylint: disable=g-import-not-at-top
   shutil.copytree(tmp_path / "straight", tmp_path / "cut")
   shutil.rmtree(tmp_path / "cut" / "checkpoints" / "2")
+  shutil.copytree(tmp_path / "cut", tmp_path / "two")
   resumed = run_train(*EPISODES, workdir=tmp_path / "cut", XLA_FLAGS=xla_flags(8))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "at step 1" in resumed.stdout
   assert_same_run(tmp_path / "cut", tmp_path / "straight")
+  # The same cut run resumed on 2 processes x 4 devices (the same 8-device mesh): each
+  # process runs the episodes and steps the environments of its own rows, and step 2 logs
+  # what the 1-process run logged, up to the order of float sums (gloo's all-reduce).
+  from test_multihost import _free_port  # pylint: disable=g-import-not-at-top
+  port = _free_port()
+  procs = [subprocess.Popen(
+      command(*EPISODES, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+              f"--process_id={i}", workdir=tmp_path / "two"),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+      env=cli_env(XLA_FLAGS=xla_flags(4))) for i in range(2)]
+  for p in procs:
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+  two = rows(tmp_path / "two")
+  for split in ("train", "val"):
+    a, b = two[(split, 2)], got[(split, 2)]
+    for key in ("turns_mean", "turns_max", "tool_calls_mean", "tool_errors_fraction",
+                "observation_tokens_mean", "episode_tokens_mean", "accuracy",
+                "loss" if split == "train" else "pass@1"):
+      assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (split, key)
