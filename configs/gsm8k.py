@@ -172,15 +172,16 @@ def get_config(arg=None):
     # Multi-turn episodes with a calculator (jaxgrpo/tools.py: exact arithmetic by its own
     # parser, never eval). The chat template shows the tool in the system prompt; the model
     # calls it as <tool_call>{json}</tool_call> and ends its turn with <|im_end|>; the
-    # result comes back as a user turn of <tool_response> blocks. Up to 4 turns; the
-    # episode (turns and results) has the single-turn run's 512 tokens after the prompt.
-    # Turns run on a KV cache kept between them (rollout/turns.py): the prompt prefilled
-    # once for its episodes, each observation appended at its episode's place.
+    # result comes back as a user turn of <tool_response> blocks. Up to 4 turns of up to
+    # 512 tokens, 1024 after the prompt in all (turns and results). Turns run on a KV cache
+    # kept between them (rollout/turns.py): the prompt prefilled once for its episodes,
+    # each observation appended at its episode's place. Qwen2.5-1.5B on v5e:2x4: the train
+    # sampler 11.3 GiB a chip, the update 10.8 (launch/compile_check.py; BENCHMARKS.md).
     c.env.name = "tools"
     c.env.kwargs = '{"tools": "calculator"}'
     c.env.max_turns = 4
     c.env.max_observation_tokens = 64
-    c.generation.max_episode_tokens = c.data.max_prompt_length + 512
+    c.generation.max_episode_tokens = c.data.max_prompt_length + 1024
   if "cpu" in presets:
     c.mesh.fsdp = 1
     c.mesh.data = -1

@@ -225,9 +225,11 @@ def choose_size(key: str, sizes, config, model_cfg, tokenizer, mesh, limit: int 
   start = time.perf_counter()
 
   def measure(size):
-    (_, lowered, resident), = programs(_with(config, **{key: size}), model_cfg, tokenizer,
-                                       mesh, [which])
-    return compile_memory(lowered, resident)
+    # The program's memory; with episodes the larger of a turn and the start that makes
+    # its cache (fit.programs yields both).
+    return max((compile_memory(lowered, resident) for _, lowered, resident in programs(
+        _with(config, **{key: size}), model_cfg, tokenizer, mesh, [which])),
+               key=lambda m: m.peak)
 
   size, tried = choose(sizes, measure, limit,
                        report and (lambda s, m: report(key, program, s, m, limit)))
@@ -318,8 +320,10 @@ def programs(c, model_cfg, tokenizer, mesh, which):
   for name, rows in (("train", b), ("val", g.val_batch_size)):
     if name not in which:
       continue
-    if engine.episodes:  # a turn: on the episodes' KV cache, one row per episode
-      yield f"{name} sampler", _episode_turn(c, engine, name, rows, params, key), resident
+    if engine.episodes:  # a turn on the episodes' KV cache, and the start that makes it
+      turn, start = _episode_programs(c, engine, name, rows, params, key)
+      yield f"{name} sampler", turn, resident
+      yield f"{name} episode start", start, resident
       continue
     # make_engine's eos and pad ids: the engine keeps its compiled samplers private.
     sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
@@ -334,27 +338,28 @@ def programs(c, model_cfg, tokenizer, mesh, which):
     yield f"{name} sampler", lowered, resident
 
 
-def _episode_turn(c, engine, name: str, prompts: int, params, key):
-  """The lowered turn program of an episode engine (rollout/turns.py) for `prompts` prompts'
-  G (train) or k (val) episodes each. Its arguments hold the episodes' KV cache (kept on
-  the chips between turns), so its peak is the rollout's: the start program (the prompts'
-  prefill, the cache as its output) needs less."""
+def _episode_programs(c, engine, name: str, prompts: int, params, key):
+  """The lowered turn and start programs of an episode engine (rollout/turns.py) for
+  `prompts` prompts' G (train) or k (val) episodes each. The turn's arguments hold the
+  episodes' KV cache (kept on the chips between turns); the start makes it (the prompts'
+  prefill, the cache as its output)."""
   from jaxgrpo.rollout import turns  # pylint: disable=g-import-not-at-top
   g = c.grpo
-  n = prompts * (g.num_generations_per_prompt if name == "train"
-                 else g.val_num_generations_per_prompt)
+  samples = g.num_generations_per_prompt if name == "train" else g.val_num_generations_per_prompt
+  n, width = prompts * samples, engine.max_prompt_length
   mesh, sds = engine.mesh, jax.ShapeDtypeStruct
-  start = turns.compile_start(engine.cfg, 1, engine.num_slots, mesh=mesh,
+  start = turns.compile_start(engine.cfg, samples, engine.num_slots, mesh=mesh,
                               scan_layers=engine.scan_layers, attention=engine.attention)
-  cache = jax.eval_shape(start, params, sds((n, engine.max_prompt_length), jnp.int32),
-                         sds((n, engine.max_prompt_length), bool))
+  prompt_args = (params, sds((prompts, width), jnp.int32), sds((prompts, width), bool))
+  cache = jax.eval_shape(start, *prompt_args)
   turn = turns.compile_turn(engine.cfg, engine.profile(name), eos_id=engine.eos_id,
                             pad_id=engine.pad_id, mesh=mesh, scan_layers=engine.scan_layers,
                             attention=engine.attention, compact_stages=engine.compact_stages)
   rows1 = lambda dtype: sds((n,), dtype)
-  return turn.lower(params, cache, rows1(jnp.int32),
-                    sds((n, engine.max_append_tokens), jnp.int32), rows1(jnp.int32), key,
-                    rows1(jnp.int32), rows1(bool))
+  return (turn.lower(params, cache, rows1(jnp.int32),
+                     sds((n, engine.max_append_tokens), jnp.int32), rows1(jnp.int32), key,
+                     rows1(jnp.int32), rows1(bool)),
+          start.lower(*prompt_args))
 
 
 def abstract_params(model_cfg, mesh):

@@ -73,7 +73,10 @@ HBM_GIB = {"TPU v2": 8, "TPU v3": 16, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5":
 TOPOLOGY_KWARGS = {"v4": {"chip_config_name": "megacore"},
                    "v5p": {"chip_config_name": "megacore"}}
 
-PROGRAMS = ("update step", "train sampler", "val sampler")
+# With an environment, each sampler is an episode's turn program, and the start program
+# that prefills the prompts into the episodes' KV cache is checked beside it.
+PROGRAMS = ("update step", "train sampler", "train episode start", "val sampler",
+            "val episode start")
 
 _FV = flags.FlagValues()  # not absl's global FLAGS, where jaxgrpo.train defines --config
 _CONFIG = config_flags.DEFINE_config_file(
@@ -287,7 +290,7 @@ def _table(memory: dict, hbm: int) -> str:
           "+state", "peak", "of HBM", "compile")
   rows = [head]
   for name in PROGRAMS:
-    if name not in memory and name.split()[0] not in _PROGRAMS.value:
+    if name not in memory and (name.split()[0] not in _PROGRAMS.value or "episode" in name):
       continue
     if name not in memory:
       rows.append((name, "did not compile") + ("",) * (len(head) - 2))

@@ -122,3 +122,28 @@ def test_the_search_on_measured_tpu_curves(sizes, gib, chosen, order):
   size, _ = fit.choose(sizes, lambda s: fit.Memory(needs=int(gib[s] * 2**30)), 16 * 2**30,
                        report=lambda s, m: seen.append(s))
   assert (size, seen) == (chosen, order)
+
+
+def test_an_environments_samplers_are_its_turn_and_start_programs():
+  # With an environment the samplers are the episode programs (rollout/turns.py): a turn,
+  # whose arguments hold the episodes' KV cache, and the start that makes the cache (the
+  # prompts' prefill), per profile; both compile, and 'auto' sizes by the larger.
+  spec = importlib.util.spec_from_file_location("calc_cfg", os.path.join(
+      ROOT, "configs", "calculator.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("smoke")
+  c.mesh.data, c.grpo.num_prompts_per_step = 8, 8
+  config = config_lib.validate(c, jax.device_count())
+  model_cfg, _, tokenizer = loading.load_policy(config)
+  mesh = sharding_lib.make_mesh(config.mesh.to_dict())
+  got = {name: fit.compile_memory(lowered, resident)
+         for name, lowered, resident in fit.programs(config, model_cfg, tokenizer, mesh,
+                                                    ["train", "val"])}
+  assert list(got) == ["train sampler", "train episode start", "val sampler",
+                       "val episode start"]
+  # The start's output is the cache the turn takes, donated: aliased to the turn's output
+  # (the start's output size also counts its tuple's table of 9 buffer pointers, 72 bytes).
+  for name in ("train", "val"):
+    start, turn = got[f"{name} episode start"], got[f"{name} sampler"]
+    assert 0 < start.outputs < turn.arguments and turn.alias > 0.99 * start.outputs
