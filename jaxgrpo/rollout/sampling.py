@@ -139,16 +139,17 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
                                  scan_layers, attention, stacked_kv=stacked)
   prompt_len_B = jnp.sum(prompt_mask_BxL, axis=-1).astype(jnp.int32)
   cache = decode.init_cache(ks, vs, prompt_mask_BxL, cfg, pg, t, stacked, decode_block)
-  rollout, _ = _decode(decode.prepare(params, cfg, stacked), cache, logits_BxV, prompt_len_B,
-                       key, row_ids_B, cfg=cfg, profile=profile, eos_id=eos_id,
-                       pad_id=pad_id, mesh=mesh, stacked=stacked, decode_block=decode_block,
-                       compact_stages=compact_stages, shape=(pb, pg))
+  rollout, _ = decode_loop(decode.prepare(params, cfg, stacked), cache, logits_BxV,
+                           prompt_len_B, key, row_ids_B, cfg=cfg, profile=profile,
+                           eos_id=eos_id, pad_id=pad_id, mesh=mesh, stacked=stacked,
+                           decode_block=decode_block, compact_stages=compact_stages,
+                           shape=(pb, pg))
   return rollout
 
 
-def _decode(weights, cache, logits_BxV, prompt_len_B, key, row_ids_B, *, cfg, profile,
-            eos_id, pad_id, mesh, stacked, decode_block=0, compact_stages=0, shape,
-            done_B=None, start_B=None):
+def decode_loop(weights, cache, logits_BxV, prompt_len_B, key, row_ids_B, *, cfg, profile,
+                eos_id, pad_id, mesh, stacked, decode_block=0, compact_stages=0, shape,
+                done_B=None, start_B=None):
   """The decode loop after a prefill: G samples of B prompts (`shape`: the loop's (pb, pg)
   view of them) drawn from logits_BxV and then token by token with `decode.step`.
   Returns the Rollout and, for episodes (start_B), the cache with the fed tokens' K/V in

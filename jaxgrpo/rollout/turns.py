@@ -10,7 +10,7 @@ host; this module is the device side, two programs per profile:
   turn   appends each row's new tokens to its cache (decode.extend: one prefill of them at
          the row's own slot, attending to everything before; in chunks of APPEND_CHUNK, as
          many as the call's longest append needs) and decodes the turn from the
-         logits after them (sampling._decode, each row at its own slot), with the profile's
+         logits after them (sampling.decode_loop, each row at its own slot), with the profile's
          draws. The cache goes in and comes back (donated: updated in place).
 
 The new tokens of turn 0 are the prompt's last token; of a later turn, the previous turn's
@@ -86,7 +86,7 @@ def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, ro
   logits_NxV, cache = append(params, cfg, new_tokens_NxE, new_len_N, slot_N, cache, stacked,
                              attention)
   prompt_len_N = jnp.sum(cache.prompt_bias[:, 0, 0] == 0.0, axis=-1).astype(jnp.int32)
-  return sampling._decode(  # pylint: disable=protected-access
+  return sampling.decode_loop(
       decode.prepare(params, cfg, stacked), cache, logits_NxV, prompt_len_N, key, row_ids_N,
       cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh, stacked=stacked,
       shape=(len(row_ids_N), 1), done_B=~active_N, start_B=slot_N + new_len_N,
