@@ -28,6 +28,8 @@
 #                 256 rows, per mode (top-k, top-p, both) against plain sampling
 #   update        bench/update_at_scale.py: the Qwen3-1.7B update, scanned and unrolled,
 #                 XLA and cuDNN attention
+#   lora_decode   python -m jaxgrpo.bench lora-decode: LoRA's merge once per step against
+#                 the adapter path at every token, Qwen2.5-1.5B in bfloat16, 64 x 512 tokens
 set -u
 export PYTHONUNBUFFERED=1
 # jaxgrpo.bench defaults to CPU unless told: on the GPU machine, the GPU.
@@ -61,10 +63,12 @@ part() {  # part NAME TIMEOUT_S COMMAND...: runs it, logs how it ended, collects
 if [ -n "${SMALL:-}" ]; then  # a dry run: every part, each cut to seconds on a CPU
   STEPS=--config.grpo.max_num_steps=4; UPDATE=(--small --rollouts 16 --configs 8:0:none:scan:xla)
   SAMPLER=(--preset tiny --reps 1); ROLLOUT=(--preset tiny --reps 1); TRUNC=(--rows 8 --reps 1)
+  LORA=(--shape tiny --rows 4 --new_tokens 4 --reps 1)
 else
   STEPS=; UPDATE=(--configs 32:128:save_dots:scan:xla,32:128:save_dots:scan:cudnn,32:128:save_dots:unrolled:cudnn --reps 2)
   SAMPLER=(--preset small --mode all --reps 5); ROLLOUT=(--bandwidth_gbs "${BANDWIDTH_GBS:-4800}" --reps 3)
   TRUNC=(--reps 10)
+  LORA=(--shape qwen2.5-1.5b --dtype bfloat16 --rows 64 --new_tokens 512 --reps 3)
 fi
 
 part versions 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1; python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"'
@@ -84,5 +88,6 @@ part rollout_compact 240 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}" --mode
   --decode_block 128 --compact_stages 3
 part truncation 120 python3 -m jaxgrpo.bench truncation "${TRUNC[@]}"
 part update 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py "${UPDATE[@]}"
+part lora_decode 240 python3 -m jaxgrpo.bench lora-decode "${LORA[@]}"
 echo "=== done $(date +%T)" >>"$L"
 rm -rf "$W"

@@ -311,3 +311,19 @@ def test_lora_bench_times_merge_rollout_and_update_beside_full():
   assert r["bench"] == "lora" and r["lora_rank"] == 4 and r["reps"] == 1
   assert r["lora_policy_s"] > 0 and r["full_policy_s"] >= 0
   assert r["lora_rollout_tokens_per_s"] > 0 and r["update_ratio"] > 0
+
+
+def test_lora_decode_bench_weighs_merge_per_step_against_the_adapter_path():
+  # The tiny shape, 2 layers x 7 targets at rank 4: A and B hold
+  # 2 x 4 x (128+128 q, 128+64 k, 128+64 v, 128+128 o, 128+512 gate, 128+512 up, 512+128 down)
+  # = 2 x 4 x 2816 = 22,528 adapter parameters.
+  r = bench.main(["lora-decode", "--shape", "tiny", "--rank", "4", "--rows", "4",
+                  "--new_tokens", "4", "--reps", "1"])[0]
+  assert (r["bench"], r["shape"], r["rank"], r["new_tokens"]) == ("lora-decode", "tiny", 4, 4)
+  assert r["adapter_params"] == 22_528
+  for key in ("merge_s", "step_merged_s", "step_adapter_s", "rollout_s"):
+    assert r[key] > 0, key
+  assert r["merge_per_step_s"] == pytest.approx(r["merge_s"] + r["rollout_s"], abs=2e-4)
+  assert r["adapter_path_s"] == pytest.approx(
+      r["rollout_s"] + 4 * r["adapter_extra_per_token_s"], abs=2e-4)
+  assert r["faster"] in ("merge per step", "adapter path")

@@ -145,7 +145,8 @@ def test_a_peft_adapter_folder_loads_in_peft_with_the_merged_logits(tmp_path):
   # Rank-4 adapters with B set (B = 0 would pass with any layout) on the tiny Qwen2 fixture,
   # written by save_peft: PEFT's PeftModel on the fixture gives the logits jaxgrpo computes
   # with the merged weights W + (alpha/r) A B, alpha 8 / rank 4 = 2. Needs torch, so it runs
-  # in $JAXGRPO_PEFT_PYTHON (.ci/run makes that venv) and skips without it.
+  # in $JAXGRPO_PEFT_PYTHON (a 5.7 GB venv, which CI does not build: tests/fixtures/README.md)
+  # and skips without it; the stored-fixture test above runs everywhere.
   python = os.environ.get("JAXGRPO_PEFT_PYTHON")
   if not python:
     pytest.skip("set JAXGRPO_PEFT_PYTHON to a python with torch, transformers and peft")
