@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cli
-from cli import (ARGS, MATH, ROOT, assert_clean_error,  # tests/cli.py
+from cli import (MATH, ROOT, STRAIGHT, assert_clean_error,  # tests/cli.py
                  assert_smoke_run_imports_nothing_heavy, env, run_train)
 from jaxgrpo import data as data_lib
 from jaxgrpo import loading
@@ -109,6 +109,11 @@ def test_architecture_must_match_checkpoint(tmp_path):
 
 # Each validation setting the validator refuses, with the fragments its one line must hold.
 REFUSED = [
+    # LoRA's rank above a target's smaller side, found once the checkpoint's architecture
+    # is known (the embedded model: d_model 128 = 4 heads x 32, so q is 128 in, 128 out).
+    (["--config.model.lora_rank=129"],
+     ["config.model.lora_rank=129: rank 129 exceeds the smaller side of target 'q' (128: "
+      "128 in, 128 out); allowed: a smaller rank"]),
     (["--config.grpo.val_num_generations_per_prompt=0"],
      ["config.grpo.val_num_generations_per_prompt=0", "integer >= 1"]),
     (["--config.grpo.stop_at_validation_metric=pass_k",
@@ -169,9 +174,10 @@ def test_validation_settings_are_refused_at_startup(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_run_writes_results(straight_run):
-  # conftest.py's run of tests/cli.py's ARGS: the smoke preset for 8 steps, a training
-  # temperature of 0.9 that the unset validation temperature follows (plots off: drawing
-  # them costs seconds per run; validation.png is drawn on demand below).
+  # conftest.py's run of tests/cli.py's STRAIGHT (ARGS, logging to wandb too): the smoke
+  # preset for 8 steps, a training temperature of 0.9 that the unset validation
+  # temperature follows (plots off: drawing them costs seconds per run; validation.png is
+  # drawn on demand below).
   workdir, proc = straight_run
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "finished 8 steps" in proc.stdout
@@ -472,7 +478,7 @@ def test_a_resumed_run_says_how_many_steps_it_trained_and_from_where(straight_ru
   assert run.returncode == 0, run.stderr[-2000:]
   shutil.copytree(workdir, tmp_path / "w")
   shutil.rmtree(tmp_path / "w" / "checkpoints" / "8")
-  proc = run_train(*ARGS, workdir=tmp_path / "w")
+  proc = run_train(*STRAIGHT, workdir=tmp_path / "w")
   assert proc.returncode == 0, proc.stderr[-3000:]
   last = proc.stdout.strip().splitlines()[-1]
   # The validations span the whole run, and the line says so.
@@ -519,7 +525,7 @@ def test_rerunning_a_finished_run_touches_nothing(straight_run, tmp_path):
   assert run.returncode == 0, run.stderr[-2000:]
   shutil.copytree(workdir, tmp_path / "w")
   before = _hashes(tmp_path / "w")
-  proc = run_train(*ARGS, workdir=tmp_path / "w")
+  proc = run_train(*STRAIGHT, workdir=tmp_path / "w")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.strip().splitlines() == [
       f"{tmp_path / 'w'} already finished at step 8; --config.grpo.max_num_steps=N (N > 8) "
@@ -527,7 +533,7 @@ def test_rerunning_a_finished_run_touches_nothing(straight_run, tmp_path):
   assert "Compiling" not in proc.stderr
   assert _hashes(tmp_path / "w") == before
   # A max_num_steps below the saved step is a config error, and touches nothing either.
-  proc = run_train(*ARGS, "--config.grpo.max_num_steps=4", workdir=tmp_path / "w")
+  proc = run_train(*STRAIGHT, "--config.grpo.max_num_steps=4", workdir=tmp_path / "w")
   assert_clean_error(proc, "config.grpo.max_num_steps=4", "already at step 8",
                      "8 or more to continue it")
   assert _hashes(tmp_path / "w") == before
@@ -546,12 +552,12 @@ def test_a_resume_with_a_changed_config_says_what_changed_and_keeps_the_old_one(
   lr = json.loads(original)["optim"]["learning_rate"]
   # G cannot change on resume: one line naming the key, nothing touched.
   before = _hashes(w)
-  proc = run_train(*ARGS, "--config.grpo.max_num_steps=10",
+  proc = run_train(*STRAIGHT, "--config.grpo.max_num_steps=10",
                    "--config.grpo.num_generations_per_prompt=2", workdir=w)
   assert_clean_error(proc, "config.grpo.num_generations_per_prompt=2", "which a resume "
                      "cannot change", f"allowed: {json.loads(original)['grpo']['num_generations_per_prompt']}")
   assert _hashes(w) == before
-  proc = run_train(*ARGS, "--config.grpo.max_num_steps=10", "--config.optim.learning_rate=0.001",
+  proc = run_train(*STRAIGHT, "--config.grpo.max_num_steps=10", "--config.optim.learning_rate=0.001",
                    workdir=w)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert (f"resuming {w} at step 8 with 2 changed keys: grpo.max_num_steps 8 -> 10, "

@@ -67,9 +67,16 @@ def _weight(params, target):
   return node
 
 
+def _abstract_params(cfg: model_lib.ModelConfig):
+  """The parameters' shapes and logical axes, boxed, with nothing computed or compiled: the
+  key is made inside the trace too (a concrete jax.random.key compiles its seeding, and the
+  rank check runs at start-up, before anything may compile)."""
+  return jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+
+
 def shapes(cfg: model_lib.ModelConfig, rank: int, targets) -> dict:
   """{target: (A shape, B shape)} for the stacked layers."""
-  base = jax.eval_shape(lambda r: model_lib.init_params(cfg, r), jax.random.key(0))
+  base = _abstract_params(cfg)
   base = jax.tree.map(lambda x: getattr(x, "value", x), base,
                       is_leaf=lambda x: hasattr(x, "value"))
   out = {}
@@ -85,14 +92,14 @@ def check_rank(cfg: model_lib.ModelConfig, rank: int, targets) -> str | None:
   for target, (a, b) in shapes(cfg, rank, targets).items():
     n_in, n_out = math.prod(a[1:-1]), math.prod(b[2:])
     if rank > min(n_in, n_out):
-      return (f"rank {rank} exceeds target {target!r}'s smaller side ({min(n_in, n_out)}: "
-              f"{n_in} in, {n_out} out)")
+      return (f"rank {rank} exceeds the smaller side of target {target!r} "
+              f"({min(n_in, n_out)}: {n_in} in, {n_out} out)")
   return None
 
 
 def logical_axes(cfg: model_lib.ModelConfig, targets) -> dict:
   """{target: {"a": names, "b": names}}: the base weight's logical axes split at the rank."""
-  boxed = jax.eval_shape(lambda r: model_lib.init_params(cfg, r), jax.random.key(0))
+  boxed = _abstract_params(cfg)
   out = {}
   for target in targets:
     names = tuple(_weight(boxed, target).names)  # ("layers", in..., out...)
