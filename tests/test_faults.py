@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from cli import ARGS, run_train, start_train  # tests/cli.py
+from cli import ARGS, STRAIGHT, run_train, start_train  # tests/cli.py
 from jaxgrpo import checkpoint
 from jaxgrpo.runtime import faults
 from jaxgrpo.runtime import metrics as metrics_lib
@@ -157,7 +157,7 @@ def test_truncated_latest_checkpoint_is_skipped(reference, tmp_path):
   workdir = tmp_path / "run"
   shutil.copytree(reference, workdir)
   shutil.rmtree(workdir / "checkpoints" / "8" / "state")  # as if killed mid-write
-  proc = run_train(*ARGS, "--config.grpo.max_num_steps=10", workdir=workdir)
+  proc = run_train(*STRAIGHT, "--config.grpo.max_num_steps=10", workdir=workdir)
   assert proc.returncode == 0, proc.stderr[-3000:]
   warning = [l for l in proc.stderr.splitlines() if "is unreadable" in l]
   assert warning and f"{workdir}/checkpoints/8" in warning[0]
