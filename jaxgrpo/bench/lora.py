@@ -21,6 +21,7 @@ import statistics
 import tempfile
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,9 +123,7 @@ def run_lora_decode(args) -> list[dict]:
   cfg = model_lib.ModelConfig(**SHAPES[args.shape], dtype=args.dtype, param_dtype=args.dtype)
   targets = lora_lib.parse_targets(args.targets)
   scale = 2.0  # alpha / rank; any number costs the same
-  base = model_lib.init_params(cfg, jax.random.key(0))
-  base = jax.tree.map(lambda x: getattr(x, "value", x), base,
-                      is_leaf=lambda x: hasattr(x, "value"))
+  base = nn.unbox(model_lib.init_params(cfg, jax.random.key(0)))
   adapters = lora_lib.init(cfg, args.rank, targets, jax.random.key(1))
   # B random, not 0: the merge and the adapter path then compute what they would mid-run.
   adapters = {t: {"a": ad["a"], "b": 0.01 * jax.random.normal(jax.random.key(2), ad["b"].shape)}

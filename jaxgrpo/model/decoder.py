@@ -509,5 +509,12 @@ def init_params(cfg: ModelConfig, rng):
   return Decoder(cfg).init(rng, dummy, dummy, jnp.ones((1, 1), bool))["params"]
 
 
+def param_structure(cfg: ModelConfig):
+  """The boxed parameter tree's shapes, dtypes and logical axes, with nothing computed or
+  compiled: the key is made inside the trace too (a concrete jax.random.key compiles its
+  seeding, and start-up checks run before anything may compile)."""
+  return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
 def count_params(params) -> int:
   return int(sum(x.size for x in jax.tree.leaves(params)))

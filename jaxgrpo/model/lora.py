@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -67,18 +68,9 @@ def _weight(params, target):
   return node
 
 
-def _abstract_params(cfg: model_lib.ModelConfig):
-  """The parameters' shapes and logical axes, boxed, with nothing computed or compiled: the
-  key is made inside the trace too (a concrete jax.random.key compiles its seeding, and the
-  rank check runs at start-up, before anything may compile)."""
-  return jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-
-
 def shapes(cfg: model_lib.ModelConfig, rank: int, targets) -> dict:
   """{target: (A shape, B shape)} for the stacked layers."""
-  base = _abstract_params(cfg)
-  base = jax.tree.map(lambda x: getattr(x, "value", x), base,
-                      is_leaf=lambda x: hasattr(x, "value"))
+  base = nn.unbox(model_lib.param_structure(cfg))
   out = {}
   for target in targets:
     shape = _weight(base, target).shape
@@ -99,7 +91,7 @@ def check_rank(cfg: model_lib.ModelConfig, rank: int, targets) -> str | None:
 
 def logical_axes(cfg: model_lib.ModelConfig, targets) -> dict:
   """{target: {"a": names, "b": names}}: the base weight's logical axes split at the rank."""
-  boxed = _abstract_params(cfg)
+  boxed = model_lib.param_structure(cfg)
   out = {}
   for target in targets:
     names = tuple(_weight(boxed, target).names)  # ("layers", in..., out...)

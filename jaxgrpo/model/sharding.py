@@ -207,15 +207,13 @@ def adapter_shardings(cfg: model_lib.ModelConfig, mesh: Mesh, targets):
 
 def param_shardings(cfg: model_lib.ModelConfig, mesh: Mesh):
   """NamedShardings for the (unboxed) parameter tree, from the logical names."""
-  abstract = jax.eval_shape(lambda r: model_lib.init_params(cfg, r), jax.random.key(0))
-  specs = nn.get_partition_spec(abstract)
+  specs = nn.get_partition_spec(model_lib.param_structure(cfg))
   return nn.logical_to_mesh_sharding(specs, mesh, RULES)
 
 
 def abstract_params(cfg: model_lib.ModelConfig, mesh: Mesh):
   """The parameter tree as ShapeDtypeStructs carrying their shardings (a restore target)."""
-  abstract = nn.unbox(jax.eval_shape(lambda r: model_lib.init_params(cfg, r),
-                                     jax.random.key(0)))
+  abstract = nn.unbox(model_lib.param_structure(cfg))
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       abstract, param_shardings(cfg, mesh))
 
