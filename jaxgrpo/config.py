@@ -582,5 +582,113 @@ def _check_model_shapes(c, m, sizes):
             f"{m.vocab_size}")
 
 
+def _never_validates(c) -> str | None:
+  g = c.grpo
+  if not (g.val_period or g.val_at_start or g.val_at_end):
+    return "grpo.val_period=0, val_at_start=False and val_at_end=False (no validation runs)"
+  return None
+
+
+def _while(key: str, idle: Callable[[Any], bool]) -> Callable[[Any], str | None]:
+  """A rule's test: `key=value` (why the key does nothing) when `idle(value)`, else None."""
+  def test(c):
+    value = c
+    for part in key.split("."):
+      value = value[part]
+    return f"{key}={value!r}" if idle(value) else None
+  return test
+
+
+def _no_tracker_run(c) -> str | None:
+  names = [n.strip() for n in str(c.logging.trackers).split(",") if n.strip()]
+  if not {"wandb", "trackio"} & set(names):
+    return (f"logging.trackers={c.logging.trackers!r} (only wandb and trackio runs have a "
+            "project, a name and tags)")
+  return None
+
+
+def _no_auto(c) -> str | None:
+  g = c.grpo
+  if "auto" not in (g.micro_batch_size, g.val_batch_size):
+    return ("grpo.micro_batch_size and grpo.val_batch_size are numbers (only 'auto' plans "
+            "against a memory limit)")
+  return None
+
+
+# Keys that act only in one mode of a run: (keys, why they do nothing now (None: they act),
+# the override that makes them act). A command-line override of one of them while its mode
+# is off would do nothing at all, silently: `check_overrides` refuses it before jax loads.
+# Config files stay free to set them (a preset serves several modes).
+MODE_KEYS: tuple[tuple[tuple[str, ...], Callable[[Any], str | None], str], ...] = (
+    (("data.train_path", "data.val_path", "data.question_key", "data.answer_key"),
+     _while("data.source", lambda v: v != "jsonl"), "--config.data.source=jsonl"),
+    (("data.num_digits",), _while("data.source", lambda v: v != "arithmetic"),
+     "--config.data.source=arithmetic (it sizes the generated additions), or drop it"),
+    (("env.kwargs", "env.max_turns", "env.max_observation_tokens", "env.stop_strings",
+      "env.timeout_s", "env.workers"),
+     _while("env.name", lambda v: not v), "--config.env.name=tools (or your environment)"),
+    (("grpo.oversample_factor", "grpo.max_generation_batches",
+      "grpo.dynamic_sampling_metric"),
+     _while("grpo.dynamic_sampling", lambda v: v == "off"),
+     "--config.grpo.dynamic_sampling=filter"),
+    (("grpo.kl_type",), _while("grpo.beta", lambda v: not v),
+     "--config.grpo.beta=0.04 (a KL penalty's weight; kl_type picks its estimator)"),
+    (("reward_timeout_s",), _while("reward_workers", lambda v: v == 0),
+     "--config.reward_workers=-1 (rewards in worker processes, where calls have a time "
+     "limit)"),
+    (("checkpoint.best_to_keep",), _while("checkpoint.best_metric", lambda v: v is None),
+     "--config.checkpoint.best_metric=accuracy"),
+    (("model.lora_alpha", "model.lora_targets"), _while("model.lora_rank", lambda v: not v),
+     "--config.model.lora_rank=16"),
+    (("logging.project", "logging.run_name", "logging.tags"), _no_tracker_run,
+     "--config.logging.trackers=tensorboard,wandb (or trackio)"),
+    (("mesh.memory_limit_gib",), _no_auto, "--config.grpo.micro_batch_size=auto"),
+    (("generation.val_temperature", "generation.val_top_p", "generation.val_top_k",
+      *(f"grpo.{k}" for k in ("val_num_generations_per_prompt", "val_batch_size",
+                              "max_val_samples", "val_pass_threshold", "val_seed"))),
+     _never_validates, "--config.grpo.val_period=N or --config.grpo.val_at_end=True"),
+)
+
+
+def overridden_keys(argv) -> set[str]:
+  """The config keys a command line sets: `--config.KEY=V`, `--config.KEY V`, and absl's
+  `--noconfig.KEY` for a boolean."""
+  keys = set()
+  for arg in argv[1:]:
+    for prefix in ("--config.", "--noconfig."):
+      if arg.startswith(prefix):
+        keys.add(arg[len(prefix):].split("=", 1)[0])
+  return keys
+
+
+def check_overrides(config, given: set[str]) -> list[str]:
+  """Refuses a command-line override that would do nothing under `config` (the file with
+  every override applied): MODE_KEYS says which keys act only in which mode. One override's
+  intent is unambiguous and is applied: a `data.train_path` given while data.source is
+  'arithmetic' (and data.source not given) switches the source to 'jsonl'. Returns the
+  lines that say what was applied; raises ConfigError naming the key, why it does nothing
+  and what makes it act. Needs no jax (train checks it before jax loads)."""
+  notes = []
+  try:
+    source = config.data.source
+  except (AttributeError, KeyError):
+    return notes  # a config without the section: the validator names what is missing
+  if "data.train_path" in given and source == "arithmetic" and "data.source" not in given:
+    config.data.source = "jsonl"
+    notes.append("data.source='jsonl' (the config file's 'arithmetic' generates its data; "
+                 "--config.data.train_path names a file to read instead)")
+  for keys, idle, fix in MODE_KEYS:
+    for key in keys:
+      if key not in given:
+        continue
+      try:
+        why = idle(config)
+      except (AttributeError, KeyError):
+        continue  # a missing section or key: the validator says so
+      if why:
+        raise ConfigError(f"config.{key}: ignored while {why}; add {fix}")
+  return notes
+
+
 def to_json(config: ml_collections.ConfigDict) -> str:
   return json.dumps(config.to_dict(), indent=2, sort_keys=True)

@@ -129,7 +129,15 @@ def apply_auto(config, keys):
 def prepare(argv) -> Setup:
   """Host-side: everything that can be wrong with the user's input is found here."""
   default = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))  # flags are parsed below
-  raw = parse_config(argv, announce=lambda raw: _startup_line(raw, _WORKDIR.value or default))
+
+  def announce(raw):
+    _startup_line(raw, _WORKDIR.value or default)
+    # An override that would do nothing is refused (or, where its intent is plain, applied)
+    # before jax loads; config files may set keys for modes they do not use.
+    for note in config_lib.check_overrides(raw, config_lib.overridden_keys(argv)):
+      if not _PROCESS_ID.value:
+        print(f"jaxgrpo.train: {note}", file=sys.stderr, flush=True)
+  raw = parse_config(argv, announce=announce)
   workdir = _WORKDIR.value or default
   import jax  # imported here so that flag errors answer fast; no compilation happens below
   from jaxgrpo import data as data_lib, dynamic, loading  # pylint: disable=g-import-not-at-top

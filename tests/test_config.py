@@ -418,3 +418,96 @@ def test_dynamic_sampling_needs_the_native_sampler(monkeypatch):
   c.grpo.dynamic_sampling, c.generation.backend = "filter", "jetstream"
   with pytest.raises(config_lib.ConfigError, match="only the native sampler"):
     config_lib.validate(c, num_devices=1)
+
+
+# Every command-line override that does nothing under the math config (issue 48): the key,
+# what its message says makes it idle, and the settings under which the same key acts.
+IDLE_OVERRIDES = [
+    ("data.train_path", "data.source='arithmetic'", {}),  # applied: see the test below
+    ("data.val_path", "data.source='arithmetic'", {"data.source": "jsonl"}),
+    ("data.question_key", "data.source='arithmetic'", {"data.source": "jsonl"}),
+    ("data.answer_key", "data.source='arithmetic'", {"data.source": "jsonl"}),
+    ("data.num_digits", "data.source='jsonl'", None),  # idle under jsonl: checked below
+    ("env.kwargs", "env.name=''", {"env.name": "tools"}),
+    ("env.max_turns", "env.name=''", {"env.name": "tools"}),
+    ("env.max_observation_tokens", "env.name=''", {"env.name": "tools"}),
+    ("env.stop_strings", "env.name=''", {"env.name": "tools"}),
+    ("env.timeout_s", "env.name=''", {"env.name": "tools"}),
+    ("env.workers", "env.name=''", {"env.name": "tools"}),
+    ("grpo.oversample_factor", "grpo.dynamic_sampling='off'", {"grpo.dynamic_sampling": "filter"}),
+    ("grpo.max_generation_batches", "grpo.dynamic_sampling='off'",
+     {"grpo.dynamic_sampling": "filter"}),
+    ("grpo.dynamic_sampling_metric", "grpo.dynamic_sampling='off'",
+     {"grpo.dynamic_sampling": "filter"}),
+    ("grpo.kl_type", "grpo.beta=0.0", {"grpo.beta": 0.04}),
+    ("reward_timeout_s", "reward_workers=0", {"reward_workers": 2}),
+    ("checkpoint.best_to_keep", "checkpoint.best_metric=None",
+     {"checkpoint.best_metric": "accuracy"}),
+    ("model.lora_alpha", "model.lora_rank=0", {"model.lora_rank": 4}),
+    ("model.lora_targets", "model.lora_rank=0", {"model.lora_rank": 4}),
+    ("logging.project", "logging.trackers='tensorboard'", {"logging.trackers": "wandb"}),
+    ("logging.run_name", "logging.trackers='tensorboard'", {"logging.trackers": "trackio"}),
+    ("logging.tags", "logging.trackers='tensorboard'", {"logging.trackers": "tensorboard,wandb"}),
+    ("mesh.memory_limit_gib", "only 'auto' plans", {"grpo.micro_batch_size": "auto"}),
+    *((key, "no validation runs", {"grpo.val_at_end": True}) for key in (
+        "generation.val_temperature", "generation.val_top_p", "generation.val_top_k",
+        "grpo.val_num_generations_per_prompt", "grpo.val_batch_size", "grpo.max_val_samples",
+        "grpo.val_pass_threshold", "grpo.val_seed")),
+]
+
+
+def _with(settings, arg=None):
+  import ml_collections
+  values = math_config(arg).to_dict()
+  for key, value in settings.items():
+    *sections, name = key.split(".")
+    node = values
+    for s in sections:
+      node = node[s]
+    node[name] = value
+  return ml_collections.ConfigDict(values)
+
+
+def test_the_idle_override_table_covers_every_mode_key():
+  assert ({k for keys, _, _ in config_lib.MODE_KEYS for k in keys}
+          == {key for key, _, _ in IDLE_OVERRIDES})
+
+
+@pytest.mark.parametrize("key,why,acts", IDLE_OVERRIDES, ids=[k for k, _, _ in IDLE_OVERRIDES])
+def test_an_override_that_would_do_nothing_is_refused_naming_what_makes_it_act(key, why, acts):
+  idle = {"grpo.val_period": 0, "grpo.val_at_start": False, "grpo.val_at_end": False,
+          "reward_workers": 0} if "val" in key or key == "reward_timeout_s" else {}
+  if key == "data.num_digits":
+    idle = {"data.source": "jsonl", "data.train_path": "x.jsonl"}
+  if key == "data.train_path":  # given with data.source too, the user asked for both
+    with pytest.raises(config_lib.ConfigError, match=re.escape(
+        "config.data.train_path: ignored while data.source='arithmetic'; add "
+        "--config.data.source=jsonl")):
+      config_lib.check_overrides(_with({}), {"data.train_path", "data.source"})
+    return
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.check_overrides(_with(idle), {key})
+  line = str(e.value)
+  assert line.startswith(f"config.{key}: ignored while ") and why in line and "; add --config." in line
+  assert "\n" not in line
+  if acts is not None:  # the same override, with its mode on, is taken
+    assert config_lib.check_overrides(_with({**idle, **acts}), {key}) == []
+  # A config file may set it in any mode: only what the command line gives is checked.
+  assert config_lib.check_overrides(_with(idle), set()) == []
+
+
+def test_a_train_path_given_with_the_arithmetic_source_switches_it_and_says_so():
+  c = _with({})
+  notes = config_lib.check_overrides(c, {"data.train_path", "data.val_path"})
+  assert c.data.source == "jsonl"
+  assert len(notes) == 1 and "data.source='jsonl'" in notes[0] and "train_path" in notes[0]
+  # data.num_digits acts under the arithmetic source only
+  with pytest.raises(config_lib.ConfigError, match="data.num_digits: ignored while "
+                                                    "data.source='jsonl'"):
+    config_lib.check_overrides(_with({}), {"data.train_path", "data.num_digits"})
+
+
+def test_overridden_keys_reads_every_form_absl_takes():
+  argv = ["train", "--config=c.py", "--config.grpo.beta=0.1", "--config.env.name", "tools",
+          "--noconfig.logging.plots", "--workdir=x"]
+  assert config_lib.overridden_keys(argv) == {"grpo.beta", "env.name", "logging.plots"}

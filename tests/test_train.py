@@ -109,6 +109,10 @@ def test_architecture_must_match_checkpoint(tmp_path):
 
 # Each validation setting the validator refuses, with the fragments its one line must hold.
 REFUSED = [
+    # An override that would do nothing (issue 48; every such key: tests/test_config.py).
+    (["--config.data.val_path=my_val.parquet"],
+     ["config.data.val_path: ignored while data.source='arithmetic'; add "
+      "--config.data.source=jsonl"]),
     # LoRA's rank above a target's smaller side, found once the checkpoint's architecture
     # is known (the embedded model: d_model 128 = 4 heads x 32, so q is 128 in, 128 out).
     (["--config.model.lora_rank=129"],
@@ -688,3 +692,11 @@ def test_rewards_that_raise_hang_or_miscount_never_stop_a_run(tmp_path):
                          "(steps 1-2; reward_max_failed_steps=2): a broken reward"), last
   saved = tmp_path / "broken" / "checkpoints"
   assert not saved.exists() or not os.listdir(saved)
+
+
+def test_an_override_that_does_nothing_is_refused_before_jax_loads(tmp_path):
+  """The one line comes before the devices line: nothing of jax was started."""
+  done = cli.run_train(f"--config={MATH}:smoke", "--config.env.max_turns=3", workdir=tmp_path)
+  assert_clean_error(done, "config.env.max_turns: ignored while env.name=''")
+  assert "devices: " not in done.stderr
+  assert not os.path.exists(tmp_path / "config.json")
