@@ -415,7 +415,9 @@ def _summary(val, g, stop, step, saved) -> dict:
   if val:
     first, last = val[min(val)]["accuracy"], val[max(val)]["accuracy"]
     summary.update(initial_val_accuracy=first, final_val_accuracy=last,
-                   val_accuracy_gain=last - first)
+                   initial_val_step=min(val), final_val_step=max(val))
+    if max(val) > min(val):  # one validation compares nothing: no gain to claim
+      summary["val_accuracy_gain"] = last - first
   return summary
 
 
@@ -455,11 +457,14 @@ def _summary_line(summary, workdir, preempted="") -> str:
   line = f"{verb} {trained} steps in {summary['wall_time_s']:.0f}s"
   if summary.get("resumed_step") is not None:
     line += f" (resumed from step {summary['resumed_step']}, now at step {summary['steps']})"
-  if "final_val_accuracy" in summary:
-    # The validations span the whole run: a resumed process says so, not as its own gain.
-    whose = "the run's " if summary.get("resumed_step") is not None else ""
+  # The validations span the whole run: a resumed process says so, not as its own gain.
+  whose = "the run's " if summary.get("resumed_step") is not None else ""
+  if "val_accuracy_gain" in summary:
     line += (f"; {whose}val accuracy {summary['initial_val_accuracy']:.3f} -> "
              f"{summary['final_val_accuracy']:.3f} ({summary['val_accuracy_gain']:+.3f})")
+  elif "final_val_accuracy" in summary:  # e.g. stopped (Ctrl-C) before a second validation
+    line += (f"; {whose}val accuracy {summary['final_val_accuracy']:.3f} at step "
+             f"{summary['final_val_step']}; no later validation")
   if summary["checkpoint"]:
     line += f"; checkpoint {summary['checkpoint']}"
   n = summary["compilations"]

@@ -214,6 +214,22 @@ def test_a_recompile_is_named_in_a_warning_and_the_summary_line():
   assert "compiled 3 times" in warnings[0]
 
 
+def test_the_summary_claims_no_gain_with_a_single_validation():
+  """A run stopped (Ctrl-C) before its second validation has one accuracy: no 'x -> x
+  (+0.000)' comparison (issue 48)."""
+  base = {"stopped_early": False, "wall_time_s": 9.0, "checkpoint": None,
+          "compilations": {"update": 1, "train_sampler": 1, "val_sampler": 1},
+          "peak_rss_mib": 800.0}
+  grpo = type("G", (), {"stop_at_validation_metric": None})
+  one = {**trainer._summary({0: {"accuracy": 0.24}}, grpo, None, 3, None), **base}
+  assert "val_accuracy_gain" not in one and one["final_val_step"] == 0
+  line = trainer._summary_line(one, "w", "SIGINT")
+  assert "; val accuracy 0.240 at step 0; no later validation;" in line and "->" not in line
+  two = {**trainer._summary({0: {"accuracy": 0.24}, 20: {"accuracy": 0.5}}, grpo, None, 20,
+                            None), **base}
+  assert "; val accuracy 0.240 -> 0.500 (+0.260);" in trainer._summary_line(two, "w")
+
+
 def test_dynamic_sampling_updates_on_the_first_informative_groups_in_data_order(smoke, registry,
                                                                              monkeypatch):
   # A hand-built reward (in the main process: reward_workers=0, so one call sees the
