@@ -373,5 +373,6 @@ def metrics(env_name: str, turns_N, tool_calls_N, tool_errors_N, observation_tok
          f"env_errors/{env_name}": float(np.mean(failed_N))}
   for key, values in sorted(info.items()):
     seen = values[~np.isnan(values)]
-    out[key] = float(seen.mean()) if len(seen) else float("nan")
+    if len(seen):  # a key no counted episode returned is left out, not logged as NaN
+      out[key] = float(seen.mean())
   return out

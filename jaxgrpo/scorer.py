@@ -18,10 +18,14 @@ has `scored_N` False: GRPO leaves it out of the loss and out of its group's mean
 
 A reward's failure never stops a run. Each reward call runs in a worker process
 (`reward_workers`) with a time limit (`reward_timeout_s`); the rows are split into one call
-per worker, so the rewards run side by side. A call that raises is retried row by row, so
-only the rows that raise lose their score; a call that times out (its worker is killed and
-replaced), returns the wrong number of values, or a value that is not a number, a dict with
-a score or None: those rows score None for that reward, an error. `errors[name]` flags
+per worker, so the rewards run side by side. A call that raises or times out (its worker
+is killed and replaced) is retried row by row, each row a call with the same time limit, so
+only the rows that raise or are slow lose their score. The retries of one scoring run for
+at most RETRY_ROUNDS x reward_timeout_s (room for that many slow rows per worker): rows not
+retried by then are lost as timed out, so a step's rewards take at most about
+(RETRY_ROUNDS + 2) x reward_timeout_s however many rows are slow. A call that returns the
+wrong number of values, or a value that is not a number, a dict with a score or None: those
+rows score None for that reward, an error. `errors[name]` flags
 them (the trainer logs `reward_errors/<name>`, the fraction of rows), the first traceback
 of each reward is printed once in full and later failures one line each.
 
@@ -40,6 +44,7 @@ import math
 import os
 import pickle
 import sys
+import time
 from typing import Any, Mapping
 
 import numpy as np
@@ -65,6 +70,10 @@ class Scores:
   validation_N: np.ndarray
   correct_N: np.ndarray
   answers: list[Any] | None  # the voting reward's answers per row, when asked for
+
+
+# The row-by-row retries of a scoring may run for this many reward_timeout_s (module doc).
+RETRY_ROUNDS = 4
 
 
 def resolve_workers(workers: int) -> int:
@@ -123,6 +132,7 @@ class Scorer:
     self.majority = rewards.majority_reward(self.weights)
     self.workers = workers
     self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    self.timeout_s = timeout_s
     self._pool = workers_lib.WorkerPool(
         workers, timeout_s, (plugins.import_modules, (user_modules,))) if workers > 0 else None
     self._reported: set[str] = set()
@@ -158,8 +168,10 @@ class Scorer:
     out["prompts"] = [p for p in batch["prompts"] for _ in range(repeats)]
     return out
 
-  def _run(self, calls: list[tuple[str, int, int]], completions, answers, columns):
-    """The results of reward calls (name, first row, end row), in order."""
+  def _run(self, calls: list[tuple[str, int, int]], completions, answers, columns,
+           deadline: float | None = None):
+    """The results of reward calls (name, first row, end row), in order; the workers start
+    none after `deadline` (WorkerPool.run)."""
     results, payloads, remote = [None] * len(calls), [], []
     for i, (name, a, b) in enumerate(calls):
       task = (reward_call, (rewards.get(name), completions[a:b], answers[a:b],
@@ -169,7 +181,7 @@ class Scorer:
       else:
         payloads.append(pickle.dumps(task))
         remote.append(i)
-    for i, result in zip(remote, self._pool.run(payloads) if payloads else []):
+    for i, result in zip(remote, self._pool.run(payloads, deadline) if payloads else []):
       results[i] = result
     return results
 
@@ -204,7 +216,7 @@ class Scorer:
         first_error.setdefault(name, out)
         return []
       if status != "ok":
-        if status == "error" and b - a > 1:
+        if b - a > 1:  # raised or timed out: each row alone, so only its culprits are lost
           return [(name, r, r + 1) for r in range(a, b)]
         errors[name][a:b] = True
         first_error.setdefault(name, out)
@@ -227,7 +239,9 @@ class Scorer:
     for call, result in zip(calls, self._run(calls, completions, answers, columns)):
       retry += take(*call, result)
     if retry:
-      for call, result in zip(retry, self._run(retry, completions, answers, columns)):
+      deadline = time.monotonic() + RETRY_ROUNDS * self.timeout_s
+      for call, result in zip(retry, self._run(retry, completions, answers, columns,
+                                               deadline)):
         take(*call, result)
     self._report(errors, first_error, n, label)
     scored_N, total = np.zeros(n, bool), np.zeros(n)

@@ -132,7 +132,9 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in zip(names, values)})
   out.update({f"reward_errors/{k}": float(e.mean()) for k, e in zip(names, errors)})
   out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in zip(extras, more)})
-  return state, out
+  # A mean over no rows (every row unscored; no correctness flag) is left out, not logged
+  # as NaN: reward_unscored_fraction says why, and the progress line says "(no row scored)".
+  return state, {k: v for k, v in out.items() if v is not None}
 
 
 def _every_reward_failed(step_metrics) -> bool:
@@ -141,9 +143,10 @@ def _every_reward_failed(step_metrics) -> bool:
   return bool(errors) and all(v == 1.0 for v in errors)
 
 
-def _mean(values, fn=np.mean) -> float:
-  """fn over the values, NaN when there are none (a step whose rows all went unscored)."""
-  return float(fn(values)) if len(values) else float("nan")
+def _mean(values, fn=np.mean) -> float | None:
+  """fn over the values, None when there are none (a step whose rows all went unscored:
+  the metric is left out of the step's row)."""
+  return float(fn(values)) if len(values) else None
 
 
 def run(setup) -> int:

@@ -137,6 +137,21 @@ def test_console_lines_when_not_a_tty(tmp_path):
   assert lines[-1].startswith("done: 3 steps")
 
 
+def test_a_step_with_no_row_scored_says_so_and_the_last_line_is_its_own(tmp_path):
+  """Issue 48: the final line showed `accuracy=nan` beside the previous step's loss."""
+  stream = io.StringIO()
+  with metrics.MetricsWriter(str(tmp_path), trackers=(), plots=False, total_steps=2,
+                                 stream=stream) as w:
+    w.write(1, "train", {"reward_mean": 0.5, "accuracy": 0.5, "loss": 0.25,
+                         "reward_unscored_fraction": 0.0})
+    w.write(2, "train", {"reward_unscored_fraction": 1.0, "rollout_tokens_per_s": 10.0})
+  lines = stream.getvalue().splitlines()
+  assert "| (no row scored) rollout_tokens_per_s=10" in lines[1]
+  assert lines[-1].startswith("done: 2 steps")
+  assert "train (no row scored) rollout_tokens_per_s=10" in lines[-1]
+  assert "loss" not in lines[-1] and "nan" not in lines[-1]
+
+
 class _FakeTTY(io.StringIO):
 
   def isatty(self):

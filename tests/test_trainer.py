@@ -60,6 +60,25 @@ def test_reference_policy_only_when_beta_positive(smoke, beta, registry):
 
 
 
+def test_a_step_with_no_row_scored_logs_no_nan(smoke, registry):
+  """Issue 48: every reward row lost (here: a reward that returns None for each) gave
+  reward_mean=nan accuracy=nan, which the trackers logged as NaN. The means over no rows
+  are left out; reward_unscored_fraction says why, and no update ran."""
+  rewards.register("_test_none")(lambda c, a, **columns: [None] * len(c))
+  config = ml_collections.ConfigDict(smoke.config.to_dict())
+  config.rewards = ml_collections.ConfigDict({"_test_none": 1.0})
+  config.reward_workers = 0
+  setup = dataclasses.replace(smoke, config=config)
+  setup.__dict__.pop("scorer", None)  # the cached scorer is the smoke config's
+  engine, state, ref_params, update = build.training(setup)
+  state, metrics = trainer.train_step(setup, engine, state, ref_params, update,
+                                      next(setup.train_batches), step=1)
+  assert metrics["reward_unscored_fraction"] == 1.0 and int(state.step) == 0
+  for key in ("reward_mean", "reward_std", "accuracy", "reward/_test_none", "loss"):
+    assert key not in metrics, key
+  assert all(np.isfinite(v) for v in metrics.values()), metrics
+
+
 def variant(smoke, workdir, **grpo):
   """The smoke setup with other grpo values and its own workdir (no second flag parse)."""
   config = ml_collections.ConfigDict(smoke.config.to_dict())

@@ -289,7 +289,7 @@ class MetricsWriter:
         # A plotting failure (fonts, disk, odd values) must never cost a finished run its exit.
         warnings.warn(f"metrics: writing plots failed: {e!r}")
     if self._stream is not None:
-      self._emit(self._summary_line(result), redraw=False)
+      self._emit(self._summary_line(result, by_split), redraw=False)
 
   def _summarize(self, by_split: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     last: dict[str, dict[str, Any]] = {}
@@ -325,7 +325,7 @@ class MetricsWriter:
     # The rate starts after the first train write, so compile time does not inflate the ETA.
     if total is not None and step > first_step:
       eta = _fmt_duration((now - first_time) / (step - first_step) * max(total - step, 0))
-    shown = " ".join(f"{k}={_fmt(values[k])}" for k in KEY_METRICS if k in values)
+    shown = _key_metrics(values)
     if self._tty and total:
       done = min(max(step / total, 0.0), 1.0)
       bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
@@ -347,20 +347,32 @@ class MetricsWriter:
       self._stream.write(line + "\n")
     self._stream.flush()
 
-  def _summary_line(self, result: Mapping[str, Any]) -> str:
+  def _summary_line(self, result: Mapping[str, Any],
+                    by_split: dict[str, dict[int, dict[str, Any]]]) -> str:
     # A resumed process trained only the steps after its checkpoint (trainer.run's summary).
     trained = result.get("steps_this_run", result["steps"])
     parts = [f"done: {trained} steps in {_fmt_duration(result['wall_time_s'])}"]
     if result.get("resumed_step") is not None:
       parts[0] += f" (resumed from step {result['resumed_step']})"
-    train_last = result["last"].get("train", {})
-    shown = " ".join(f"{k}={_fmt(train_last[k])}" for k in KEY_METRICS if k in train_last)
+    # The last step's own numbers: a step without an update (no row scored) has no loss,
+    # and the previous step's is not this one's.
+    train_steps = by_split.get("train", {})
+    shown = _key_metrics(train_steps[max(train_steps)]) if train_steps else ""
     if shown:
       parts.append(f"train {shown}")
     if "best_val_accuracy" in result:
       parts.append(f"best val accuracy={_fmt(result['best_val_accuracy'])}"
                    f" @ step {result['best_val_step']}")
     return " | ".join(parts)
+
+
+def _key_metrics(values: Mapping[str, Any]) -> str:
+  """KEY_METRICS of one train row, as the progress and final lines show them; a step whose
+  every row went unscored says so where its reward and accuracy would be."""
+  shown = " ".join(f"{k}={_fmt(values[k])}" for k in KEY_METRICS if k in values)
+  if values.get("reward_unscored_fraction") == 1.0:
+    shown = f"(no row scored) {shown}".rstrip()
+  return shown
 
 
 def _plot(by_split: dict[str, dict[int, dict[str, Any]]], plot_dir: str) -> None:

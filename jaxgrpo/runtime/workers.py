@@ -33,6 +33,13 @@ def call(task, catch=Exception):
     return ("error", traceback.format_exc())
 
 
+# What a worker says once its start-up task ran (its first message).
+READY = ("ready", None)
+# How long a worker may take to start (Python, the user's modules) before a call sent to it
+# is lost as timed out; its own time limit starts once it is ready.
+STARTUP_LIMIT_S = 120.0
+
+
 def _nothing() -> None:
   """A worker's start-up when there is none to run."""
 
@@ -46,6 +53,10 @@ def worker_main() -> None:
   # Its failure is ignored: the main process ran the same (the user's modules imported when
   # the config was checked); a call that needs what failed reports its own error.
   call(bytes.fromhex(sys.argv[3]), BaseException)
+  try:  # a call's time limit counts from here, not from the process's start
+    answers.send(READY)
+  except (EOFError, OSError):
+    return
   while True:
     try:
       payload = calls.recv_bytes()
@@ -81,6 +92,7 @@ class WorkerPool:
     self._env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.abspath(p) for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]))
     self._workers = [self._start() for _ in range(workers)]
+    self._ready = [False] * workers  # READY received: the worker's start-up is done
 
   def _start(self):
     """(process, connection it reads calls from us on, connection we read answers on)."""
@@ -102,10 +114,12 @@ class WorkerPool:
     calls.close()
     answers.close()
     self._workers[w] = self._start()
+    self._ready[w] = False
 
-  def run(self, payloads: list[bytes]) -> list[tuple]:
+  def run(self, payloads: list[bytes], deadline: float | None = None) -> list[tuple]:
     """Each payload's result, in order: ("ok", values), ("error", traceback) or
-    ("timeout", why)."""
+    ("timeout", why). deadline (time.monotonic()): no call starts after it; the ones not
+    started by then answer ("timeout", why) (a started call keeps its own time limit)."""
     results: list[tuple | None] = [None] * len(payloads)
     queue, idle, busy = collections.deque(range(len(payloads))), collections.deque(
         range(len(self._workers))), {}
@@ -119,6 +133,9 @@ class WorkerPool:
                        "the call\n")
 
     while queue or busy:
+      while queue and deadline is not None and time.monotonic() >= deadline:
+        results[queue.popleft()] = ("timeout", "not started: the calls' time budget was spent "
+                                               "on slower ones\n")
       while idle and queue:
         w, i = idle.popleft(), queue.popleft()
         try:
@@ -127,22 +144,33 @@ class WorkerPool:
           results[i] = died(w)
           idle.append(w)
           continue
-        busy[w] = (i, time.monotonic())
+        # A worker still starting reads the call once it is ready: its time starts then.
+        busy[w] = (i, time.monotonic(), self._ready[w])
       if not busy:
         continue
-      deadline = min(start for _, start in busy.values()) + self.timeout_s
-      ready = connection.wait([self._workers[w][2] for w in busy],
-                              timeout=max(0.0, deadline - time.monotonic()))
+      ends = [start + (self.timeout_s if ready else STARTUP_LIMIT_S)
+              for _, start, ready in busy.values()]
+      answered = connection.wait([self._workers[w][2] for w in busy],
+                                 timeout=max(0.0, min(ends) - time.monotonic()))
       for w in list(busy):
-        i, start = busy[w]
-        if self._workers[w][2] in ready:
+        i, start, ready = busy[w]
+        limit = self.timeout_s if ready else STARTUP_LIMIT_S
+        if self._workers[w][2] in answered:
           try:
-            results[i] = self._workers[w][2].recv()
+            answer = self._workers[w][2].recv()
           except (EOFError, OSError):
             results[i] = died(w)
-        elif time.monotonic() - start >= self.timeout_s:
+          else:
+            if not ready and answer == READY:
+              self._ready[w] = True
+              busy[w] = (i, time.monotonic(), True)
+              continue
+            results[i] = answer
+        elif time.monotonic() - start >= limit:
           results[i] = ("timeout", f"the call did not return within {self.timeout_key}="
-                                   f"{self.timeout_s:g} s (its worker was replaced)\n")
+                                   f"{self.timeout_s:g} s (its worker was replaced)\n" if ready
+                        else f"the worker did not start within {STARTUP_LIMIT_S:g} s (its "
+                             "start-up imports config.user_modules)\n")
           self._replace(w)
         else:
           continue
