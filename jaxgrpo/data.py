@@ -97,9 +97,34 @@ def _row(obj: dict[str, Any], question_key: str, answer_key: str, where: str) ->
   if clash:  # every column reaches the rewards as a keyword (scorer.Scorer)
     raise DataError(f"{where}: column {clash[0]!r} is a name the rewards are given "
                     f"already; rename it (reserved: {', '.join(rewards.RESERVED_COLUMNS)})")
-  row["question"] = _text_field(obj, question_key, where)
+  row["question"] = _question_field(obj, question_key, where)
   row["answer"] = _text_field(obj, answer_key, where)
   return row
+
+
+def is_messages(value) -> bool:
+  """Whether a question is a chat conversation (a list of {role, content} messages, as
+  verl's Parquet files, TRL's conversational datasets and NeMo-RL's message logs hold the
+  prompt), not text."""
+  return isinstance(value, list)
+
+
+def _question_field(obj: dict[str, Any], key: str, where: str):
+  """The question: text, or a non-empty list of {"role": str, "content": str} messages
+  (kept as plain dicts of those two keys; the chat template renders them)."""
+  value = _field(obj, key, where)
+  if not isinstance(value, (list, tuple)):
+    return _text_field(obj, key, where)
+  messages = []
+  for i, m in enumerate(value):
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)):
+      raise DataError(f"{where}: field {key!r} is a list but its item {i} is not a chat "
+                      f"message {{'role': text, 'content': text}} ({str(m)[:60]})")
+    messages.append({"role": m["role"], "content": m["content"]})
+  if not messages:
+    raise DataError(f"{where}: field {key!r} is an empty list of chat messages")
+  return messages
 
 
 def _field(obj: dict[str, Any], key: str, where: str):
@@ -215,9 +240,13 @@ def render_prompt(template, row: dict[str, Any]) -> str:
   """Fills `template` from the row's fields, e.g. "Question: {question}\\nAnswer:".
 
   `template` may also be a callable row -> text (a chat-formatted prompt, see ChatPrompt).
+  A question of chat messages needs that: a text template cannot render a conversation.
   """
   if callable(template):
     return template(row)
+  if is_messages(row.get("question")):
+    raise DataError("the question is a list of chat messages, which only a chat template "
+                    "renders (data.use_chat_template=True with a model.hf_checkpoint)")
   try:
     return template.format(**row)
   except (KeyError, IndexError) as e:
@@ -306,7 +335,9 @@ def _collate(records: Sequence[dict[str, Any]], pad_id: int,
 
 class ChatPrompt:
   """A row -> chat-formatted prompt: the user turn is `template` filled from the row, then
-  the model's chat template renders it with the assistant's turn opened."""
+  the model's chat template renders it with the assistant's turn opened. A question that is
+  a list of chat messages is rendered as it is, every message (system ones too) in order,
+  as verl and TRL render such prompts; `template` is not applied to it."""
 
   add_bos = False
 
@@ -314,6 +345,8 @@ class ChatPrompt:
     self.template, self.chat, self.tools = template, chat, tools
 
   def __call__(self, row: dict[str, Any]) -> str:
+    if is_messages(row.get("question")):
+      return self.chat.render(row["question"], tools=self.tools)
     return self.chat.render([{"role": "user", "content": render_prompt(self.template, row)}],
                             tools=self.tools)
 

@@ -41,6 +41,7 @@ def load_data(config, tokenizer) -> Data:
   val_sources = data_lib.source_names(val_rows)
   check_source_metrics(config, val_sources)
   d = config.data
+  _check_messages(config, train_rows, val_rows)
   template = d.prompt_template
   if d.use_chat_template:
     from jaxgrpo.model import chat  # pylint: disable=g-import-not-at-top
@@ -61,6 +62,28 @@ def load_data(config, tokenizer) -> Data:
   if warning and _primary():
     print(warning, file=sys.stderr, flush=True)
   return Data(train_rows, val_rows, val_sources, template)
+
+
+def _check_messages(config, train_rows, val_rows) -> None:
+  """Questions that are chat messages (verl's `prompt` column) need the model's chat
+  template: one line naming the key when there is none; a warning when
+  data.prompt_template would be set aside for them."""
+  d = config.data
+  if not any(data_lib.is_messages(r["question"]) for r in (*train_rows, *val_rows)):
+    return
+  if not d.use_chat_template:
+    why = ("the model has no chat template (the embedded models read plain text)"
+           if not config.model.hf_checkpoint else "data.use_chat_template=False")
+    raise config_lib.ConfigError(
+        f"config.data.question_key={d.question_key!r}: the column holds chat messages (a "
+        f"list of {{role, content}}), which only a chat template renders, and {why}; allowed: "
+        "model.hf_checkpoint=<a Hugging Face folder> with data.use_chat_template=True, or a "
+        "column of text")
+  if d.prompt_template != "{question}" and _primary():
+    print(f"warning: data.prompt_template={d.prompt_template!r} is not applied to the "
+          f"questions that are chat messages (column {d.question_key!r}): they are rendered "
+          "as they are by the model's chat template; set data.prompt_template='{question}' "
+          "to silence this", file=sys.stderr, flush=True)
 
 
 def per_process(config, key: str) -> int:

@@ -80,7 +80,7 @@ def start_train(*args, workdir, **extra_env):
                           stderr=subprocess.PIPE, text=True, env=env(**extra_env), cwd=ROOT)
 
 
-STARTUP = ("jaxgrpo.train: workdir ", "devices: ")
+STARTUP = ("jaxgrpo.train: ", "devices: ")  # what the run is, a setting it applied; devices
 
 
 def assert_clean_error(proc, *fragments):

@@ -416,3 +416,50 @@ def test_several_validation_files_are_sources(tmp_path):
   assert data.source_names([{"question": "q", "answer": "a"}]) == []
   with pytest.raises(DataError, match="same source name"):
     data.val_files("x=a.jsonl,x=b.jsonl")
+
+
+# verl's GSM8K layout (examples/data_preprocess/gsm8k.py): the prompt is chat messages.
+VERL_CHAT_ROWS = [
+    {"data_source": "openai/gsm8k", "ability": "math",
+     "prompt": [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "1+1? Let's think step by step."}],
+     "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 0}},
+    {"data_source": "openai/gsm8k", "ability": "math",
+     "prompt": [{"role": "user", "content": "2+3? Let's think step by step."}],
+     "reward_model": {"style": "rule", "ground_truth": "5"}, "extra_info": {"index": 1}},
+]
+
+
+class _Chat:
+  """A chat template stand-in that shows what it was given."""
+
+  def render(self, messages, tools=None):
+    return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+
+
+def test_chat_message_prompts_are_read_and_rendered_as_they_are(tmp_path):
+  """Issue 48: `question_key=prompt` answered "field 'prompt' is list, expected text"."""
+  pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+  path = tmp_path / "train.parquet"
+  pq.write_table(pa.Table.from_pylist(VERL_CHAT_ROWS), path)
+  rows = data.load_rows(str(path), "prompt", "reward_model.ground_truth")
+  assert rows[0]["question"] == VERL_CHAT_ROWS[0]["prompt"] and rows[1]["answer"] == "5"
+  prompt = data.ChatPrompt("Q: {question}", _Chat())
+  # Every message in order, the system one kept; the text template is not applied.
+  assert data.render_prompt(prompt, rows[0]) == (
+      "system:Be brief.|user:1+1? Let's think step by step.|assistant:")
+  assert data.render_prompt(prompt, {"question": "7+1?"}) == "user:Q: 7+1?|assistant:"
+  with pytest.raises(DataError, match="only a chat template renders"):
+    data.render_prompt("{question}", rows[0])
+
+
+def test_a_list_that_is_not_chat_messages_is_one_line(tmp_path):
+  path = tmp_path / "t.jsonl"
+  path.write_text(json.dumps({"q": [{"role": "user"}], "answer": "1"}) + "\n"
+                  + json.dumps({"q": [], "answer": "1"}) + "\n")
+  with pytest.raises(DataError, match=r"t\.jsonl:1: field 'q' is a list but its item 0 is "
+                     "not a chat message"):
+    data.load_rows(str(path), "q")
+  path.write_text(json.dumps({"q": [], "answer": "1"}) + "\n")
+  with pytest.raises(DataError, match=r"t\.jsonl:1: field 'q' is an empty list"):
+    data.load_rows(str(path), "q")

@@ -700,3 +700,52 @@ def test_an_override_that_does_nothing_is_refused_before_jax_loads(tmp_path):
   assert_clean_error(done, "config.env.max_turns: ignored while env.name=''")
   assert "devices: " not in done.stderr
   assert not os.path.exists(tmp_path / "config.json")
+
+
+def verl_gsm8k(folder, n_train=16, n_val=8):
+  """verl's GSM8K Parquet layout (examples/data_preprocess/gsm8k.py), made here with pyarrow:
+  the prompt as chat messages, the answer under reward_model.ground_truth."""
+  pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+  os.makedirs(folder, exist_ok=True)
+  for split, n in (("train", n_train), ("test", n_val)):
+    rows = [{"data_source": "openai/gsm8k", "ability": "math",
+             "prompt": [{"role": "user", "content": f"Sam has {i} apples and buys 2 more. "
+                         "How many now? Let's think step by step and output the final "
+                         "answer after \"####\"."}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 2)},
+             "extra_info": {"split": split, "index": i}} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows), os.path.join(folder, f"{split}.parquet"))
+  return rows
+
+
+def test_chat_messages_with_the_embedded_model_are_one_line(tmp_path):
+  verl_gsm8k(tmp_path / "data", n_train=40)
+  done = cli.run_train(f"--config={MATH}:smoke",
+                       f"--config.data.train_path={tmp_path / 'data' / 'train.parquet'}",
+                       "--config.data.question_key=prompt",
+                       "--config.data.answer_key=reward_model.ground_truth",
+                       workdir=tmp_path / "w")
+  assert_clean_error(done, "config.data.question_key='prompt': the column holds chat "
+                     "messages", "the model has no chat template", "data.use_chat_template=True")
+  assert "data.source='jsonl'" in done.stderr  # switched by the train_path, and said so
+  assert not os.path.exists(tmp_path / "w")
+
+
+@pytest.mark.slow
+def test_readme_verl_gsm8k_parquet_trains_as_is(tmp_path):
+  """Issue 48: the README's command on verl's layout trains 2 steps on the Qwen2 fixture,
+  and each prompt the model sees is the chat template's rendering of the row's messages."""
+  from jaxgrpo.model import chat
+  rows = verl_gsm8k(tmp_path / "gsm8k")
+  section = open(os.path.join(ROOT, "README.md")).read().split("## Your own data", 1)[1]
+  command = re.findall(r"```bash\n(.*?)```", section, re.S)[1]
+  assert "question_key=prompt" in command
+  command = (command.replace("$HOME/data/gsm8k", str(tmp_path / "gsm8k"))
+             .replace("python -m", f"{sys.executable} -m", 1))
+  proc = run_bash(command, tmp_path / "w")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "finished 2 steps" in proc.stdout and "warning" not in proc.stderr
+  template = chat.ChatTemplate.from_folder(os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2"))
+  samples = [json.loads(l) for l in open(tmp_path / "w" / "val_samples" / "step_2.jsonl")]
+  assert [s["prompt"] for s in samples] == [template.render(r["prompt"]) for r in rows]
+  assert samples[0]["answer"] == "2"
