@@ -272,13 +272,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collecti
     plugins.import_modules(config.user_modules)
   except plugins.PluginError as e:
     raise ConfigError(str(e)) from None
-  _check_rewards(config.rewards)
+  _check_rewards(config.rewards, config.env.name)
   _check_cross_fields(config, num_devices)
   config.lock()
   return config
 
 
-def _check_rewards(weights):
+def _check_rewards(weights, env_name: str = ""):
+  """Registered names with weights >= 0, one of them positive; with an environment every
+  weight may be 0 (its step rewards are the episode's reward: episodes.py)."""
   if not isinstance(weights, ml_collections.ConfigDict) or not weights.keys():
     raise ConfigError("config.rewards: expected name -> weight, e.g. {'math': 1.0}; "
                       f"names: {', '.join(sorted(rewards.REGISTRY))}")
@@ -289,9 +291,10 @@ def _check_rewards(weights):
                         "registers your own)")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
       _fail(f"rewards.{name}", weight, "a number >= 0")
-  if not any(w > 0 for w in weights.values()):
+  if not any(w > 0 for w in weights.values()) and not env_name:
     raise ConfigError("config.rewards: every weight is 0; give at least one reward a "
-                      "positive weight")
+                      "positive weight (or config.env.name an environment whose step rewards "
+                      "are the reward)")
 
 
 def _resolve_val_profile(gen):

@@ -63,6 +63,9 @@ class Episodes:
   env_reward_N: np.ndarray    # float32: the sum of the steps' rewards (0 where none)
   env_rewarded_N: np.ndarray  # bool: some step returned a reward
   failed_N: np.ndarray        # bool: the environment raised, hung or returned garbage
+  # float32: the environment's own verdict, info["correct"] of the last step that gave one
+  # (1/0), NaN where none did: accuracy when no configured reward is a correctness reward
+  correct_N: np.ndarray
   turns_N: np.ndarray         # int32: assistant turns
   tool_calls_N: np.ndarray    # int32: info["tool_calls"] summed
   tool_errors_N: np.ndarray   # int32: info["tool_errors"] summed
@@ -182,6 +185,7 @@ class Runner:
     turns = np.zeros(n, np.int32)
     calls = np.zeros(n, np.int32)
     tool_errors = np.zeros(n, np.int32)
+    correct = np.full(n, np.nan, np.float32)
     obs_tokens = np.zeros(n, np.int32)
     info: dict[str, np.ndarray] = {}
     observations = cut = 0
@@ -262,8 +266,10 @@ class Runner:
           rewarded[i] = True
         calls[i] += int(_number(step_info.get("tool_calls", 0)))
         tool_errors[i] += int(_number(step_info.get("tool_errors", 0)))
+        if _is_number(step_info.get("correct")) or isinstance(step_info.get("correct"), bool):
+          correct[i] = float(step_info["correct"])
         for k, v in step_info.items():
-          if k not in ("tool_calls", "tool_errors") and _is_number(v):
+          if k not in ("tool_calls", "tool_errors", "correct") and _is_number(v):
             info.setdefault(f"env/{k}", np.full(n, np.nan))
             info[f"env/{k}"][i] = np.nan_to_num(info[f"env/{k}"][i]) + float(v)
         if finished:
@@ -297,7 +303,8 @@ class Runner:
     return Episodes(
         tokens_NxT=tokens, mask_NxT=mask, trained_NxT=trained_mask, logp_NxT=logp,
         lengths_N=mask.sum(1).astype(np.int32), truncated_N=truncated & ~failed,
-        env_reward_N=env_reward, env_rewarded_N=rewarded, failed_N=failed, turns_N=turns,
+        env_reward_N=env_reward, env_rewarded_N=rewarded, failed_N=failed, correct_N=correct,
+        turns_N=turns,
         tool_calls_N=calls, tool_errors_N=tool_errors, observation_tokens_N=obs_tokens,
         observations=observations, observations_cut=cut, prompts=new_prompts, info=info,
         rollout_s=t_rollout, env_s=t_env)
@@ -339,17 +346,28 @@ def with_env_rewards(scores, ep: Episodes, correctness: str | None):
   """A scorer.Scores of the transcripts with the episodes' own rewards: each episode's reward
   is its steps' rewards plus the configured rewards' total; it is scored when either scored
   it and its environment did not fail (a failed episode leaves the loss, as an unscored row
-  does). Validation passes on the correctness reward when there is one, else on this total."""
+  does). `env_N` keeps the environment's part.
+
+  Correctness (training's accuracy, validation's pass): the configured correctness reward
+  when there is one; else the environment's own `info["correct"]` where it gave one; else,
+  with configured rewards, total > 0 (validation: the total); with none configured (every
+  weight 0: the environment's rewards alone) there is no verdict: NaN, so training's
+  accuracy is left out rather than a made-up 0, and validation scores the total."""
   scored = (scores.scored_N | ep.env_rewarded_N) & ~ep.failed_N
   total = np.where(scored, scores.total_N + ep.env_reward_N, 0.0).astype(np.float32)
+  env_N = np.where(ep.env_rewarded_N & ~ep.failed_N, ep.env_reward_N, np.nan)
   if correctness is not None:
     correct = np.where(ep.failed_N, np.nan, scores.correct_N).astype(np.float32)
     validation = np.nan_to_num(correct, nan=0.0).astype(np.float32)
   else:
-    correct = np.where(scored, (total > 0).astype(np.float32), np.nan).astype(np.float32)
-    validation = np.where(scored, total, 0.0).astype(np.float32)
+    flag = np.where(ep.failed_N, np.nan, ep.correct_N)
+    has_flag = ~np.isnan(flag)
+    fallback = (np.where(scored, (total > 0).astype(np.float32), np.nan) if scores.breakdown
+                else np.full(len(total), np.nan))
+    correct = np.where(has_flag, flag, fallback).astype(np.float32)
+    validation = np.where(has_flag, flag, np.where(scored, total, 0.0)).astype(np.float32)
   return dataclasses.replace(scores, total_N=total, scored_N=scored, validation_N=validation,
-                             correct_N=correct)
+                             correct_N=correct, env_N=env_N.astype(np.float32))
 
 
 # The per-episode arrays the metrics read, gathered over processes by the caller.

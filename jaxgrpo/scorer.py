@@ -70,6 +70,9 @@ class Scores:
   validation_N: np.ndarray
   correct_N: np.ndarray
   answers: list[Any] | None  # the voting reward's answers per row, when asked for
+  # Multi-turn episodes: the environment's part of total_N (its steps' rewards summed),
+  # NaN where it gave none (episodes.with_env_rewards); None for single-turn rollouts.
+  env_N: np.ndarray | None = None
 
 
 # The row-by-row retries of a scoring may run for this many reward_timeout_s (module doc).

@@ -391,3 +391,60 @@ def test_episodes_run_validate_evaluate_and_resume_exactly(tmp_path):
                 "observation_tokens_mean", "episode_tokens_mean", "accuracy",
                 "loss" if split == "train" else "pass@1"):
       assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (split, key)
+
+
+@envs.register("_test_verdict")
+class Verdict:
+  """One turn: reward 0.25, and the environment's own verdict info["correct"]: the turn
+  starts with "c"."""
+
+  def reset(self, row, seed):
+    return None
+
+  def step(self, state, text):
+    return None, 0.25, True, {"correct": text.startswith("c")}
+
+
+def test_an_environment_only_reward_reads_its_correct_flag_and_val_samples_add_up(tmp_path):
+  """Issue 48: every config.rewards weight 0 is allowed with an environment; accuracy reads
+  the environment's info["correct"] (absent without it, not a made-up 0), and val_samples
+  record each rollout's total and each part, equal to what the metrics averaged."""
+  import json  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import config as config_lib, data, scorer  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
+  from test_config import _with  # pylint: disable=g-import-not-at-top
+  zero = {"rewards.exact_match": 0.0, "rewards.math": 0.0, "rewards.format": 0.0}
+  with pytest.raises(config_lib.ConfigError, match="every weight is 0"):
+    config_lib.validate(_with(zero), num_devices=1)
+  config_lib.validate(_with({**zero, "env.name": "tools", "generation.max_episode_tokens": 64,
+                             "env.kwargs": '{"tools": "calculator", "chat": "none"}'}), 1)
+  # Two prompts x 2 episodes: episodes 0 and 2 answer "c" (correct), 1 and 3 "a".
+  engine = ScriptedEngine([[[C, EOS]], [[A, EOS]], [[C, EOS]], [[A, EOS]]])
+  runner = _runner(engine, env="_test_verdict", prompt_len=4)
+  rows = [{"question": "ab", "answer": "x"}, {"question": "ba", "answer": "y"}]
+  batches = data.validation_batches(rows, TOK, 2, 4, process_index=0, process_count=1)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  none = scorer.Scorer({}, TOK)
+  validator = validation.Validator(engine, batches, none, threshold=0.5, seed=0, mesh=mesh,
+                                   samples_dir=str(tmp_path), runner=runner, k=2)
+  out = validator(None, step=0)
+  assert out["accuracy"] == 0.5 and out["reward_mean"] == 0.25
+  samples = [json.loads(l) for l in open(tmp_path / "step_0.jsonl")]
+  totals = [x for s in samples for x in s["rewards"]]
+  assert totals == [0.25] * 4 and sum(totals) / 4 == out["reward_mean"]
+  assert [s["reward_parts"] for s in samples] == [{"env": [0.25, 0.25]}] * 2
+  assert [p for s in samples for p in s["passed"]] == [True, False, True, False]
+  # Training: the flag is the accuracy; with no flag and no configured reward, no accuracy.
+  ep = _run(_runner(ScriptedEngine([[[C, EOS]], [[A, EOS]]]), env="_test_verdict"),
+            [{"answer": ""}])
+  tokens = np.zeros((2, 1), np.int32)
+  scores = episodes.with_env_rewards(none(tokens, np.ones(2, np.int32), {"rows": [{"answer": ""}],
+                                          "prompts": [""]}, 2), ep, None)
+  np.testing.assert_array_equal(scores.correct_N, [1.0, 0.0])
+  np.testing.assert_array_equal(scores.total_N, [0.25, 0.25])
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  silent = dataclasses.replace(ep, correct_N=np.full(2, np.nan, np.float32))
+  scores = episodes.with_env_rewards(none(tokens, np.ones(2, np.int32), {"rows": [{"answer": ""}],
+                                          "prompts": [""]}, 2), silent, None)
+  assert np.isnan(scores.correct_N).all() and scores.scored_N.all()

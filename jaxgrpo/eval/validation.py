@@ -313,7 +313,7 @@ class Validator:
         majs.append(voting.maj_correct(extracted, scored.correct_N.reshape(-1, self.k),
                                        self.scorer.answers_equal))
       if self.collect:
-        records += self._records(batch, completions, score, lens, trunc, extracted)
+        records += self._records(batch, scored, lens, trunc, extracted)
       if progress is not None:
         valid_rows = np.repeat(batch["valid_B"], self.k)
         done += int(batch["valid_B"].sum())
@@ -370,16 +370,26 @@ class Validator:
     out.update({name: np.asarray(v, np.float64)[keep] for name, v in values.items()})
     return out
 
-  def _records(self, batch, completions, score, lens, trunc, extracted) -> list[dict]:
+  def _records(self, batch, scored, lens, trunc, extracted) -> list[dict]:
+    """The samples log's rows: per prompt its k completions; `rewards`, each one's total
+    reward (what reward_mean averages); `reward_parts`, each reward's own value, unweighted
+    (what reward/<name> averages; None: it did not score the row), and with an environment
+    its part under `env` (its steps' rewards summed); `passed`, its validation score above
+    val_pass_threshold (what accuracy and pass@j count)."""
     k, out = self.k, []
+    parts = dict(scored.breakdown)
+    if scored.env_N is not None:
+      parts["env"] = scored.env_N
     for b, valid in enumerate(batch["valid_B"]):
       if not valid:
         continue
       rows = slice(b * k, (b + 1) * k)
       record = {"prompt_index": int(batch["row_ids_B"][b]), "prompt": batch["prompts"][b],
-                "answer": batch["answers"][b], "completions": completions[rows],
-                "rewards": [float(x) for x in score[rows]],
-                "passed": [bool(x > self.threshold) for x in score[rows]],
+                "answer": batch["answers"][b], "completions": scored.completions[rows],
+                "rewards": [float(x) for x in scored.total_N[rows]],
+                "reward_parts": {name: [None if np.isnan(x) else float(x) for x in v[rows]]
+                                 for name, v in parts.items()},
+                "passed": [bool(x > self.threshold) for x in scored.validation_N[rows]],
                 "lengths": [int(x) for x in lens[rows]],
                 "truncated": [bool(x) for x in trunc[rows]]}
       if extracted is not None:  # what the correctness reward read as each sample's answer
