@@ -72,6 +72,7 @@ class Episodes:
   observation_tokens_N: np.ndarray  # int32
   observations: int           # observations appended
   observations_cut: int       # of which cut at max_observation_tokens
+  observations_unencodable: int  # of which had text the tokenizer turned into its <unk>
   prompts: list[list[int]] | None  # per prompt: the environment's own first prompt, if any
   info: dict[str, np.ndarray]  # env/<key>: per-episode sums of numeric info values (NaN: none)
   rollout_s: float            # the sampler calls
@@ -115,6 +116,7 @@ class Runner:
                                          timeout_key="env.timeout_s", what="environment")
                   if workers > 0 else None)
     self._reported = False
+    self._unencodable_reported = False  # the once-per-run warning (_check_encodable)
 
   def close(self) -> None:
     if self._pool is not None:
@@ -135,10 +137,10 @@ class Runner:
                             for keep, ep in parts]) for k in keys]
     gathered = distributed.gather_rows(*fields, *info)
     counts = distributed.gather_rows(np.array(
-        [sum(ep.observations for _, ep in parts),
-         sum(ep.observations_cut for _, ep in parts)]))[0].reshape(-1, 2).sum(0)
+        [sum(ep.observations for _, ep in parts), sum(ep.observations_cut for _, ep in parts),
+         sum(ep.observations_unencodable for _, ep in parts)]))[0].reshape(-1, 3).sum(0)
     return metrics(self.env_name, *gathered[:len(fields)], int(counts[0]), int(counts[1]),
-                   dict(zip(keys, gathered[len(fields):])))
+                   dict(zip(keys, gathered[len(fields):])), int(counts[2]))
 
   # -------------------------------------------------------------- environment calls
 
@@ -188,7 +190,7 @@ class Runner:
     correct = np.full(n, np.nan, np.float32)
     obs_tokens = np.zeros(n, np.int32)
     info: dict[str, np.ndarray] = {}
-    observations = cut = 0
+    observations = cut = unencodable = 0
     t_env = t_rollout = 0.0
 
     # Resets: one per episode, seeded from (seed, step, row, sample).
@@ -281,6 +283,7 @@ class Runner:
         if observation:
           ids = self.tokenizer.encode(observation, add_bos=False)
           observations += 1
+          unencodable += self._check_encodable(observation, label)
           if len(ids) > self.max_observation_tokens:
             ids, cut = ids[:self.max_observation_tokens], cut + 1
           room = self.room - len(comp[i])
@@ -306,8 +309,27 @@ class Runner:
         env_reward_N=env_reward, env_rewarded_N=rewarded, failed_N=failed, correct_N=correct,
         turns_N=turns,
         tool_calls_N=calls, tool_errors_N=tool_errors, observation_tokens_N=obs_tokens,
-        observations=observations, observations_cut=cut, prompts=new_prompts, info=info,
+        observations=observations, observations_cut=cut,
+        observations_unencodable=unencodable, prompts=new_prompts, info=info,
         rollout_s=t_rollout, env_s=t_env)
+
+  def _check_encodable(self, observation: str, label: str) -> int:
+    """1 when the observation has text the tokenizer cannot encode (it becomes <unk>, and
+    the model reads something else than the environment wrote), else 0; the first such
+    observation of the run is named in one warning (observation_unencodable_count counts
+    them per step)."""
+    pieces = self.tokenizer.unknown_pieces([observation])[0]
+    if not pieces:
+      return 0
+    if not self._unencodable_reported:
+      self._unencodable_reported = True
+      shown = ", ".join(repr(p) for p in list(dict.fromkeys(pieces))[:8])
+      self._log(f"warning: environment {self.env_name!r} wrote an observation ({label}) with "
+                f"text the tokenizer cannot encode: {shown}; the model reads "
+                f"{self.tokenizer.hf.id_to_token(self.tokenizer.unk_id)} there instead "
+                f"(first: {observation[:80]!r}); observation_unencodable_count counts such "
+                "observations per step (said once per run)")
+    return 1
 
   def _own_prompts(self, own, g: int, failed, done, label: str):
     """The prompts environments returned, one per prompt (GRPO compares the G episodes of
@@ -377,10 +399,11 @@ METRIC_FIELDS = ("turns_N", "tool_calls_N", "tool_errors_N", "observation_tokens
 
 def metrics(env_name: str, turns_N, tool_calls_N, tool_errors_N, observation_tokens_N,
             lengths_N, failed_N, observations: int, observations_cut: int,
-            info: dict[str, np.ndarray]) -> dict[str, float]:
+            info: dict[str, np.ndarray], observations_unencodable: int = 0) -> dict[str, float]:
   """What a step (or a validation) logs of its episodes. tool_errors_fraction: of the tool
   calls, the ones that failed; episode_tokens_mean: tokens after the prompt (turns and
-  observations); env_errors/<name>: the fraction of episodes whose environment failed."""
+  observations); env_errors/<name>: the fraction of episodes whose environment failed;
+  observation_unencodable_count: observations with text the tokenizer turned into <unk>."""
   calls = float(np.sum(tool_calls_N))
   out = {"turns_mean": float(np.mean(turns_N)), "turns_max": int(np.max(turns_N)),
          "tool_calls_mean": float(np.mean(tool_calls_N)),
@@ -388,6 +411,7 @@ def metrics(env_name: str, turns_N, tool_calls_N, tool_errors_N, observation_tok
          "observation_tokens_mean": float(np.mean(observation_tokens_N)),
          "episode_tokens_mean": float(np.mean(lengths_N)),
          "observation_truncated_fraction": observations_cut / max(observations, 1),
+         "observation_unencodable_count": observations_unencodable,
          f"env_errors/{env_name}": float(np.mean(failed_N))}
   for key, values in sorted(info.items()):
     seen = values[~np.isnan(values)]

@@ -448,3 +448,19 @@ def test_an_environment_only_reward_reads_its_correct_flag_and_val_samples_add_u
   scores = episodes.with_env_rewards(none(tokens, np.ones(2, np.int32), {"rows": [{"answer": ""}],
                                           "prompts": [""]}, 2), silent, None)
   assert np.isnan(scores.correct_N).all() and scores.scored_N.all()
+
+
+def test_observation_text_the_tokenizer_cannot_encode_is_said_once_and_counted():
+  """Issue 48: the calculator's error observations reached the model with letters missing
+  (the character vocabulary has no such letters), silently."""
+  lines = []
+  runner = _runner(ScriptedEngine([[[C, EOS]], [[C, EOS]]]), log=lines.append)
+  ep = _run(runner, [{"obs": ["xQy"], "answer": ""}])  # "Q" is no token of TOK
+  assert ep.observations == 2 and ep.observations_unencodable == 2
+  ep = _run(runner, [{"obs": ["xy"], "answer": ""}])
+  assert ep.observations_unencodable == 0
+  _run(runner, [{"obs": ["R"], "answer": ""}])
+  warned = [l for l in lines if "cannot encode" in l]
+  assert len(warned) == 1 and "'Q'" in warned[0] and "<unk>" in warned[0]  # once per run
+  m = runner.metrics([(np.ones(2, bool), _run(runner, [{"obs": ["xQ"], "answer": ""}]))])
+  assert m["observation_unencodable_count"] == 2
