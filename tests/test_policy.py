@@ -61,3 +61,35 @@ def test_generate_rejects_bad_prompts(policy):
     policy.generate([], sp, num_samples=1, max_new_tokens=2, seed=0)
   with pytest.raises(ValueError, match="num_samples"):
     policy.generate([[1, 2]], sp, num_samples=0, max_new_tokens=2, seed=0)
+
+
+def test_the_python_api_page_runs_and_score_is_the_samplers_raw_logp():
+  """docs/python.md's example as written (issue 48: Policy.from_pretrained worked but no page
+  named it): it loads, samples, scores with rewards and with the model; the model's score
+  of generate's own samples is the sampler's raw_logp_NxT."""
+  import os
+  import re
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  page = open(os.path.join(root, "docs", "python.md")).read()
+  code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+  ns = {}
+  exec(compile(code, "docs/python.md", "exec"), ns)  # pylint: disable=exec-used
+  out, mask = ns["out"], np.asarray(ns["mask_NxT"])
+  assert ns["logp_NxT"].shape == out.tokens_NxT.shape == (8, 5)
+  np.testing.assert_array_equal(mask, np.asarray(out.mask_NxT))
+  np.testing.assert_allclose(ns["logp_NxT"], np.where(mask, out.raw_logp_NxT, 0), atol=1e-4)
+  assert len(ns["total"]) == 8 and ns["parts"]["exact_match"] == ns["total"]
+  assert ns["completions"][0].isdigit() or ns["completions"][0] == ""
+
+
+def test_score_takes_ragged_completions_and_checks_the_group_count(policy):
+  prompts = [[1, 5, 6], [1, 7]]
+  logp, mask = policy.score(prompts, [[8, 9], [10], [11, 12], [13]])
+  assert logp.shape == mask.shape == (4, 2) and mask.tolist() == [
+      [True, True], [True, False], [True, True], [True, False]]
+  # Row 2 is prompt 1's first completion: the same numbers as scoring it alone.
+  alone, _ = policy.score([[1, 7]], [[11, 12]])
+  np.testing.assert_allclose(logp[2], alone[0], atol=1e-5)
+  assert logp[1, 1] == 0.0
+  with pytest.raises(ValueError, match="3 rows for 2 prompts"):
+    policy.score(prompts, [[8], [9], [10]])

@@ -5,6 +5,9 @@
     logits = policy.logits(tokens, mask)
     out = policy.generate([[1, 5, 6], [1, 7]], SamplingParams(0.7, 0.95, 0),
                           num_samples=4, max_new_tokens=32, seed=0)
+    logp_NxT, mask_NxT = policy.score([[1, 5, 6], [1, 7]], out.tokens_NxT, out.mask_NxT)
+
+docs/python.md is the page for it, with a tested example.
 
 `generate` uses the same compiled sampler as the trainer (sampling.compile_sampler), one
 compilation per (sampling settings, num_samples, max_new_tokens, batch shape). The trainer
@@ -88,6 +91,43 @@ class Policy:
     rows = np.arange(tokens.shape[0], dtype=np.int32)
     return self._samplers[(profile, ends, self.pad_id)](self.params, tokens, mask,
                                                         jax.random.key(seed), rows)
+
+
+  def score(self, prompts, completions, completion_mask_NxT=None, prompt_mask_BxL=None):
+    """Teacher-forced log-probs of each completion's tokens after its prompt, under the raw
+    model (temperature 1, no truncation: what generate's raw_logp_NxT holds for its own
+    samples, and what the loss recomputes). Returns (logp_NxT float32, mask_NxT bool).
+
+    prompts: as for `generate` (B of them); completions: N = B * G rows, prompt-major as
+    generate returns them (G = N / B): token-id lists of any lengths, or an [N, T] array
+    with `completion_mask_NxT` (e.g. generate's tokens_NxT and mask_NxT). Positions where
+    the mask is False score 0.
+    """
+    tokens_BxL, mask_BxL = _as_batch(prompts, prompt_mask_BxL, self.pad_id)
+    if isinstance(completions, np.ndarray) or hasattr(completions, "shape"):
+      comp_NxT = np.asarray(completions, np.int32)
+      comp_mask_NxT = (np.ones(comp_NxT.shape, bool) if completion_mask_NxT is None
+                       else np.asarray(completion_mask_NxT, bool))
+    else:
+      rows = [list(map(int, c)) for c in completions]
+      width = max(1, max(map(len, rows), default=1))
+      comp_NxT = np.full((len(rows), width), self.pad_id, np.int32)
+      comp_mask_NxT = np.zeros((len(rows), width), bool)
+      for i, r in enumerate(rows):
+        comp_NxT[i, :len(r)], comp_mask_NxT[i, :len(r)] = r, True
+    n, b = len(comp_NxT), len(tokens_BxL)
+    if not b or n % b:
+      raise ValueError(f"completions: {n} rows for {b} prompts; expected G per prompt, "
+                       "prompt-major (N = B * G)")
+    g, width = n // b, tokens_BxL.shape[1]
+    seq_NxS = np.concatenate([np.repeat(tokens_BxL, g, 0), comp_NxT], axis=1)
+    seq_mask_NxS = np.concatenate([np.repeat(mask_BxL, g, 0), comp_mask_NxT], axis=1)
+    logits = self._logits(self.params, self.cfg, seq_NxS, seq_mask_NxS)
+    # The logits at position p predict the token at p + 1: the completion's tokens are
+    # predicted from the prompt's last position on.
+    logp_NxTxV = jax.nn.log_softmax(logits[:, width - 1:-1].astype(np.float32), axis=-1)
+    logp_NxT = np.take_along_axis(np.asarray(logp_NxTxV), comp_NxT[..., None], -1)[..., 0]
+    return np.where(comp_mask_NxT, logp_NxT, 0.0).astype(np.float32), comp_mask_NxT
 
 
 def _as_batch(prompts, mask, pad_id):
