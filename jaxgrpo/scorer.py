@@ -208,6 +208,7 @@ class Scorer:
     values = {name: np.full(n, np.nan) for name in self.weights}
     errors = {name: np.zeros(n, bool) for name in self.weights}
     extras, preds, first_error = {}, [None] * n, {}
+    skipped = {name: 0 for name in self.weights}  # rows the retry budget left unscored
 
     def take(name, a, b, result):
       """Writes one call's result; returns the rows to retry one by one, if any."""
@@ -219,9 +220,12 @@ class Scorer:
         first_error.setdefault(name, out)
         return []
       if status != "ok":
-        if b - a > 1:  # raised or timed out: each row alone, so only its culprits are lost
+        if b - a > 1 and status != "skipped":  # each row alone: only its culprits are lost
           return [(name, r, r + 1) for r in range(a, b)]
         errors[name][a:b] = True
+        if status == "skipped":
+          skipped[name] += b - a
+          return []
         first_error.setdefault(name, out)
         return []
       for r, item in zip(range(a, b), out):
@@ -246,7 +250,7 @@ class Scorer:
       for call, result in zip(retry, self._run(retry, completions, answers, columns,
                                                deadline)):
         take(*call, result)
-    self._report(errors, first_error, n, label)
+    self._report(errors, first_error, n, label, skipped)
     scored_N, total = np.zeros(n, bool), np.zeros(n)
     for name, weight in self.weights.items():  # in the config's order, in float64
       ok = ~np.isnan(values[name])
@@ -269,11 +273,15 @@ class Scorer:
     return Scores(completions, total_N, scored_N, values, extras, errors,
                   validation_N.astype(np.float32), correct_N.astype(np.float32), answers_out)
 
-  def _report(self, errors, first_error, n: int, label: str) -> None:
+  def _report(self, errors, first_error, n: int, label: str, skipped) -> None:
     for name, rows in errors.items():
       if not rows.any():
         continue
       where = f" at {label}" if label else ""
+      if skipped[name]:  # said every time: rows lost that were not slow themselves
+        where += (f" ({skipped[name]} of them never retried: the retries' budget of "
+                  f"{RETRY_ROUNDS} x reward_timeout_s = {RETRY_ROUNDS * self.timeout_s:g} s "
+                  "ran out on slow rows; raise reward_timeout_s or speed up the reward)")
       text = first_error.get(name, "")
       if name not in self._reported:
         self._reported.add(name)

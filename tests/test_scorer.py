@@ -233,8 +233,9 @@ def test_a_slow_row_costs_only_its_own_score_and_the_retries_are_bounded(registr
   path.write_text(textwrap.dedent(USER_REWARDS))
   plugins.import_modules(str(path))
   log = tmp_path / "calls.txt"
+  lines = []
   s = scorer.Scorer({"user_logged_slow": 1.0}, _Chars(), workers=2, timeout_s=1.0,
-                    user_modules=str(path), log=lambda line: None)
+                    user_modules=str(path), log=lines.append)
   try:
     texts = ["ok"] * 12
     for r in (2, 5, 9):
@@ -244,6 +245,7 @@ def test_a_slow_row_costs_only_its_own_score_and_the_retries_are_bounded(registr
     np.testing.assert_array_equal(scores.scored_N, [t == "ok" for t in texts])
     # Two calls of 6 rows (both timed out), then 12 calls of one row.
     assert log.read_text().split() == ["6", "6"] + ["1"] * 12
+    assert "failed on 3 of 12 rows;" in lines[0] and "never retried" not in lines[0]
     log.unlink()
     s.timeout_s = s._pool.timeout_s = 0.5
     scores = s(*_tokens(["slow"] * 24), _batch(["1"] * 24, log=[str(log)] * 24), 1)
@@ -251,5 +253,8 @@ def test_a_slow_row_costs_only_its_own_score_and_the_retries_are_bounded(registr
     calls = log.read_text().split()
     # The budget (4 x 0.5 s) starts about 2 row calls per worker-second: far fewer than 24.
     assert calls[:2] == ["12", "12"] and len(calls) - 2 <= 2 * (scorer.RETRY_ROUNDS + 2)
+    # The rows never retried are said to be, with the budget and what to change.
+    assert f"({24 - (len(calls) - 2)} of them never retried: the retries' budget of 4 x " \
+           "reward_timeout_s = 2 s ran out on slow rows" in lines[-1]
   finally:
     s.close()

@@ -119,7 +119,7 @@ class WorkerPool:
   def run(self, payloads: list[bytes], deadline: float | None = None) -> list[tuple]:
     """Each payload's result, in order: ("ok", values), ("error", traceback) or
     ("timeout", why). deadline (time.monotonic()): no call starts after it; the ones not
-    started by then answer ("timeout", why) (a started call keeps its own time limit)."""
+    started by then answer ("skipped", why) (a started call keeps its own time limit)."""
     results: list[tuple | None] = [None] * len(payloads)
     queue, idle, busy = collections.deque(range(len(payloads))), collections.deque(
         range(len(self._workers))), {}
@@ -134,8 +134,8 @@ class WorkerPool:
 
     while queue or busy:
       while queue and deadline is not None and time.monotonic() >= deadline:
-        results[queue.popleft()] = ("timeout", "not started: the calls' time budget was spent "
-                                               "on slower ones\n")
+        results[queue.popleft()] = ("skipped", "not started: the calls' time budget was "
+                                               "spent on slower ones\n")
       while idle and queue:
         w, i = idle.popleft(), queue.popleft()
         try:
