@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo import grpo
+from jaxgrpo.algo import grpo
 from jaxgrpo.model import attention as attention_lib
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib

@@ -16,7 +16,7 @@ larger slice raise num_prompts_per_step with it.
 Memory: each layer is rematerialised and log-probs are computed 128 positions at a time. The
 update's micro-batch and the validation batch are 'auto': at start-up the trainer compiles
 the update step and the val sampler for a few sizes, reads their memory from the compiler
-and takes the largest that fits the chips (jaxgrpo/fit.py; one line says what it chose, and
+and takes the largest that fits the chips (jaxgrpo/run/sizing.py; one line says what it chose, and
 `launch/compile_check.py --topology=... --config=configs/gsm8k.py` prints the same choice
 before a slice is reserved). A number instead (--config.grpo.micro_batch_size=256) skips
 the search. What the check chose for real models and slices is in BENCHMARKS.md.

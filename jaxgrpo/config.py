@@ -21,12 +21,11 @@ from typing import Any, Callable
 import ml_collections
 
 from jaxgrpo import plugins, rewards
+from jaxgrpo.algo import options
 from jaxgrpo.runtime import trackers
 
-# The loss options (grpo.py implements them; the docstring there says what each means).
-SCALE_REWARDS = ("group", "batch", "none")
-KL_TYPES = ("k1", "k3")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# The loss options' names (algo/grpo.py implements them; algo/options.py needs no jax).
+SCALE_REWARDS, KL_TYPES, LOSS_AGGS = options.SCALE_REWARDS, options.KL_TYPES, options.LOSS_AGGS
 
 
 class ConfigError(ValueError):
@@ -150,7 +149,7 @@ SCHEMA: dict[str, Any] = {
         # LoRA (model/lora.py): 0 = full fine-tuning; else adapters of this rank on the
         # targets (all-linear, or q,k,v,o,gate,up,down / HF's q_proj,...), scaled alpha/rank.
         "lora_rank": _int(0), "lora_alpha": _num(0, lo_open=True), "lora_targets": _str},
-    # memory_limit_gib: bytes per chip that 'auto' batch sizes plan against (fit.py); None:
+    # memory_limit_gib: bytes per chip that 'auto' batch sizes plan against (run/sizing.py); None:
     # the device's own limit (none on CPU).
     "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1), "dcn_data": _int(1),
              "memory_limit_gib": _optional(_num(0, lo_open=True))},
@@ -183,12 +182,12 @@ SCHEMA: dict[str, Any] = {
         "loss_agg": _choice(*LOSS_AGGS),
         "scale_rewards": _choice(*SCALE_REWARDS),
         "mask_truncated_completions": _bool,
-        # Dynamic sampling (dynamic.py): 'filter' keeps the groups whose rewards differ.
+        # Dynamic sampling (run/dynamic.py): 'filter' keeps the groups whose rewards differ.
         "dynamic_sampling": _choice("off", "filter"), "oversample_factor": _num(1),
         "max_generation_batches": _int(1), "dynamic_sampling_metric": _optional(_str),
         # How the update is computed (the same result): rollouts per forward and backward
         # pass (0: the whole batch), completion positions per output projection (None: all).
-        # 'auto': the largest that fits the chips' memory, chosen at start-up (fit.py).
+        # 'auto': the largest that fits the chips' memory, chosen at start-up (run/sizing.py).
         "micro_batch_size": _or_auto(_int(0)), "logprob_chunk_size": _optional(_int(1)),
         "max_num_steps": _int(1), "val_period": _int(0),
         "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _or_auto(_int(1)),
@@ -370,7 +369,7 @@ def _check_micro_batch(g, rows: int):
   """A micro-batch holds whole groups (a group's advantages and its prompt's single forward
   need all G rows), its prompts split evenly over the data axes, and divides the batch."""
   m, gen = g.micro_batch_size, g.num_generations_per_prompt
-  if m == "auto":  # chosen at start-up among the sizes this rule allows (fit.py)
+  if m == "auto":  # chosen at start-up among the sizes this rule allows (run/sizing.py)
     return
   if not m:
     return

@@ -20,230 +20,10 @@ gets its base written beside the adapter, as DIR/base, a Hugging Face folder.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import sys
 
-import jax
-import ml_collections
-import numpy as np
-import safetensors.numpy
-
-from jaxgrpo import checkpoint
 from jaxgrpo.model import hf
-from jaxgrpo.model import lora
-from jaxgrpo.model import decoder as model_lib
-from jaxgrpo.model.tokenizer import Tokenizer
-
-
-_ARCH_KEYS = ("qkv_bias", "rope_scaling_factor", "rope_low_freq_factor",
-              "rope_high_freq_factor", "rope_original_max_positions")
-
-
-class ExportError(ValueError):
-  """A workdir or step that cannot be exported, in one line."""
-
-
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run folder recorded (config.json), its model keys completed."""
-  config_path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(config_path):
-    raise ExportError(f"{config_path}: missing (is {workdir} a jaxgrpo run folder?)")
-  with open(config_path) as f:
-    values = json.load(f)
-  # Keys a run from an older version did not write: absent means "from the checkpoint".
-  model = {"checkpoint": "", "hf_checkpoint": "", **{k: None for k in _ARCH_KEYS},
-           **values.get("model", {})}
-  return ml_collections.ConfigDict({**values, "model": model})
-
-
-def run_step(workdir: str, step: int | None = None) -> tuple[str, int]:
-  """(checkpoints folder, step) of a run's checkpoint `step` (default: the newest)."""
-  directory = os.path.join(workdir, checkpoint.DIR_NAME)
-  steps = checkpoint.step_dirs(directory)
-  if not steps:
-    raise ExportError(f"{directory}: no checkpoints")
-  if step is None:
-    step = steps[-1]
-  elif step not in steps:
-    raise ExportError(f"--step={step}: no such checkpoint in {directory}; allowed: {steps}")
-  return directory, step
-
-
-def load_run(workdir: str, step: int | None = None, merge: bool = True):
-  """A run folder's config, model config, tokenizer and the parameters of checkpoint `step`
-  (default: the newest): (config, model_cfg, tokenizer, params, step). Host arrays. A LoRA
-  run's params are its adapters merged into its base, or with merge=False the adapters
-  {target: {"a", "b"}} as the checkpoint holds them."""
-  config, cfg, tokenizer, host_params, params, step = _load(workdir, step)
-  if config.model.get("lora_rank") and merge:  # W + alpha/r A B on the run's base
-    params = jax.tree.map(np.asarray, lora.merge(
-        _base(config, cfg, host_params), params, config.model.lora_alpha / config.model.lora_rank))
-  return config, cfg, tokenizer, params, step
-
-
-def _load(workdir: str, step: int | None):
-  """(config, model_cfg, tokenizer, the starting policy's host params or None, the
-  checkpoint's params, step)."""
-  from jaxgrpo import loading  # pylint: disable=g-import-not-at-top
-  config = run_config(workdir)
-  directory, step = run_step(workdir, step)
-  try:
-    cfg, host_params, tokenizer = loading.load_policy(config)
-  except loading.USER_ERRORS as e:
-    raise ExportError(str(e)) from None
-  ckpts = checkpoint.Checkpoints(directory, read_only=True)
-  try:
-    state, _ = ckpts.restore(step)
-  finally:
-    ckpts.close()
-  return config, cfg, tokenizer, host_params, state["params"], step
-
-
-def _base(config, cfg, host_params):
-  """A LoRA run's frozen base as host arrays, from where the run took it (build.place_params:
-  its Hugging Face folder, jaxgrpo checkpoint or seeded random init), on one device."""
-  from jaxgrpo import build  # pylint: disable=g-import-not-at-top
-  from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  mesh = sharding_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  return jax.tree.map(np.asarray, build.place_params(config, cfg, host_params, mesh))
-
-
-FORMATS = ("merged", "peft")
-
-
-def export(workdir: str, out: str, step: int | None = None,
-           fmt: str = "merged") -> tuple[int, list[str]]:
-  """Exports checkpoint `step` (default: the newest) of `workdir` to `out`, as a Hugging
-  Face folder (`merged`) or, for a LoRA run, a PEFT adapter folder (`peft`)."""
-  if fmt not in FORMATS:
-    raise ExportError(f"--format={fmt}: allowed: {', '.join(FORMATS)}")
-  if fmt == "merged":
-    config, cfg, tokenizer, params, step = load_run(workdir, step)
-    source = config.model.get("hf_checkpoint") or config.model.get("checkpoint") or None
-    return step, save_hf(out, cfg, params, tokenizer, source=source)
-  config, cfg, tokenizer, host_params, adapters, step = _load(workdir, step)
-  m = config.model
-  if not m.get("lora_rank"):
-    raise ExportError(f"--format=peft: {workdir} is not a LoRA run (model.lora_rank=0): it "
-                      "has no adapters; allowed for it: --format=merged")
-  written = []
-  if m.hf_checkpoint:  # the adapter goes onto the Hugging Face folder the run started from
-    base_path = os.path.abspath(hf.resolve(m.hf_checkpoint))
-  else:  # jaxgrpo weights: written beside the adapter as a Hugging Face folder PEFT can load
-    base_path = os.path.abspath(os.path.join(out, "base"))
-    base = jax.tree.map(np.asarray, _base(config, cfg, host_params))
-    written += [f"base/{name}" for name in
-                save_hf(base_path, cfg, base, tokenizer, source=m.checkpoint or None)]
-  written += save_peft(out, cfg, adapters, rank=m.lora_rank, alpha=m.lora_alpha,
-                       base_path=base_path)
-  return step, written
-
-
-def save_peft(out: str, cfg: model_lib.ModelConfig, adapters, *, rank: int, alpha: float,
-              base_path: str) -> list[str]:
-  """Writes adapters {target: {"a": [layers, in..., r], "b": [layers, r, out...]}} as a PEFT
-  LoRA folder: per layer and target, lora_A.weight [r, in] and lora_B.weight [out, r] in
-  torch's Linear layout, named after the base's Hugging Face tensor (hf_names), so PEFT adds
-  (alpha/r) B A x to the base projection, our x A B (alpha/r) transposed. Float32, as
-  trained. Returns the files written."""
-  os.makedirs(out, exist_ok=True)
-  names = hf.hf_names(cfg)
-  tensors, modules = {}, []
-  for target, adapter in adapters.items():
-    a, b = np.asarray(adapter["a"], np.float32), np.asarray(adapter["b"], np.float32)
-    ours = "/".join(lora.TARGETS[target][0])  # "attn/q"
-    for i in range(cfg.num_layers):
-      theirs = names[f"layer_{i}/{ours}"][0].removesuffix(".weight")
-      tensors[f"base_model.model.{theirs}.lora_A.weight"] = np.ascontiguousarray(
-          a[i].reshape(-1, rank).T)
-      tensors[f"base_model.model.{theirs}.lora_B.weight"] = np.ascontiguousarray(
-          b[i].reshape(rank, -1).T)
-    modules.append(theirs.rpartition(".")[2])  # "q_proj"
-  adapter_config = {
-      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
-      "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules,
-      "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-      "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
-  with open(os.path.join(out, "adapter_config.json"), "w") as f:
-    json.dump(adapter_config, f, indent=2)
-  safetensors.numpy.save_file(tensors, os.path.join(out, "adapter_model.safetensors"),
-                              metadata={"format": "pt"})
-  written = ["adapter_config.json", "adapter_model.safetensors"]
-  hf.follow_umask(out, written)
-  return written
-
-
-def hf_architecture(cfg: model_lib.ModelConfig) -> str:
-  """The transformers class that computes what this ModelConfig computes."""
-  if cfg.qk_norm and not cfg.qkv_bias:
-    return "Qwen3ForCausalLM"
-  if cfg.qkv_bias and not cfg.qk_norm:
-    return "Qwen2ForCausalLM"
-  if not cfg.qkv_bias and not cfg.qk_norm:
-    return "LlamaForCausalLM"
-  raise hf.PretrainedError("no Hugging Face architecture has both q/k norms and q/k/v biases")
-
-
-def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
-            source: str | None = None) -> list[str]:
-  """Writes a Hugging Face folder transformers and vLLM load: config.json, model.safetensors,
-  tokenizer files. `source` (the folder the run started from) lends its config.json keys,
-  tokenizer_config.json (chat template) and generation_config.json, which are copied as
-  they were. Returns the files written."""
-  os.makedirs(out, exist_ok=True)
-  source = hf.resolve(source) if source else None
-  hf_cfg = {}
-  if source and hf.is_hf_folder(source):
-    with open(os.path.join(source, hf.HF_CONFIG)) as f:
-      hf_cfg = json.load(f)
-  arch = hf_architecture(cfg)
-  hf_cfg.update({
-      "architectures": [arch], "model_type": {"Qwen3ForCausalLM": "qwen3",
-                                              "Qwen2ForCausalLM": "qwen2"}.get(arch, "llama"),
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.mlp_dim, "rope_theta": cfg.rope_theta,
-      "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-      "hidden_act": "silu", "torch_dtype": cfg.param_dtype})
-  hf_cfg.setdefault("max_position_embeddings", 32768)
-  if arch == "LlamaForCausalLM":
-    hf_cfg.setdefault("attention_bias", False)
-    hf_cfg.setdefault("mlp_bias", False)
-  if cfg.rope_scaling_factor:
-    hf_cfg["rope_scaling"] = {
-        "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-        "low_freq_factor": cfg.rope_low_freq_factor,
-        "high_freq_factor": cfg.rope_high_freq_factor,
-        "original_max_position_embeddings": cfg.rope_original_max_positions}
-  hf_cfg.setdefault("eos_token_id", tokenizer.eos_id)
-  if tokenizer.bos_id is not None:
-    hf_cfg.setdefault("bos_token_id", tokenizer.bos_id)
-  with open(os.path.join(out, hf.HF_CONFIG), "w") as f:
-    json.dump(hf_cfg, f, indent=2)
-  flat = hf.flatten(params)
-  tensors = {theirs: np.ascontiguousarray(hf.to_hf(flat[ours], how))
-             for ours, (theirs, how) in hf.hf_names(cfg).items()}
-  safetensors.numpy.save_file(tensors, os.path.join(out, hf.HF_WEIGHTS),
-                              metadata={"format": "pt"})
-  written = [hf.HF_CONFIG, hf.HF_WEIGHTS]
-  copied = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-            "generation_config.json")
-  for name in copied if source and hf.is_hf_folder(source) else ():
-    if os.path.isfile(os.path.join(source, name)):
-      shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
-      written.append(name)
-  if "tokenizer.json" not in written:  # jaxgrpo's own format: write what transformers reads
-    written += tokenizer.save(out)
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-      json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
-                 "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
-                 "bos_token": tokenizer.bos_token}, f, indent=2)
-    written.append("tokenizer_config.json")
-  hf.follow_umask(out, written)
-  return written
+from jaxgrpo.run import artifacts
 
 
 def main(argv=None) -> int:
@@ -252,13 +32,13 @@ def main(argv=None) -> int:
   parser.add_argument("workdir", help="the run folder (holds config.json and checkpoints/)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
   parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
-  parser.add_argument("--format", default="merged", choices=FORMATS,
+  parser.add_argument("--format", default="merged", choices=artifacts.FORMATS,
                       help="merged: a Hugging Face model folder (a LoRA run's adapters merged "
                       "into its base); peft: a LoRA run's PEFT adapter folder")
   args = parser.parse_args(argv)
   try:
-    step, written = export(args.workdir, args.out, args.step, args.format)
-  except (ExportError, hf.PretrainedError) as e:
+    step, written = artifacts.export(args.workdir, args.out, args.step, args.format)
+  except (artifacts.ExportError, hf.PretrainedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"exported step {step} of {args.workdir} to {args.out}: {', '.join(written)}")

@@ -14,7 +14,7 @@ What a reward may return, per row:
   * None: this reward could not score the row.
 A row's total is the weighted sum of the rewards that scored it. A row that no reward scored
 has `scored_N` False: GRPO leaves it out of the loss and out of its group's mean and std
-(grpo.py), as a masked truncated row leaves the loss. In validation such a row does not pass.
+(algo/grpo.py), as a masked truncated row leaves the loss. In validation such a row does not pass.
 
 A reward's failure never stops a run. Each reward call runs in a worker process
 (`reward_workers`) with a time limit (`reward_timeout_s`); the rows are split into one call

@@ -40,7 +40,7 @@ def build_engine(workdir: str, step: int | None, *, max_concurrent_decodes: int,
   """(engine, step): a JetStream engine over checkpoint `step` of `workdir` on `devices`
   (default: all), slots split over them on the data axis."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import export  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import artifacts  # pylint: disable=g-import-not-at-top
   from jaxgrpo.rollout import sampling
   from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   devices = list(jax.devices() if devices is None else devices)
@@ -50,8 +50,8 @@ def build_engine(workdir: str, step: int | None, *, max_concurrent_decodes: int,
   if max_new_tokens is not None and max_new_tokens < 1:
     raise ServeError(f"--max_new_tokens={max_new_tokens}: must be an integer >= 1")
   try:
-    config, cfg, tokenizer, params, step = export.load_run(workdir, step)
-  except export.ExportError as e:
+    config, cfg, tokenizer, params, step = artifacts.load_run(workdir, step)
+  except artifacts.ExportError as e:
     raise ServeError(str(e)) from None
 
   from jaxgrpo.rollout import jetstream_engine  # pylint: disable=g-import-not-at-top
@@ -74,10 +74,10 @@ def _enable_cache(workdir: str) -> None:
   """The run's compilation cache setting (a run from before the key: the per-user folder).
   An unreadable run folder is left for build_engine to report, after the flags' checks."""
   from jaxgrpo.runtime import compile_options  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import export
+  from jaxgrpo.run import artifacts
   try:
-    setting = export.run_config(workdir).get("compilation_cache_dir", "auto")
-  except export.ExportError:
+    setting = artifacts.run_config(workdir).get("compilation_cache_dir", "auto")
+  except artifacts.ExportError:
     setting = "auto"
   compile_options.enable_cache(setting)
 

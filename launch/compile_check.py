@@ -31,7 +31,7 @@ Flags:
   --programs=LIST     which to compile, of update,train,val (default: all three)
   --hbm_gib=X         the per-chip HBM to check against (default: the chip's, from a table)
   --suggest_micro_batch  the same as --config.grpo.micro_batch_size=auto: first find the
-                      largest micro-batch whose update step fits (jaxgrpo/fit.py, the
+                      largest micro-batch whose update step fits (jaxgrpo/run/sizing.py, the
                       trainer's own choice), then check every program with it. A config
                       whose micro_batch_size or val_batch_size is 'auto' is chosen the same
                       way, against this topology's HBM (or --hbm_gib)
@@ -56,8 +56,8 @@ from ml_collections import config_flags  # noqa: E402
 
 from jaxgrpo import config as config_lib  # noqa: E402
 from jaxgrpo.model import hf  # noqa: E402
-from jaxgrpo import loading  # noqa: E402
-from jaxgrpo import train  # noqa: E402
+from jaxgrpo.run import loading  # noqa: E402
+from jaxgrpo.run import setup  # noqa: E402
 
 GIB = 2**30
 
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
   except (CheckError, config_lib.ConfigError, hf.PretrainedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  from jaxgrpo import fit  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import sizing  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
   chips = len(devices)
@@ -121,24 +121,24 @@ def main(argv=None) -> int:
     sizes = sizes.replace(f"data={mesh.shape['data']}",
                           f"data={mesh.shape['data']} ({slices} slices x "
                           f"{mesh.shape['data'] // slices})", 1)
-  print(f"{label}: {chips} x {devices[0].device_kind}, {fit.gib(hbm)} HBM each; mesh {sizes}; "
+  print(f"{label}: {chips} x {devices[0].device_kind}, {sizing.gib(hbm)} HBM each; mesh {sizes}; "
         f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}", flush=True)
   known = {}  # program name -> Memory already measured (a search's winning program)
   autos = ["grpo.micro_batch_size"] if _SUGGEST.value else []
-  config = train.apply_auto(config, autos)
-  if fit.AUTO in (config.grpo.micro_batch_size, config.grpo.val_batch_size):
-    # The trainer's own choice (jaxgrpo/fit.py), against this topology's HBM per chip.
+  config = setup.apply_auto(config, autos)
+  if sizing.AUTO in (config.grpo.micro_batch_size, config.grpo.val_batch_size):
+    # The trainer's own choice (jaxgrpo/run/sizing.py), against this topology's HBM per chip.
     num_val = 0
-    if config.grpo.val_batch_size == fit.AUTO:
+    if config.grpo.val_batch_size == sizing.AUTO:
       num_val = len(loading.load_data(config, tokenizer).val_rows)
     try:
       # mesh.memory_limit_gib, when the config sets it, as the trainer plans against it.
       limit = (int(config.mesh.memory_limit_gib * GIB) if config.mesh.memory_limit_gib
                and _HBM_GIB.value is None else hbm)
-      config, choices = fit.resolve(
+      config, choices = sizing.resolve(
           config, model_cfg, tokenizer, mesh, num_val, limit=limit,
-          report=lambda *a: print(fit.report_line(*a), flush=True))
-    except fit.FitError as e:
+          report=lambda *a: print(sizing.report_line(*a), flush=True))
+    except sizing.FitError as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
     for choice in choices:
@@ -154,38 +154,38 @@ def main(argv=None) -> int:
         flush=True)
   chip = _TOPOLOGY.value.split(":")[0]  # "v5e's 16 GiB", as the chip is called
   memory, failures = {}, []
-  for name, lowered, resident in fit.programs(config, model_cfg, tokenizer, mesh,
+  for name, lowered, resident in sizing.programs(config, model_cfg, tokenizer, mesh,
                                               _PROGRAMS.value):
     if name in known:  # compiled during the search, with the same size
       memory[name] = known[name]
       continue
     try:
-      memory[name] = fit.compile_memory(lowered, resident)
+      memory[name] = sizing.compile_memory(lowered, resident)
     except Exception as e:  # pylint: disable=broad-except  # XLA's errors are untyped
       failures.append(f"error: the {name} failed to compile for {label}: {_first_line(e)}")
   print(_table(memory, hbm), flush=True)
   for name, m in memory.items():
     if m.peak > hbm:
       with_state = " with the train state" if m.resident else ""
-      failures.append(f"error: {name} needs {fit.gib(m.peak)} per chip{with_state}, "
-                      f"{fit.gib(m.peak - hbm)} more than {chip}'s {fit.gib(hbm)} HBM")
+      failures.append(f"error: {name} needs {sizing.gib(m.peak)} per chip{with_state}, "
+                      f"{sizing.gib(m.peak - hbm)} more than {chip}'s {sizing.gib(hbm)} HBM")
   for line in failures:
     print(line, file=sys.stderr)
   if not failures:
-    print(f"ok: {', '.join(memory)} compile for {label} and fit its {fit.gib(hbm)} HBM per chip")
+    print(f"ok: {', '.join(memory)} compile for {label} and fit its {sizing.gib(hbm)} HBM per chip")
   return 1 if failures else 0
 
 
 def _parse(argv):
   """The config from --config and its overrides (as jaxgrpo.train parses them)."""
-  argv, autos = train.split_auto(argv)  # 'auto' for an integer key (train.parse_config)
+  argv, autos = setup.split_auto(argv)  # 'auto' for an integer key (setup.parse_config)
   saved_argv, sys.argv = sys.argv, list(argv)  # config_flags finds overrides in sys.argv
   try:
     _FV(argv)
     if _CONFIG.value is not None:
       _CONFIG.value.to_dict()  # config_flags reports a failed file load only on first use
   except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
-    message = train.flag_error(e, argv)
+    message = setup.flag_error(e, argv)
     raise config_lib.ConfigError(message) from None
   finally:
     sys.argv = saved_argv
@@ -199,7 +199,7 @@ def _parse(argv):
                      "subset of update, train, val")
   if _NUM_SLICES.value < 1:
     raise CheckError(f"--num_slices={_NUM_SLICES.value}: allowed: an integer >= 1")
-  return train.apply_auto(_CONFIG.value, autos)
+  return setup.apply_auto(_CONFIG.value, autos)
 
 
 def _topology(name: str, num_slices: int):
@@ -284,8 +284,8 @@ def _hbm_bytes(device_kind: str, label: str) -> int:
 
 
 def _table(memory: dict, hbm: int) -> str:
-  """program -> fit.Memory, as a table of bytes per chip."""
-  from jaxgrpo import fit  # pylint: disable=g-import-not-at-top
+  """program -> sizing.Memory, as a table of bytes per chip."""
+  from jaxgrpo.run import sizing  # pylint: disable=g-import-not-at-top
   head = ("program", "arguments", "outputs", "-alias", "temporaries", "code", "total",
           "+state", "peak", "of HBM", "compile")
   rows = [head]
@@ -297,8 +297,8 @@ def _table(memory: dict, hbm: int) -> str:
       continue
     m = memory[name]
     parts = (m.arguments, m.outputs, m.alias, m.temporaries, m.code)
-    rows.append((name, *("?" if x is None else fit.gib(x) for x in parts), fit.gib(m.total),
-                 fit.gib(m.resident), fit.gib(m.peak), f"{100 * m.peak / hbm:.1f}%",
+    rows.append((name, *("?" if x is None else sizing.gib(x) for x in parts), sizing.gib(m.total),
+                 sizing.gib(m.resident), sizing.gib(m.peak), f"{100 * m.peak / hbm:.1f}%",
                  f"{m.seconds:.1f} s"))
   widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
   lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
@@ -313,7 +313,7 @@ def _table(memory: dict, hbm: int) -> str:
 
 def _build():
   """jaxgrpo.build, imported once jax is configured (as in _programs)."""
-  from jaxgrpo import build  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import build  # pylint: disable=g-import-not-at-top
   return build
 
 

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgrpo import data, loading, rewards
+from jaxgrpo import data, rewards
+from jaxgrpo.run import loading
 from jaxgrpo.model import hf
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model.tokenizer import Tokenizer

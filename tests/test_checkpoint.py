@@ -12,7 +12,8 @@ import optax
 import pytest
 
 from cli import MATH, assert_clean_error, run_train  # tests/cli.py
-from jaxgrpo import checkpoint, grpo
+from jaxgrpo.run import checkpoint
+from jaxgrpo.algo import grpo
 from jaxgrpo.model import sharding
 from jaxgrpo.model import decoder as model
 

@@ -138,7 +138,7 @@ def test_the_trainer_chooses_what_the_check_chooses(check, tmp_path):
   # The config's own 'auto' and mesh.memory_limit_gib, in the check and in the trainer's
   # start-up (trainer._fit) on the same topology's devices: the same choice from the same
   # compiled bytes against the same limit (the smoke preset's one-layer update: one cheap
-  # compile each; the search itself is pinned above and in tests/test_fit.py).
+  # compile each; the search itself is pinned above and in tests/test_sizing.py).
   args = [SMOKE, "--config.model.checkpoint=", "--config.model.num_layers=1",
           "--config.grpo.micro_batch_size=auto", "--config.mesh.memory_limit_gib=10",
           "--config.mesh.data=4"]

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import grpo
+from jaxgrpo.algo import grpo
 from jaxgrpo.runtime import compile_options
 from jaxgrpo.model import sharding
 from jaxgrpo.model import decoder as model_lib

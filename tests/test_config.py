@@ -375,7 +375,7 @@ def test_scan_layers_is_a_bool_or_none_and_resolves_by_platform():
   # "by platform": unrolled on CPU (faster steps there), scanned on TPU and GPU.
   import ml_collections
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import build  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import build  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import decoder as model, sharding
   raw = math_config().to_dict()
   raw["model"]["scan_layers"] = "yes"

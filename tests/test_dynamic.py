@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxgrpo import dynamic
+from jaxgrpo.algo import dynamic
 
 
 def test_generation_batches_are_oversampled_and_split_over_the_devices():

@@ -411,6 +411,7 @@ def test_an_environment_only_reward_reads_its_correct_flag_and_val_samples_add_u
   record each rollout's total and each part, equal to what the metrics averaged."""
   import json  # pylint: disable=g-import-not-at-top
   from jaxgrpo import config as config_lib, data, scorer  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import rollouts  # pylint: disable=g-import-not-at-top
   from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
   from test_config import _with  # pylint: disable=g-import-not-at-top
@@ -426,8 +427,9 @@ def test_an_environment_only_reward_reads_its_correct_flag_and_val_samples_add_u
   batches = data.validation_batches(rows, TOK, 2, 4, process_index=0, process_count=1)
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   none = scorer.Scorer({}, TOK)
-  validator = validation.Validator(engine, batches, none, threshold=0.5, seed=0, mesh=mesh,
-                                   samples_dir=str(tmp_path), runner=runner, k=2)
+  validator = validation.Validator(
+      rollouts.EpisodeRollouts(engine, none, runner, TOK.pad_id, 4), batches, threshold=0.5,
+      seed=0, mesh=mesh, samples_dir=str(tmp_path), k=2)
   out = validator(None, step=0)
   assert out["accuracy"] == 0.5 and out["reward_mean"] == 0.25
   samples = [json.loads(l) for l in open(tmp_path / "step_0.jsonl")]

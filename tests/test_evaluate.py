@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import cli  # tests/cli.py
-from jaxgrpo import checkpoint
+from jaxgrpo.run import checkpoint
 
 
 def run_evaluate(*args):
@@ -202,7 +202,7 @@ def test_a_checkpoint_of_per_layer_parameters_is_refused_in_one_line(tmp_path):
   # As for a resume (test_checkpoint.py): a run checkpointed before the layers were
   # stacked is named with the way out, before anything compiles.
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import grpo  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.algo import grpo  # pylint: disable=g-import-not-at-top
   run = fake_run(tmp_path)
   (run / "checkpoints" / "2").rmdir()
   ckpts = checkpoint.Checkpoints(str(run / "checkpoints"))
@@ -217,19 +217,19 @@ def test_a_checkpoint_of_per_layer_parameters_is_refused_in_one_line(tmp_path):
 def test_results_go_beside_what_was_evaluated_not_into_the_current_folder(tmp_path):
   # `--compare` used to write ./eval/ into the current folder (the repository's root).
   import types  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import evaluate  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import evaluator  # pylint: disable=g-import-not-at-top
   run = lambda w, step: types.SimpleNamespace(restore=(f"{w}/checkpoints", step),
                                               checkpoint={"workdir": str(w)})
   base = types.SimpleNamespace(restore=None, checkpoint={})
   a, b = tmp_path / "a", tmp_path / "b"
   assert re.fullmatch(rf"{a}/eval/step_300-\d{{8}}-\d{{6}}",
-                      evaluate._out_dir(None, [run(a, 300)], comparing=False))
+                      evaluator._out_dir(None, [run(a, 300)], comparing=False))
   assert re.fullmatch(rf"{b}/eval/compare-\d{{8}}-\d{{6}}",
-                      evaluate._out_dir(None, [run(a, 300), run(b, 400)], comparing=True))
+                      evaluator._out_dir(None, [run(a, 300), run(b, 400)], comparing=True))
   assert re.fullmatch(rf"{a}/eval/compare-\d{{8}}-\d{{6}}",
-                      evaluate._out_dir(None, [run(a, 300), base], comparing=True))
+                      evaluator._out_dir(None, [run(a, 300), base], comparing=True))
   assert re.fullmatch(r"runs/eval/compare-\d{8}-\d{6}",
-                      evaluate._out_dir(None, [base, base], comparing=True))
+                      evaluator._out_dir(None, [base, base], comparing=True))
 
 
 def test_the_readmes_evaluate_examples_name_checkpoints_a_default_run_keeps():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cli import ROOT  # tests/cli.py
-from jaxgrpo import checkpoint
+from jaxgrpo.run import checkpoint
 from jaxgrpo.model import hf
 
 
@@ -90,7 +90,7 @@ def test_an_adapter_saved_by_peft_merges_to_its_logits_and_exports_back_the_same
   # its output axes), the merge W + (8/4) A B gives PEFT's logits, and save_peft writes
   # PEFT's tensors back, bit for bit, under PEFT's names.
   import safetensors.numpy  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import export as export_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import artifacts as export_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import lora  # pylint: disable=g-import-not-at-top
   folder, peft_dir = os.path.join(FIXTURES, "qwen2"), os.path.join(FIXTURES, "qwen2_peft")
@@ -150,7 +150,7 @@ def test_a_peft_adapter_folder_loads_in_peft_with_the_merged_logits(tmp_path):
   python = os.environ.get("JAXGRPO_PEFT_PYTHON")
   if not python:
     pytest.skip("set JAXGRPO_PEFT_PYTHON to a python with torch, transformers and peft")
-  from jaxgrpo import export as export_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import artifacts as export_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import lora  # pylint: disable=g-import-not-at-top
   folder = os.path.join(FIXTURES, "qwen2")
@@ -179,7 +179,7 @@ def test_a_peft_adapter_folder_loads_in_peft_with_the_merged_logits(tmp_path):
 
 @pytest.mark.slow
 def test_peft_format_needs_a_lora_run(straight_run, tmp_path):
-  from jaxgrpo import export as export_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import artifacts as export_lib  # pylint: disable=g-import-not-at-top
   workdir, run = straight_run
   assert run.returncode == 0, run.stderr[-2000:]
   with pytest.raises(export_lib.ExportError, match=r"--format=peft: .* is not a LoRA run "

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cli import ARGS, STRAIGHT, run_train, start_train  # tests/cli.py
-from jaxgrpo import checkpoint
+from jaxgrpo.run import checkpoint
 from jaxgrpo.runtime import faults
 from jaxgrpo.runtime import metrics as metrics_lib
 

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgrpo import grpo
+from jaxgrpo.algo import grpo
 from jaxgrpo.model import sharding
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.rollout import sampling

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import export
+from jaxgrpo.run import artifacts
 from jaxgrpo.model import hf
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model.tokenizer import Tokenizer
@@ -93,7 +93,7 @@ def hf_folder(path, arch="Qwen2ForCausalLM"):
                               num_kv_heads=2, head_dim=8, mlp_dim=64,
                               **{"tie_embeddings": True, **FAMILIES[arch]})
   params = random_params(cfg, 0)
-  export.save_hf(str(path), cfg, params, Tokenizer.char_level("0123456789+="))
+  artifacts.save_hf(str(path), cfg, params, Tokenizer.char_level("0123456789+="))
   return cfg, params
 
 
@@ -237,7 +237,7 @@ def test_transformers_4_config_layout_reads_the_same(pretrained, tmp_path):
 def test_load_export_load_is_bitwise(pretrained, tmp_path):
   name, folder, _, _, policy = pretrained
   _, params, tok = hf.load_hf(folder)
-  written = export.save_hf(str(tmp_path), policy.cfg, params, tok, source=folder)
+  written = artifacts.save_hf(str(tmp_path), policy.cfg, params, tok, source=folder)
   assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
           "generation_config.json"} <= set(written)
   cfg, again, _ = hf.load_hf(str(tmp_path))
@@ -256,8 +256,8 @@ def test_export_files_all_follow_the_umask_and_are_all_listed(tmp_path):
   umask = os.umask(0o022)
   try:
     written = {
-        "own": export.save_hf(str(tmp_path / "own"), cfg, params, char_tok),
-        "from_hf": export.save_hf(str(tmp_path / "from_hf"), qwen_cfg, qwen_params, qwen_tok,
+        "own": artifacts.save_hf(str(tmp_path / "own"), cfg, params, char_tok),
+        "from_hf": artifacts.save_hf(str(tmp_path / "from_hf"), qwen_cfg, qwen_params, qwen_tok,
                               source=os.path.join(FIXTURES, "qwen2"))}
     hf.save_pretrained(str(tmp_path / "pretrained"), cfg, params, char_tok)
   finally:
@@ -276,7 +276,7 @@ def test_bfloat16_weights_load_in_the_run_dtype(tmp_path):
   import ml_dtypes
   cfg, params = hf_folder(tmp_path / "f32")
   bf16 = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16), params)
-  export.save_hf(str(tmp_path / "bf16"), cfg, bf16, Tokenizer.char_level("0123456789+="))
+  artifacts.save_hf(str(tmp_path / "bf16"), cfg, bf16, Tokenizer.char_level("0123456789+="))
   loaded_cfg, loaded, _ = hf.load_hf(str(tmp_path / "bf16"), dtype="float32")
   assert loaded_cfg.param_dtype == "float32"
   for a, b in zip(jax.tree.leaves(bf16), jax.tree.leaves(loaded)):

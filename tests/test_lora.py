@@ -62,7 +62,7 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_evaluates(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   import shutil  # pylint: disable=g-import-not-at-top
   import cli  # pylint: disable=g-import-not-at-top
-  from jaxgrpo import export  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import artifacts  # pylint: disable=g-import-not-at-top
   args = (f"--config={cli.MATH}:smoke", "--config.grpo.max_num_steps=4",
           "--config.model.lora_rank=4", "--config.model.lora_alpha=8",
           "--config.optim.learning_rate=0.01", "--config.logging.trackers=")
@@ -77,7 +77,7 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_evaluates(tmp_path):
   rows = lambda w: [timing(json.loads(l)) for l in open(w / "metrics.jsonl")]
   assert rows(tmp_path / "cut") == rows(straight)
   # The checkpoint holds the adapters (and their Adam moments), not the weights.
-  from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import checkpoint  # pylint: disable=g-import-not-at-top
   meta = checkpoint.read_meta(str(straight / "checkpoints"), 4)
   assert meta["lora"] == {"rank": 4, "alpha": 8.0, "targets": "q,k,v,o,gate,up,down",
                           "base": "@embedded/arith3"}
@@ -86,9 +86,9 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_evaluates(tmp_path):
   ckpts.close()
   assert set(state["params"]) == set(lora.TARGETS)
   # Export: the merged weights are the base + alpha/r A B (alpha 8, rank 4: 2 A B).
-  config, model_cfg, _, merged, _ = export.load_run(str(straight))
-  from jaxgrpo import loading  # pylint: disable=g-import-not-at-top
-  base = export._base(config, model_cfg, loading.load_policy(config)[1])
+  config, model_cfg, _, merged, _ = artifacts.load_run(str(straight))
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  base = artifacts._base(config, model_cfg, loading.load_policy(config)[1])
   want = np.asarray(base["layers"]["attn"]["q"]) + np.asarray(
       lora.delta(state["params"]["q"], 2.0))
   np.testing.assert_allclose(merged["layers"]["attn"]["q"], want, rtol=1e-5, atol=1e-6)
@@ -96,7 +96,7 @@ def test_a_lora_run_resumes_exactly_exports_merged_and_evaluates(tmp_path):
   # --format=peft: the adapters as a PEFT folder and, since the run started from the
   # embedded model (no Hugging Face folder to point at), its base beside them as one.
   from jaxgrpo.model import hf  # pylint: disable=g-import-not-at-top
-  step, written = export.export(str(straight), str(tmp_path / "peft"), fmt="peft")
+  step, written = artifacts.export(str(straight), str(tmp_path / "peft"), fmt="peft")
   assert step == 4 and {"adapter_config.json", "adapter_model.safetensors",
                         "base/model.safetensors", "base/config.json"} <= set(written)
   adapter_config = json.load(open(tmp_path / "peft" / "adapter_config.json"))

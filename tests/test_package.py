@@ -95,12 +95,17 @@ def test_no_private_name_is_used_across_modules():
 
 
 # The package's layers, lowest first: a module imports its own layer and those below, never
-# one above. "" is the top level (the data path and the commands); bench/ measures all of it.
-LAYERS = ("runtime", "model", "rollout", "eval", "", "bench")
+# one above. "" is the top level's data path (config, data, rewards, scorer, envs, tools,
+# episodes, plugins); run/ assembles a run from everything below it; "commands" are the
+# top-level modules `python -m jaxgrpo.<name>` runs, thin mains over run/; bench/ measures.
+LAYERS = ("runtime", "model", "rollout", "algo", "eval", "", "run", "commands", "bench")
+COMMANDS = ("train", "evaluate", "export", "serve", "plot")
 
 
 def _layer(module: str) -> str:
   parts = module.split(".")
+  if len(parts) == 2 and parts[1] in COMMANDS:
+    return "commands"
   return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else ""
 
 
@@ -111,8 +116,33 @@ def _upward(graph) -> list[str]:
 
 def test_the_upward_finder_finds_an_upward_import():
   graph = {"jaxgrpo.model.decoder": {"jaxgrpo.runtime.faults", "jaxgrpo.rewards"},
-           "jaxgrpo.trainer": {"jaxgrpo.eval.validation"}}
-  assert _upward(graph) == ["jaxgrpo.model.decoder -> jaxgrpo.rewards"]
+           "jaxgrpo.run.trainer": {"jaxgrpo.eval.validation"},
+           "jaxgrpo.run.setup": {"jaxgrpo.train"}}
+  assert _upward(graph) == ["jaxgrpo.model.decoder -> jaxgrpo.rewards",
+                            "jaxgrpo.run.setup -> jaxgrpo.train"]
+
+
+def _script_imports() -> dict[str, set[str]]:
+  """The package modules each file of jaxgrpo/, bench/, launch/ and scripts/ imports."""
+  modules, top = _modules(), os.path.dirname(ROOT)
+  out = {}
+  for root in ("jaxgrpo", "bench", "launch", "scripts"):
+    for folder, _, files in os.walk(os.path.join(top, root)):
+      for name in files:
+        if name.endswith(".py"):
+          path = os.path.join(folder, name)
+          out[os.path.relpath(path, top)] = _imports(path, modules)
+  return out
+
+
+def test_no_library_module_bench_or_script_imports_a_command():
+  # evaluate.py, launch/compile_check.py and four benches imported the `train` command for
+  # its Setup, prepare and flag parsing; those live in run/setup.py now. A command imports
+  # no other command either: what two share is a library's.
+  commands = {f"jaxgrpo.{c}" for c in COMMANDS}
+  offenders = sorted(f"{path} -> {m}" for path, deps in _script_imports().items()
+                     for m in deps & commands)
+  assert offenders == []
 
 
 def test_no_module_imports_from_a_layer_above_it():
@@ -148,7 +178,8 @@ def test_the_architecture_page_names_every_module_where_it_lives():
   for module, path in _modules().items():
     if os.path.basename(path) in ("__init__.py", "__main__.py"):
       continue
-    on_disk.setdefault(_layer(module), set()).add(os.path.basename(path))
+    folder = module.split(".")[1] if module.count(".") > 1 else ""
+    on_disk.setdefault(folder, set()).add(os.path.basename(path))
   assert tree == on_disk
 
 

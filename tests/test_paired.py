@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import evaluator
+from jaxgrpo.run import evaluator
 from jaxgrpo.model import sharding
 from jaxgrpo.eval import paired, validation
 

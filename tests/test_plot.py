@@ -9,7 +9,7 @@ import sys
 from matplotlib.collections import PolyCollection
 import pytest
 
-from jaxgrpo import plot
+from jaxgrpo.eval import plots
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +47,7 @@ def _write_run(workdir, stop_metric="pass@4", threshold=0.8):
 
 
 def _rows(workdir):
-  return plot._val_rows(os.path.join(workdir, "metrics.jsonl"))  # pylint: disable=protected-access
+  return plots._val_rows(os.path.join(workdir, "metrics.jsonl"))  # pylint: disable=protected-access
 
 
 def _bands(ax):
@@ -63,7 +63,7 @@ def test_val_rows_skip_train_and_later_line_wins(tmp_path):
 
 def test_figure_lines_bands_threshold_and_title(tmp_path):
   rows = _rows(_write_run(tmp_path))
-  ax = plot.figure(rows, "pass@4", 0.8).axes[0]
+  ax = plots.figure(rows, "pass@4", 0.8).axes[0]
   labels = [line.get_label() for line in ax.get_lines()]
   assert labels == ["accuracy", "pass@1", "pass@2", "pass@4", "pass@16", "stop: pass@4 >= 0.8"]
   accuracy = ax.get_lines()[0]
@@ -80,14 +80,14 @@ def test_figure_lines_bands_threshold_and_title(tmp_path):
 def test_figure_without_threshold(tmp_path):
   rows = _rows(_write_run(tmp_path))
   for metric, threshold in ((None, None), ("pass@4", None), (None, 0.8)):
-    ax = plot.figure(rows, metric, threshold).axes[0]
+    ax = plots.figure(rows, metric, threshold).axes[0]
     assert not [l for l in ax.get_lines() if l.get_label().startswith("stop:")]
     assert len(ax.get_lines()) == 5
 
 
 def test_validation_plot_writes_png(tmp_path):
   workdir = _write_run(tmp_path)
-  path = plot.validation_plot(workdir)
+  path = plots.validation_plot(workdir)
   assert path == os.path.join(workdir, "validation.png")
   with open(path, "rb") as f:
     assert f.read(4) == b"\x89PNG"
@@ -96,13 +96,13 @@ def test_validation_plot_writes_png(tmp_path):
 def test_validation_plot_without_config(tmp_path):
   workdir = _write_run(tmp_path)
   os.remove(os.path.join(workdir, "config.json"))
-  assert plot.validation_plot(workdir) == os.path.join(workdir, "validation.png")
+  assert plots.validation_plot(workdir) == os.path.join(workdir, "validation.png")
 
 
 def test_validation_plot_none_without_val_rows(tmp_path):
   with open(tmp_path / "metrics.jsonl", "w") as f:
     f.write(json.dumps({"step": 0, "split": "train", "time": 0.0, "loss": 1.0}) + "\n")
-  assert plot.validation_plot(str(tmp_path)) is None
+  assert plots.validation_plot(str(tmp_path)) is None
   assert not (tmp_path / "validation.png").exists()
 
 
@@ -151,7 +151,7 @@ def test_figure_draws_the_lower_bound_and_a_stop_metric_without_a_curve():
   # the line that must cross the threshold. maj@4/gsm8k has no curve of its own: it is drawn.
   rows = {10: {"accuracy": 0.5, "maj@4/gsm8k": 0.6, "maj@4/gsm8k_lcb": 0.48},
           20: {"accuracy": 0.6, "maj@4/gsm8k": 0.7, "maj@4/gsm8k_lcb": 0.61}}
-  ax = plot.figure(rows, "maj@4/gsm8k", 0.6).axes[0]
+  ax = plots.figure(rows, "maj@4/gsm8k", 0.6).axes[0]
   lines = {line.get_label(): line for line in ax.get_lines()}
   assert list(lines) == ["accuracy", "maj@4/gsm8k", "maj@4/gsm8k lower bound",
                          "stop: maj@4/gsm8k >= 0.6"]
@@ -159,7 +159,7 @@ def test_figure_draws_the_lower_bound_and_a_stop_metric_without_a_curve():
   assert list(bound.get_ydata()) == [0.48, 0.61] and bound.get_linestyle() == ":"
   # Without a logged bound (plain rule) only the metric's own curve is added.
   plain = {s: {k: v for k, v in r.items() if not k.endswith("_lcb")} for s, r in rows.items()}
-  labels = [l.get_label() for l in plot.figure(plain, "accuracy", 0.6).axes[0].get_lines()]
+  labels = [l.get_label() for l in plots.figure(plain, "accuracy", 0.6).axes[0].get_lines()]
   assert labels == ["accuracy", "stop: accuracy >= 0.6"]
 
 
@@ -169,19 +169,19 @@ def test_pass_at_k_figure_one_line_per_source_on_a_log_axis(tmp_path):
     row[f"pass@{j}"], row[f"pass@{j}_stderr"] = value, 0.1
     row[f"pass@{j}/a"], row[f"pass@{j}_stderr/a"] = value + 0.1, float("nan")  # no band
     row[f"pass@{j}/b"], row[f"pass@{j}_stderr/b"] = value - 0.1, 0.05
-  fig = plot.pass_at_k_figure(row, ["a", "b"], title="run:8")
+  fig = plots.pass_at_k_figure(row, ["a", "b"], title="run:8")
   ax = fig.axes[0]
   assert ax.get_xscale() == "log"
   assert [l.get_label() for l in ax.lines] == ["all (n=4)", "a (n=2)", "b (n=2)"]
   assert list(ax.lines[1].get_xdata()) == [1, 2, 4]
   assert list(ax.lines[1].get_ydata()) == pytest.approx([0.35, 0.6, 0.85])
   assert sum(isinstance(c, PolyCollection) for c in ax.collections) == 2  # a has no stderr
-  assert os.path.getsize(plot.save(fig, str(tmp_path / "p.png"))) > 0
+  assert os.path.getsize(plots.save(fig, str(tmp_path / "p.png"))) > 0
 
 
 def test_compare_figure_draws_both_intervals_and_zero():
   d = {"difference": 0.1, "ci95": [0.05, 0.15], "unpaired_ci95": [-0.02, 0.22]}
-  fig = plot.compare_figure({"accuracy": {"all": d, "x": d}}, ["accuracy", "accuracy"], ["x"])
+  fig = plots.compare_figure({"accuracy": {"all": d, "x": d}}, ["accuracy", "accuracy"], ["x"])
   ax, = fig.axes  # a metric named twice is drawn once
   unpaired = [l for l in ax.lines if l.get_label() == "unpaired 95%"]
   assert list(unpaired[0].get_xdata()) == [-0.02, 0.22]

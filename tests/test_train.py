@@ -20,7 +20,7 @@ import cli
 from cli import (MATH, ROOT, STRAIGHT, assert_clean_error,  # tests/cli.py
                  assert_smoke_run_imports_nothing_heavy, env, run_train)
 from jaxgrpo import data as data_lib
-from jaxgrpo import loading
+from jaxgrpo.run import loading
 from jaxgrpo.model import hf
 
 

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import cli  # tests/cli.py
-from jaxgrpo import build, checkpoint, dynamic, rewards, train, trainer
+from jaxgrpo import rewards
+from jaxgrpo.algo import dynamic
+from jaxgrpo.run import build, checkpoint, setup as setup_lib, trainer
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo.model import lora
@@ -24,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
   # absl flags parse once per process, so the variants below copy this config.
-  return train.prepare(["train", f"--config={ROOT}/configs/math.py:smoke",
+  return setup_lib.prepare(["train", f"--config={ROOT}/configs/math.py:smoke",
                         f"--workdir={tmp_path_factory.mktemp('run')}",
                         "--config.mesh.data=8"])
 

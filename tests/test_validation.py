@@ -10,6 +10,7 @@ import pytest
 
 from jaxgrpo import data, rewards, scorer
 from jaxgrpo.model import sharding
+from jaxgrpo.run import rollouts
 from jaxgrpo.model import decoder as model
 from jaxgrpo.model.tokenizer import Tokenizer
 from jaxgrpo.rollout import sampling
@@ -196,8 +197,8 @@ def make_validator(val_sp, k, batch_size, tmp_path=None, devices=1, seed=0, rows
       max_prompt_length=9, eos_id=TOK.eos_id, pad_id=TOK.pad_id, seed=123)
   batches = data.validation_batches(rows, TOK, batch_size, 9, process_index=0, process_count=1)
   validator = validation.Validator(
-      engine, batches, scorer.Scorer(weights or {"exact_match": 1.0}, TOK), threshold=0.0, seed=seed,
-      mesh=mesh,
+      rollouts.SingleTurn(engine, scorer.Scorer(weights or {"exact_match": 1.0}, TOK)), batches,
+      threshold=0.0, seed=seed, mesh=mesh,
       samples_dir=None if tmp_path is None else str(tmp_path / "val_samples"),
       **validator_kwargs)
   params = sharding.shard_params(random_params(CFG, 0), CFG, mesh)

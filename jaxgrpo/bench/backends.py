@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import build, loading
+from jaxgrpo.run import build, loading
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo.model import sharding as sharding_lib

@@ -32,10 +32,11 @@ import time
 import jax
 import ml_collections
 
-from jaxgrpo import build, loading, scorer, trainer
+from jaxgrpo import scorer
+from jaxgrpo.run import build, loading, rollouts, trainer
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
-from jaxgrpo import train as train_lib
+from jaxgrpo.run import setup as setup_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import validation
 from jaxgrpo.bench import common
@@ -64,7 +65,8 @@ def _validator(config, model_cfg, tokenizer, mesh, rows, k, confidence, seed):
                                         template=d.prompt_template, process_index=0,
                                         process_count=1)
   return engine, validation.Validator(
-      engine, batches, scorer.from_config(config, tokenizer), threshold=g.val_pass_threshold,
+      rollouts.SingleTurn(engine, scorer.from_config(config, tokenizer)), batches,
+      threshold=g.val_pass_threshold,
       seed=seed, mesh=mesh, stop_metric="accuracy" if confidence else None,
       confidence=confidence)
 
@@ -86,7 +88,7 @@ def run_early_stop(args) -> list[dict]:
     batches = data_lib.PromptBatches(train_rows, tokenizer, c.grpo.num_prompts_per_step,
                                      c.data.max_prompt_length, template=c.data.prompt_template,
                                      seed=run, process_index=0, process_count=1)
-    setup = train_lib.Setup(c, "", model_cfg, host_params, tokenizer, batches, [])
+    setup = setup_lib.Setup(c, "", model_cfg, host_params, tokenizer, batches, [])
     engine, state, ref_params, update = build.training(setup, mesh)
     trajectory, stops = [], {"plain": None, "confidence": None}
     for step in range(1, args.max_steps + 1):

@@ -24,7 +24,7 @@ import time
 import jax
 import ml_collections
 
-from jaxgrpo import build, train
+from jaxgrpo.run import build, setup as setup_lib
 from jaxgrpo.bench import common
 from jaxgrpo.rollout import turns
 
@@ -56,7 +56,7 @@ class _Timed:
 def run_episodes(args) -> list[dict]:
   loadavg_start = common.loadavg()
   with tempfile.TemporaryDirectory() as workdir:
-    setup = train.prepare(["train", *args.train_args, f"--workdir={workdir}"])
+    setup = setup_lib.prepare(["train", *args.train_args, f"--workdir={workdir}"])
   c = setup.config
   if not c.env.name:
     raise SystemExit("bench episodes: give an environment config after -- "

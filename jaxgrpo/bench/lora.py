@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo import build, train, trainer
+from jaxgrpo.run import build, setup as setup_lib, trainer
 from jaxgrpo.bench import common
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import lora as lora_lib
@@ -36,7 +36,7 @@ from jaxgrpo.rollout import sampling
 def run_lora(args) -> list[dict]:
   loadavg_start = common.loadavg()
   with tempfile.TemporaryDirectory() as workdir:
-    setup = train.prepare(["train", *args.train_args, f"--workdir={workdir}"])
+    setup = setup_lib.prepare(["train", *args.train_args, f"--workdir={workdir}"])
   if not setup.config.model.lora_rank:
     raise SystemExit("bench lora: give --config.model.lora_rank=R (> 0) after --")
   import dataclasses  # pylint: disable=g-import-not-at-top

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import grpo
+from jaxgrpo.algo import grpo
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling

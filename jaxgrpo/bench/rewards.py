@@ -21,7 +21,8 @@ import time
 
 import jax
 
-from jaxgrpo import build, rewards, scorer, train, trainer
+from jaxgrpo import rewards, scorer
+from jaxgrpo.run import build, setup as setup_lib, trainer
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.bench import common
 
@@ -29,7 +30,7 @@ from jaxgrpo.bench import common
 def run_rewards(args) -> list[dict]:
   loadavg_start = common.loadavg()
   with tempfile.TemporaryDirectory() as workdir:
-    setup = train.prepare(["train", *args.train_args, f"--workdir={workdir}"])
+    setup = setup_lib.prepare(["train", *args.train_args, f"--workdir={workdir}"])
     c, g = setup.config, setup.config.grpo.num_generations_per_prompt
     engine, state, ref_params, update = build.training(setup)
     inline = scorer.Scorer(c.rewards.to_dict(), setup.tokenizer)

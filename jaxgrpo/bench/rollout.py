@@ -38,7 +38,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import trainer
+from jaxgrpo.run import trainer
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling

@@ -46,7 +46,8 @@ import time
 import jax
 import numpy as np
 
-from jaxgrpo import grpo, trainer
+from jaxgrpo.algo import grpo
+from jaxgrpo.run import trainer
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling

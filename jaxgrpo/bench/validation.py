@@ -8,7 +8,8 @@ import statistics
 
 import jax
 
-from jaxgrpo import build, loading, scorer
+from jaxgrpo import scorer
+from jaxgrpo.run import build, loading, rollouts
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -34,9 +35,9 @@ def run_validation(args) -> list[dict]:
   for k in args.ks:
     engine = build.make_engine(config, model_cfg, tokenizer, mesh, val_k=k)
     val_sp = engine.profile("val").sampling
-    validator = validation.Validator(engine, batches,
-                                     scorer.from_config(config, tokenizer),
-                                     threshold=g.val_pass_threshold, seed=0, mesh=mesh)
+    validator = validation.Validator(
+        rollouts.SingleTurn(engine, scorer.from_config(config, tokenizer)), batches,
+        threshold=g.val_pass_threshold, seed=0, mesh=mesh)
     first = validator(params, 0)["wall_time_s"]  # compiles the sampler and the metrics
     runs = []
     for seed in range(args.seeds):

@@ -241,24 +241,27 @@ class Validator:
   without sources); `records` holds the samples log's rows (process 0: every host's).
   """
 
-  def __init__(self, engine, batches: Sequence[dict], scorer, *, threshold: float, seed: int, mesh, samples_dir: str | None = None,
-               sources: Sequence[str] = (), stop_metric: str | None = None,
-               confidence: float | None = None, collect: bool = False, runner=None,
-               k: int | None = None):
-    """scorer: scorer.Scorer, the seam training scores through too. collect: keep `records`
-    without writing them (the evaluation command writes its own samples.jsonl). runner: an
-    episodes.Runner: k multi-turn episodes per prompt with the val profile (k: their number;
-    the engine's val profile then samples one turn per episode)."""
-    self.engine, self.batches, self.scorer = engine, list(batches), scorer
+  def __init__(self, source, batches: Sequence[dict], *, threshold: float, seed: int, mesh,
+               samples_dir: str | None = None, sources: Sequence[str] = (),
+               stop_metric: str | None = None, confidence: float | None = None,
+               collect: bool = False, k: int | None = None):
+    """source: the run's rollout seam for validation (run/rollouts.py's for_validation: one
+    sampler call per batch, or multi-turn episodes), with its `engine`, its `scorer` (the
+    seam training scores through too) and, for episodes, its `runner`. k: samples per
+    prompt (default: the val profile's; episodes: their number, the profile sampling one
+    turn per episode). collect: keep `records` without writing them (the evaluation command
+    writes its own samples.jsonl)."""
+    self.source, self.batches = source, list(batches)
+    self.engine, self.scorer = source.engine, source.scorer
     self.threshold, self.seed = threshold, seed
-    self.runner = runner
-    self.k = k if runner is not None else engine.profile("val").num_samples
+    self.runner = getattr(source, "runner", None)
+    self.k = k if k is not None else self.engine.profile("val").num_samples
     self.key = jax.random.key(seed)  # with the prompt index, the only source of randomness
     self.samples_dir, self.mesh = samples_dir, mesh
     self.sources = list(sources)
     # The correctness reward's answers, logged per sample; one sample per prompt has no
     # vote to take (maj@1 would repeat accuracy).
-    self.extractor = scorer.majority
+    self.extractor = self.scorer.majority
     self.majority = self.extractor if self.k > 1 else None
     self.stop_metric = stop_metric if confidence is not None else None
     self.confidence = confidence
@@ -273,37 +276,27 @@ class Validator:
     """progress: called as progress(prompts_done, prompts_total, tokens, seconds) after each
     batch is scored (this process's prompts, padding excluded)."""
     t0 = time.perf_counter()
-    # Dispatch every batch first: the device samples batch i+1 while the host scores batch i.
-    # Episodes run turn by turn with the host in between, one batch after another.
-    rollouts = ([None] * len(self.batches) if self.runner is not None else
-                [self.engine.sample("val", params, b["prompt_tokens_BxL"], b["prompt_mask_BxL"],
-                                    key=self.key, row_ids_B=b["row_ids_B"])
-                 for b in self.batches])
+    # Dispatch every batch first: the device samples batch i+1 while the host scores batch i
+    # (episodes run turn by turn with the host in between, one batch after another). The
+    # same draws and episodes at every validation: a fixed key, and the environments seeded
+    # as at step 0 (envs.py).
+    label = f"validation at step {step}"
+    extract = self.extractor is not None and bool(self.majority or self.collect)
+    pending = [self.source.start("val", params, b, samples=self.k, key=self.key,
+                                 row_ids_B=b["row_ids_B"], label=label, env_step=0)
+               for b in self.batches]
     scores, totals, lengths, truncated, majs, records = [], [], [], [], [], []
     episode_rows = []  # per batch: (valid rows, Episodes)
     reward_rows = []  # per batch: its valid rows' Scores (for reward_errors/, reward/<key>)
     total_prompts = int(sum(b["valid_B"].sum() for b in self.batches))
     done = tokens_done = 0
-    for batch, rollout in zip(self.batches, rollouts):
-      extract = self.extractor is not None and (self.majority or self.collect)
-      label = f"validation at step {step}"
-      if self.runner is not None:
-        # The same episodes at every validation: a fixed key, and the environments' seeds
-        # as at step 0 (envs.py).
-        ep = self.runner.run("val", params, batch["prompt_tokens_BxL"],
-                             batch["prompt_mask_BxL"], batch["rows"], self.k, key=self.key,
-                             step=0, row_ids_B=batch["row_ids_B"], label=label)
-        tokens, lens, trunc = ep.tokens_NxT, ep.lengths_N, ep.truncated_N
-        scored = self.runner.rewards(
-            self.scorer(tokens, lens, batch, self.k, extract=extract, label=label, whole=True),
-            ep, self.scorer.correctness)
-        episode_rows.append((np.repeat(batch["valid_B"], self.k), ep))
-      else:
-        tokens, lens, trunc = sharding_lib.to_local((rollout.tokens_NxT, rollout.lengths_N,
-                                                     rollout.truncated_N))
-        scored = self.scorer(tokens, lens, batch, self.k, extract=extract, label=label)
+    for batch, started in zip(self.batches, pending):
+      got = self.source.finish(started, extract=extract)
+      scored, lens, trunc = got.scores, got.lengths_N, got.truncated_N
+      if got.episodes is not None:
+        episode_rows.append((np.repeat(batch["valid_B"], self.k), got.episodes))
       reward_rows.append((np.repeat(batch["valid_B"], self.k), scored))
-      completions, score = scored.completions, scored.validation_N
+      score = scored.validation_N
       scores.append(score)
       totals.append(scored.total_N)
       lengths.append(lens)

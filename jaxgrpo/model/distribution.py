@@ -1,8 +1,8 @@
 """A sampling profile's token distribution: truncation, the draw, and log-probs.
 
 The sampler (sampling.py, and the JetStream adapter) draws with `draw`; the trainer
-computes the same log-probabilities of the drawn tokens with `token_logprobs` (grpo.py,
-scoring.py), so the first of mu updates starts at importance ratio 1.
+computes the same log-probabilities of the drawn tokens with `token_logprobs` (algo/grpo.py,
+logprobs.py), so the first of mu updates starts at importance ratio 1.
 
 Token choice uses one uniform draw per row and step and an inverse-CDF pick, and greedy uses
 max + min-index: both measured far cheaper on CPU than `jax.random.categorical` / `argmax`.

@@ -64,7 +64,7 @@ RULES: tuple[tuple[str, Any], ...] = (
 
 MESH_KEYS = MESH_AXES + ("dcn_data",)
 # Keys of the config's mesh section that shape no axis: the memory 'auto' batch sizes plan
-# against (jaxgrpo/fit.py).
+# against (jaxgrpo/run/sizing.py).
 PLAN_KEYS = ("memory_limit_gib",)
 
 

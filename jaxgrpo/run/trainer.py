@@ -20,8 +20,9 @@ import warnings
 import jax
 import numpy as np
 
-from jaxgrpo import build, checkpoint, dynamic, grpo, loading, plot
-from jaxgrpo import data as data_lib
+from jaxgrpo.run import build, checkpoint, loading, rollouts
+from jaxgrpo.algo import grpo
+from jaxgrpo.eval import plots
 from jaxgrpo.runtime import distributed, faults, metrics, trackers
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -29,56 +30,31 @@ from jaxgrpo.eval import validation
 
 
 def train_step(setup, engine, state, ref_params, update, batch, step, consumed=None,
-               runner=None):
+               source=None):
   """One rollout, its rewards and num_iterations updates. Returns (state, metrics).
 
   On several hosts each process samples and scores its own prompts; the update sees the
   global batch, and the logged numbers are gathered over every process's rows.
   consumed: a list to which the global row ids of every batch the step sampled are added
   (with dynamic sampling, more than `batch`: further ones come from setup.train_batches).
-  runner: an episodes.Runner (config.env.name): G multi-turn episodes per prompt instead of
-  G completions.
+  source: the run's rollout source (rollouts.for_training; built here when not given): one
+  sampler call, dynamic sampling's generation batches or multi-turn episodes alike.
   """
   c = setup.config
   g = c.grpo.num_generations_per_prompt
-  ds, trained, episode_metrics = {}, None, {}
+  if source is None:
+    source = rollouts.for_training(c, engine, setup.scorer, None,
+                                   lambda: next(setup.train_batches))
   policy = update.policy(state, ref_params)  # LoRA: the base with the adapters merged
-  if consumed is not None and c.grpo.dynamic_sampling == "off":  # (else: dynamic.py's)
-    consumed.append(distributed.gather_rows(batch["row_ids_B"])[0])
-  if runner is not None:
-    ep = runner.run("train", policy, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"],
-                    batch["rows"], g, key=engine.key("train", step), step=step,
-                    label=f"step {step}")
-    t_rollout = ep.rollout_s + ep.env_s
-    t0 = time.perf_counter()
-    scores = runner.rewards(
-        setup.scorer(ep.tokens_NxT, ep.lengths_N, batch, g, label=f"step {step}", whole=True),
-        ep, setup.scorer.correctness)
-    t_reward = time.perf_counter() - t0
-    lengths_N, truncated_N = ep.lengths_N, ep.truncated_N
-    prompt = (batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"]) if ep.prompts is None else (
-        data_lib.pad_left(ep.prompts, setup.tokenizer.pad_id, c.data.max_prompt_length))
-    completion = (ep.tokens_NxT, ep.mask_NxT, ep.logp_NxT, ep.truncated_N)
-    # Sampled tokens only: observations are appended, not generated.
-    trained = ep.trained_NxT
-    generated = int(distributed.gather_rows(trained.sum(axis=1))[0].sum())
-    episode_metrics = runner.metrics([(np.ones(len(ep.turns_N), bool), ep)])
-    episode_metrics.update(env_s=ep.env_s, sampler_s=ep.rollout_s)
-  elif c.grpo.dynamic_sampling != "off":
-    (prompt, completion, lengths_N, truncated_N, scores, t_rollout, t_reward, generated,
-     ds) = dynamic.sample_step(setup, engine, policy, batch, step, consumed)
-  else:
-    t0 = time.perf_counter()
-    rollout = engine.sample("train", policy, batch["prompt_tokens_BxL"],
-                            batch["prompt_mask_BxL"], step=step)
-    tokens_NxT, lengths_N, truncated_N = sharding_lib.to_local(
-        (rollout.tokens_NxT, rollout.lengths_N, rollout.truncated_N))
-    t_rollout = time.perf_counter() - t0
-    scores = setup.scorer(tokens_NxT, lengths_N, batch, g, label=f"step {step}")
-    t_reward = time.perf_counter() - t0 - t_rollout
-    prompt = (batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"])
-    completion = (rollout.tokens_NxT, rollout.mask_NxT, rollout.logp_NxT, rollout.truncated_N)
-    generated = None  # the update batch's own rows: counted below
+  got = source.collect("train", policy, batch, samples=g, step=step, label=f"step {step}")
+  if consumed is not None:
+    consumed += [distributed.gather_rows(b["row_ids_B"])[0] for b in got.batches]
+  scores, lengths_N, truncated_N = got.scores, got.lengths_N, got.truncated_N
+  t_rollout, t_reward, generated = got.rollout_s, got.reward_s, got.generated
+  extra = {}
+  if got.episodes is not None:
+    extra.update(source.runner.metrics([(np.ones(len(lengths_N), bool), got.episodes)]))
+  extra.update(got.metrics)
   rewards_N = scores.total_N
   if step == faults.nan_injection_step():  # test hook (faults.py): a poisoned update
     rewards_N = np.full_like(rewards_N, np.nan)
@@ -95,18 +71,30 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   t1 = time.perf_counter()
   aux = {}
   if scored_N.any():  # no scored row: nothing to learn from, and no update (say so below)
+    tokens, mask, logp, truncated = got.completion
     update_batch = {
-        "prompt_tokens_BxL": prompt[0], "prompt_mask_BxL": prompt[1],
-        "completion_tokens_NxT": completion[0], "completion_mask_NxT": completion[1],
-        "old_logp_NxT": completion[2], "rewards_N": rewards_N,
-        "truncated_N": completion[3], "scored_N": scores.scored_N}
-    if trained is not None:  # episodes: observation tokens leave the loss
-      update_batch["trained_NxT"] = trained
+        "prompt_tokens_BxL": got.prompt_tokens_BxL, "prompt_mask_BxL": got.prompt_mask_BxL,
+        "completion_tokens_NxT": tokens, "completion_mask_NxT": mask,
+        "old_logp_NxT": logp, "rewards_N": rewards_N,
+        "truncated_N": truncated, "scored_N": scores.scored_N}
+    if got.trained_NxT is not None:  # episodes: observation tokens leave the loss
+      update_batch["trained_NxT"] = got.trained_NxT
     update_batch = sharding_lib.to_global(engine.mesh, update_batch)
     for _ in range(c.grpo.num_iterations):
       state, aux = update(state, update_batch, ref_params)
     aux = jax.device_get(aux)
   t_update = time.perf_counter() - t1
+  return state, _step_metrics(
+      g, rows_N, correct_N, lengths_all_N, truncated_all_N, scored_N, dict(zip(names, parts)),
+      dict(zip(names, parts[len(names):])), dict(zip(extras, parts[2 * len(names):])), aux,
+      generated=generated, times=(t_rollout, t_reward, t_update), extra=extra)
+
+
+def _step_metrics(g, rows_N, correct_N, lengths_N, truncated_N, scored_N, values, errors,
+                  more, aux, *, generated, times, extra) -> dict:
+  """A training step's logged numbers over every process's rows (gathered): the rewards,
+  lengths, timings, the update's own (aux) and the rollout source's (extra)."""
+  t_rollout, t_reward, t_update = times
   scored_rewards = rows_N[scored_N]
   out = {
       # Over the rows some reward scored (all of them unless a reward returned None or
@@ -117,24 +105,21 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
       # Equal rewards, not std == 0 (numpy's float32 std of seven 0.1s is 7.5e-9).
       "zero_std_group_fraction": float(np.mean(grpo.flat_groups(
           rows_N.reshape(-1, g), scored_N.reshape(-1, g)))),
-      "completion_length_mean": float(lengths_all_N.mean()),
-      "completion_length_max": int(lengths_all_N.max()),
-      "truncated_fraction": float(truncated_all_N.mean()),
+      "completion_length_mean": float(lengths_N.mean()),
+      "completion_length_max": int(lengths_N.max()),
+      "truncated_fraction": float(truncated_N.mean()),
       # Every token generated: with dynamic sampling, every generation batch's.
-      "rollout_tokens_per_s": float((lengths_all_N.sum() if generated is None else generated)
+      "rollout_tokens_per_s": float((lengths_N.sum() if generated is None else generated)
                                     / max(t_rollout, 1e-9)),
-      "rollout_s": t_rollout, "reward_s": t_reward, "update_s": t_update,
-      **ds, **episode_metrics,
+      "rollout_s": t_rollout, "reward_s": t_reward, "update_s": t_update, **extra,
   }
   out.update({k: float(v) for k, v in aux.items()})
-  values, errors, more = parts[:len(names)], parts[len(names):2 * len(names)], parts[2 * len(
-      names):]
-  out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in zip(names, values)})
-  out.update({f"reward_errors/{k}": float(e.mean()) for k, e in zip(names, errors)})
-  out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in zip(extras, more)})
+  out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in values.items()})
+  out.update({f"reward_errors/{k}": float(e.mean()) for k, e in errors.items()})
+  out.update({f"reward/{k}": _mean(v[~np.isnan(v)]) for k, v in more.items()})
   # A mean over no rows (every row unscored; no correctness flag) is left out, not logged
   # as NaN: reward_unscored_fraction says why, and the progress line says "(no row scored)".
-  return state, {k: v for k, v in out.items() if v is not None}
+  return {k: v for k, v in out.items() if v is not None}
 
 
 def _every_reward_failed(step_metrics) -> bool:
@@ -155,94 +140,118 @@ def run(setup) -> int:
   Returns the exit status: 0 when the run finished, stopped early or was preempted (and
   saved), 1 on a numerical fault (nothing saved over the last good checkpoint).
   """
-  t_start = time.time()
-  setup.scorer  # pylint: disable=pointless-statement  (its workers start while jax compiles)
-  setup, fitted = _fit(setup)
-  c, g, ck = setup.config, setup.config.grpo, setup.config.checkpoint
-  engine, state, ref_params, update = build.training(setup)
-  runner = build.make_runner(c, engine, setup.tokenizer,
-                             getattr(setup.data.template, "add_bos", True) if setup.data else True)
-  primary = jax.process_index() == 0
-  checkpoints = checkpoint.Checkpoints(
-      os.path.join(setup.workdir, checkpoint.DIR_NAME), max_to_keep=ck.max_to_keep,
-      best_metric=ck.best_metric, best_to_keep=ck.best_to_keep)
-  start, resumed_from = 0, None
-  if setup.resume:
-    start, state, resumed_from = _resume(setup, checkpoints, state)
-  log = c.logging
-  prompts_log = os.path.join(setup.workdir, PROMPTS_LOG)
-  if not resumed_from and primary:
-    # A fresh start in a workdir that an interrupted start (stopped before its first
-    # checkpoint) left logs in: this run redoes every step from 0, so their rows go first,
-    # as a resume drops the rows after its checkpoint (else step 0's validation is logged
-    # twice). A workdir with checkpoints never gets here: it resumes, or is refused.
-    metrics.truncate_jsonl(prompts_log, 0)
-  writer = metrics.MetricsWriter(
-      setup.workdir, trackers=trackers.parse(log.trackers), plots=log.plots,
-      console=log.console, total_steps=g.max_num_steps, is_primary=primary,
-      resumed_step=start if resumed_from else (
-          -1 if os.path.exists(os.path.join(setup.workdir, metrics.JSONL_NAME)) else None),
-      project=log.project, run_name=log.run_name,
-      tags=[t.strip() for t in log.tags.split(",") if t.strip()], config=c.to_dict())
-  validator = validation.Validator(
-      engine, setup.val_batches, setup.scorer, runner=runner,
-      k=g.val_num_generations_per_prompt,
-      threshold=g.val_pass_threshold, seed=g.val_seed, mesh=engine.mesh,
-      samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None,
-      sources=setup.val_sources, stop_metric=g.stop_at_validation_metric,
-      confidence=g.stop_at_validation_confidence)
-  val_history, saved, stop, fault, step = {}, {}, None, None, start
-  previous_summary = metrics.read_summary(setup.workdir) if resumed_from else None
+  r = _Run(setup)
+  preemption = faults.Preemption()
+  with preemption:
+    r.loop(preemption)
+  # Until the summary is written a second signal waits for it too (it used to end in a
+  # KeyboardInterrupt traceback here); the handlers are the run's until it returns.
+  with preemption, preemption.busy("writing the run's summary"):
+    return r.finish(preemption)
 
-  def validate(step):
-    result = validator(update.policy(state, ref_params), step)
-    val_history[step] = result
-    writer.write(step, "val", result)
-    if primary and log.plots and log.trackers:
-      writer.images(step, "val", _validation_images(setup.workdir, result, setup.val_sources))
+
+class _Run:
+  """One run's objects and its state between the loop's phases (run() drives them)."""
+
+  def __init__(self, setup):
+    self.t_start = time.time()
+    setup.scorer  # pylint: disable=pointless-statement  (its workers start while jax compiles)
+    setup, self.fitted = _fit(setup)
+    self.setup = setup
+    c = self.c = setup.config
+    self.engine, self.state, self.ref_params, self.update = build.training(setup)
+    self.runner = build.make_runner(
+        c, self.engine, setup.tokenizer,
+        getattr(setup.data.template, "add_bos", True) if setup.data else True)
+    self.primary = primary = jax.process_index() == 0
+    ck = c.checkpoint
+    self.checkpoints = checkpoint.Checkpoints(
+        os.path.join(setup.workdir, checkpoint.DIR_NAME), max_to_keep=ck.max_to_keep,
+        best_metric=ck.best_metric, best_to_keep=ck.best_to_keep)
+    self.start, self.resumed_from = 0, None
+    if setup.resume:
+      self.start, self.state, self.resumed_from = _resume(setup, self.checkpoints, self.state)
+    self.prompts_log = os.path.join(setup.workdir, PROMPTS_LOG)
+    if not self.resumed_from and primary:
+      # A fresh start in a workdir that an interrupted start (stopped before its first
+      # checkpoint) left logs in: this run redoes every step from 0, so their rows go first,
+      # as a resume drops the rows after its checkpoint (else step 0's validation is logged
+      # twice). A workdir with checkpoints never gets here: it resumes, or is refused.
+      metrics.truncate_jsonl(self.prompts_log, 0)
+    log = c.logging
+    self.writer = metrics.MetricsWriter(
+        setup.workdir, trackers=trackers.parse(log.trackers), plots=log.plots,
+        console=log.console, total_steps=c.grpo.max_num_steps, is_primary=primary,
+        resumed_step=self.start if self.resumed_from else (
+            -1 if os.path.exists(os.path.join(setup.workdir, metrics.JSONL_NAME)) else None),
+        project=log.project, run_name=log.run_name,
+        tags=[t.strip() for t in log.tags.split(",") if t.strip()], config=c.to_dict())
+    self.validator = build.make_validator(
+        c, self.engine, setup.scorer, self.runner, setup.val_batches, self.engine.mesh,
+        setup.val_sources,
+        samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None)
+    self.source = rollouts.for_training(c, self.engine, setup.scorer, self.runner,
+                                        lambda: next(setup.train_batches))
+    self.val_history, self.saved, self.stop, self.fault = {}, {}, None, None
+    self.step, self.preempted, self.kept = self.start, False, []
+    self.previous_summary = (metrics.read_summary(setup.workdir) if self.resumed_from
+                             else None)
+
+  def validate(self, step):
+    result = self.validator(self.update.policy(self.state, self.ref_params), step)
+    self.val_history[step] = result
+    self.writer.write(step, "val", result)
+    log = self.c.logging
+    if self.primary and log.plots and log.trackers:
+      self.writer.images(step, "val", _validation_images(self.setup.workdir, result,
+                                                         self.setup.val_sources))
     return result
 
-  def stop_rule(result, step):
+  def stop_rule(self, result, step):
+    g = self.c.grpo
     return validation.stop_message(result, g.stop_at_validation_metric,
                                    g.stop_at_validation_threshold, step,
                                    g.stop_at_validation_confidence)
 
-  def save(step, reason, result=None):
-    meta = {"step": step, "reason": reason, "seed": c.seed, "time": time.time(),
+  def save(self, preemption, step, reason, result=None):
+    setup = self.setup
+    meta = {"step": step, "reason": reason, "seed": self.c.seed, "time": time.time(),
             "data": setup.train_batches.get_state(),
             "model": dataclasses.asdict(setup.model_cfg), "layout": model_lib.PARAM_LAYOUT,
-            "lora": loading.lora_meta(c)}
+            "lora": loading.lora_meta(self.c)}
     with preemption.busy(f"saving checkpoint {step}"):
-      saved[step] = checkpoints.save(step, state, meta, result)
+      self.saved[step] = self.checkpoints.save(step, self.state, meta, result)
 
-  preemption = faults.Preemption()
-  with preemption:
-    if start == 0 and g.val_at_start:
-      stop = stop_rule(validate(0), 0)
+  def loop(self, preemption) -> None:
+    """Steps until the last, a stop rule, a signal or a fault; then the last save."""
+    c, g, ck, setup = self.c, self.c.grpo, self.c.checkpoint, self.setup
+    if self.start == 0 and g.val_at_start:
+      self.stop = self.stop_rule(self.validate(0), 0)
       faults.maybe_inject_sigterm(0)  # test hook: a signal during start-up, before step 1
-    elif start > 0:  # the validation logged at the resumed step decides as it did then
-      stop = _logged_stop(setup.workdir, start, stop_rule)
+    elif self.start > 0:  # the validation logged at the resumed step decides as it did then
+      self.stop = _logged_stop(setup.workdir, self.start, self.stop_rule)
     # A signal may reach one host only: every host must see it at the same step (or the
     # others wait forever in the next collective), so the flag is agreed on before use.
     preempted, failed_steps = False, 0
-    while (stop is None and step < g.max_num_steps
+    while (self.stop is None and self.step < g.max_num_steps
            and not (preempted := distributed.any_process(preemption.requested))):
-      step += 1
+      self.step = step = self.step + 1
       batch, consumed = next(setup.train_batches), []
-      state, step_metrics = train_step(setup, engine, state, ref_params, update, batch, step,
-                                       consumed, runner)
-      if primary:  # the global rows of every batch the step sampled, in order
-        _append_jsonl(prompts_log, {"step": step, "row_ids": np.concatenate(consumed).tolist()})
+      self.state, step_metrics = train_step(setup, self.engine, self.state, self.ref_params,
+                                            self.update, batch, step, consumed, self.source)
+      if self.primary:  # the global rows of every batch the step sampled, in order
+        _append_jsonl(self.prompts_log,
+                      {"step": step, "row_ids": np.concatenate(consumed).tolist()})
       faults.maybe_inject_sigterm(step)  # test hook (faults.py): a preemption at step N
-      writer.write(step, "train", step_metrics)
+      self.writer.write(step, "train", step_metrics)
       try:
         faults.check_finite(step_metrics, step)
       except faults.NumericalFault as e:
-        fault = e
+        self.fault = e
         break
       failed_steps = failed_steps + 1 if _every_reward_failed(step_metrics) else 0
       if failed_steps >= c.reward_max_failed_steps:
-        fault = faults.RewardFault(
+        self.fault = faults.RewardFault(
             f"every reward failed on every row for {failed_steps} steps in a row (steps "
             f"{step - failed_steps + 1}-{step}; reward_max_failed_steps="
             f"{c.reward_max_failed_steps}): a broken reward, not a learning problem (its "
@@ -251,79 +260,85 @@ def run(setup) -> int:
       result = None
       if (g.val_period and step % g.val_period == 0) or (g.val_at_end and
                                                          step == g.max_num_steps):
-        result = validate(step)
-        stop = stop_rule(result, step)
+        result = self.validate(step)
+        self.stop = self.stop_rule(result, step)
       preempted = distributed.any_process(preemption.requested)
-      reason = ("early_stop" if stop else "preempted" if preempted else
+      reason = ("early_stop" if self.stop else "preempted" if preempted else
                 "end" if step == g.max_num_steps else "period")
       if (reason != "period" or (ck.save_period and step % ck.save_period == 0)
           or (result and ck.best_metric)):
-        save(step, reason, result)
-    if stop and primary:
-      print(stop, flush=True)
-    if fault is None and step > start and step not in saved:  # a signal between two checks
-      save(step, "preempted" if preempted else "end", val_history.get(step))
-    with preemption.busy(f"saving checkpoint {max(saved) if saved else step}"):
-      checkpoints.wait()  # every pending write, also on a second signal's way out
-    kept = checkpoints.steps()
-    checkpoints.close()
-  # Until the summary is written a second signal waits for it too (it used to end in a
-  # KeyboardInterrupt traceback here); the handlers are the run's until it returns.
-  with preemption, preemption.busy("writing the run's summary"):
+        self.save(preemption, step, reason, result)
+    self.preempted = preempted
+    if self.stop and self.primary:
+      print(self.stop, flush=True)
+    step = self.step
+    if self.fault is None and step > self.start and step not in self.saved:
+      # a signal between two checks
+      self.save(preemption, step, "preempted" if preempted else "end",
+                self.val_history.get(step))
+    with preemption.busy(f"saving checkpoint {max(self.saved) if self.saved else step}"):
+      self.checkpoints.wait()  # every pending write, also on a second signal's way out
+    self.kept = self.checkpoints.steps()
+    self.checkpoints.close()
+
+  def finish(self, preemption) -> int:
+    """summary.json, the plots, the last line; the exit status: 0, 1 on a fault, 128 + a
+    second signal's number when one waited."""
+    g, step, setup = self.c.grpo, self.step, self.setup
     # Read once, for the summary and the best checkpoint.
     logged = metrics.logged_validations(setup.workdir)
-    summary = _summary(logged, g, stop, step, saved.get(step))
-    compilations = {"update": update.compilations,
-                    **{f"{name}_sampler": n for name, n in engine.compilations.items()}}
-    if fitted:
-      summary["auto"] = {choice.key: choice.summary() for choice in fitted}
-    summary.update(wall_time_s=round(time.time() - t_start, 2), compilations=compilations,
-                   peak_rss_mib=peak_rss_mib(), resumed_from=resumed_from,
-                   resumed_step=start if resumed_from else None, steps_this_run=step - start,
-                   preempted=preemption.name or None)
-    summary["history"] = _history(previous_summary, start, step, summary)
-    summary.update(_best(logged, ck.best_metric, kept))
-    if fault:
-      last_good = max(saved) if saved else None
-      summary["fault"] = str(fault)
-      message = (f"error: {fault}; stopped without saving it; the last good checkpoint is "
-                 + (checkpoints.path(last_good) if last_good is not None else
-                    (resumed_from or "none (no checkpoint was written)")))
-    writer.close(summary)
-    if primary:
-      if log.plots and (val_history or resumed_from):
-        plot.validation_plot(setup.workdir)
+    summary = _summary(logged, g, self.stop, step, self.saved.get(step))
+    compilations = {"update": self.update.compilations,
+                    **{f"{name}_sampler": n for name, n in self.engine.compilations.items()}}
+    if self.fitted:
+      summary["auto"] = {choice.key: choice.summary() for choice in self.fitted}
+    summary.update(wall_time_s=round(time.time() - self.t_start, 2), compilations=compilations,
+                   peak_rss_mib=peak_rss_mib(), resumed_from=self.resumed_from,
+                   resumed_step=self.start if self.resumed_from else None,
+                   steps_this_run=step - self.start, preempted=preemption.name or None)
+    summary["history"] = _history(self.previous_summary, self.start, step, summary)
+    summary.update(_best(logged, self.c.checkpoint.best_metric, self.kept))
+    if self.fault:
+      last_good = max(self.saved) if self.saved else None
+      summary["fault"] = str(self.fault)
+      message = (f"error: {self.fault}; stopped without saving it; the last good checkpoint "
+                 "is " + (self.checkpoints.path(last_good) if last_good is not None else
+                          (self.resumed_from or "none (no checkpoint was written)")))
+    self.writer.close(summary)
+    if self.primary:
+      if self.c.logging.plots and (self.val_history or self.resumed_from):
+        plots.validation_plot(setup.workdir)
       for line in _recompile_warnings(compilations):
         print(line, file=sys.stderr, flush=True)
-      if fault:
+      if self.fault:
         print(message, file=sys.stderr, flush=True)
       else:
         print(_summary_line(summary, setup.workdir, preemption.name), flush=True)
     setup.scorer.close()
-    if runner is not None:
-      runner.close()
-    # 0, 1 on a fault, 128 + a second signal's number when one waited.
-    return 1 if fault else preemption.exit_status or 0
+    if self.runner is not None:
+      self.runner.close()
+    return 1 if self.fault else preemption.exit_status or 0
 
 
 def _fit(setup, mesh=None):
-  """(setup with its 'auto' batch sizes chosen, [fit.Choice]): one line each, config.json
+  """(setup with its 'auto' batch sizes chosen, [sizing.Choice]): one line each, config.json
   rewritten with the numbers, the validation batches made at the chosen size. Raises
-  fit.FitError (exit 2) when nothing fits; nothing is compiled but the search."""
-  from jaxgrpo import config as config_lib, fit  # pylint: disable=g-import-not-at-top
+  sizing.FitError (exit 2) when nothing fits; nothing is compiled but the search."""
+  from jaxgrpo import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import sizing
   g = setup.config.grpo
-  if fit.AUTO not in (g.micro_batch_size, g.val_batch_size):
+  if sizing.AUTO not in (g.micro_batch_size, g.val_batch_size):
     return setup, []
   if mesh is None:  # (a test passes a TPU topology's devices, as the compile check has)
     mesh = sharding_lib.make_mesh(setup.config.mesh.to_dict())
-  config, choices = fit.resolve(setup.config, setup.model_cfg, setup.tokenizer, mesh,
+  config, choices = sizing.resolve(setup.config, setup.model_cfg, setup.tokenizer, mesh,
                                 len(setup.data.val_rows))
   primary = jax.process_index() == 0
   for choice in choices:
     if primary:
       print(choice.line(), file=sys.stderr, flush=True)
   val_batches = setup.val_batches
-  if g.val_batch_size == fit.AUTO:
+  if g.val_batch_size == sizing.AUTO:
     val_batches = loading.validation_batches(config, setup.tokenizer, setup.data)
   if primary:  # config.json: the numbers replace 'auto', as a run given them would write it
     path = os.path.join(setup.workdir, "config.json")
@@ -337,10 +352,10 @@ def _validation_images(workdir: str, result, sources) -> dict[str, str]:
   """The plots of a validation, for the trackers: validation.png (every validation so far,
   redrawn) and plots/pass_at_k.png (this one's pass@j ladder, with k > 1)."""
   try:
-    paths = {"validation": plot.validation_plot(workdir)}
+    paths = {"validation": plots.validation_plot(workdir)}
     if any(k.startswith("pass@") for k in result):
       os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
-      paths["pass_at_k"] = plot.save(plot.pass_at_k_figure(result, sources),
+      paths["pass_at_k"] = plots.save(plots.pass_at_k_figure(result, sources),
                                      os.path.join(workdir, "plots", "pass_at_k.png"))
   except Exception as e:  # pylint: disable=broad-except  (a plot never costs a run its step)
     warnings.warn(f"drawing the validation plots for the trackers failed: {e!r}")

@@ -1,4 +1,4 @@
-"""jaxgrpo/fit.py: 'auto' batch sizes, chosen from the compiler's memory figures."""
+"""jaxgrpo/run/sizing.py: 'auto' batch sizes, chosen from the compiler's memory figures."""
 
 import importlib.util
 import os
@@ -7,14 +7,14 @@ import jax
 import pytest
 
 from jaxgrpo import config as config_lib
-from jaxgrpo import fit, loading
+from jaxgrpo.run import sizing, loading
 from jaxgrpo.model import sharding as sharding_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def affine(base, per_row):
-  return lambda size: fit.Memory(needs=base + per_row * size)
+  return lambda size: sizing.Memory(needs=base + per_row * size)
 
 
 def test_choose_compiles_the_ends_then_confirms_the_affine_prediction():
@@ -22,7 +22,7 @@ def test_choose_compiles_the_ends_then_confirms_the_affine_prediction():
   # smallest (16: 260) does; the line through them predicts 64 (740), which is compiled and
   # fits, then its next size 128 (1380), which does not: 64 after four compiles.
   seen = []
-  size, tried = fit.choose([16, 32, 64, 128, 256], affine(100, 10), 800,
+  size, tried = sizing.choose([16, 32, 64, 128, 256], affine(100, 10), 800,
                            report=lambda s, m: seen.append(s))
   assert size == 64 and seen == [256, 16, 64, 128] and list(tried) == seen
 
@@ -32,8 +32,8 @@ def test_the_choice_fits_and_the_next_larger_size_was_compiled_and_does_not(limi
   # A convex curve (not affine): whatever the limit, the answer is a compiled size that
   # fits beside a compiled next size that does not (or the whole batch).
   sizes = [16, 32, 48, 64, 96, 128, 192, 256]
-  measure = lambda s: fit.Memory(needs=int(200 + 2 * s + 0.03 * s * s))
-  size, tried = fit.choose(sizes, measure, limit)
+  measure = lambda s: sizing.Memory(needs=int(200 + 2 * s + 0.03 * s * s))
+  size, tried = sizing.choose(sizes, measure, limit)
   assert tried[size].peak <= limit
   if size != sizes[-1]:
     assert tried[sizes[sizes.index(size) + 1]].peak > limit
@@ -41,8 +41,8 @@ def test_the_choice_fits_and_the_next_larger_size_was_compiled_and_does_not(limi
 
 
 def test_the_whole_batch_fitting_costs_one_compile_and_nothing_fitting_two():
-  assert fit.choose([8, 16, 32], affine(0, 1), 32) == (32, {32: fit.Memory(needs=32)})
-  size, tried = fit.choose([8, 16, 32], affine(100, 1), 50)
+  assert sizing.choose([8, 16, 32], affine(0, 1), 32) == (32, {32: sizing.Memory(needs=32)})
+  size, tried = sizing.choose([8, 16, 32], affine(100, 1), 50)
   assert size is None and list(tried) == [32, 8]
 
 
@@ -56,11 +56,11 @@ def test_refused_program_falls_back_to_the_compilers_total():
 
   error = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
                        "required for HLO temporaries (65.01G) exceeds available HBM (15.75G).")
-  memory = fit.overflow(Refused(), 2**30, error)
+  memory = sizing.overflow(Refused(), 2**30, error)
   assert memory.needs == int(65.01 * 2**30) and memory.arguments is None
   assert memory.peak == memory.needs + 2**30
   with pytest.raises(RuntimeError, match="no sizes"):
-    fit.overflow(Refused(), 0, RuntimeError("RESOURCE_EXHAUSTED: no sizes"))
+    sizing.overflow(Refused(), 0, RuntimeError("RESOURCE_EXHAUSTED: no sizes"))
 
 
 def _setup(**grpo):
@@ -82,29 +82,29 @@ def _setup(**grpo):
 
 def test_auto_picks_the_largest_micro_batch_whose_compiled_update_fits():
   config, model_cfg, tokenizer, mesh = _setup()
-  config = fit._with(config, micro_batch_size="auto")
+  config = sizing._with(config, micro_batch_size="auto")
   limit = 50 * 10**6
   # No limit (CPU reports none): the whole batch, nothing compiled.
-  assert fit.memory_limit(config, mesh) is None
-  config_none, (whole,) = fit.resolve(config, model_cfg, tokenizer, mesh, 32)
+  assert sizing.memory_limit(config, mesh) is None
+  config_none, (whole,) = sizing.resolve(config, model_cfg, tokenizer, mesh, 32)
   assert (whole.size, whole.tried, config_none.grpo.micro_batch_size) == (256, {}, 256)
   # 50 MB: the config comes back with the number; both sizes read from memory_analysis().
-  resolved, (choice,) = fit.resolve(config, model_cfg, tokenizer, mesh, 32, limit=limit)
+  resolved, (choice,) = sizing.resolve(config, model_cfg, tokenizer, mesh, 32, limit=limit)
   assert resolved.grpo.micro_batch_size == choice.size == 64
   assert choice.tried[64].peak <= limit < choice.tried[128].peak  # 64 fits, 128 does not
   assert choice.tried[64].temporaries > 0 and list(choice.tried) == [256, 32, 64, 128]
   assert choice.line().startswith("micro_batch_size=auto -> 64 (update step ")
   # Too small a limit is one line naming the sizes tried.
-  with pytest.raises(fit.FitError, match=r"config.grpo.micro_batch_size=auto: no valid size "
+  with pytest.raises(sizing.FitError, match=r"config.grpo.micro_batch_size=auto: no valid size "
                      r"fits the update step in 9.54 MiB per chip \(tried 32: .*, 256: "):
-    fit.resolve(config, model_cfg, tokenizer, mesh, 32, limit=10 * 10**6)
+    sizing.resolve(config, model_cfg, tokenizer, mesh, 32, limit=10 * 10**6)
 
 
 def test_val_batch_sizes_stop_at_the_validation_set():
   _, _, _, mesh = _setup()
-  assert fit.val_batch_sizes(mesh, 20) == [8, 16, 24]  # doubling, then the whole set
-  assert fit.val_batch_sizes(mesh, 32) == [8, 16, 32]
-  assert fit.val_batch_sizes(mesh, 1319) == [8, 16, 32, 64, 128, 256, 512, 1024, 1320]
+  assert sizing.val_batch_sizes(mesh, 20) == [8, 16, 24]  # doubling, then the whole set
+  assert sizing.val_batch_sizes(mesh, 32) == [8, 16, 32]
+  assert sizing.val_batch_sizes(mesh, 1319) == [8, 16, 32, 64, 128, 256, 512, 1024, 1320]
 
 
 @pytest.mark.parametrize("sizes, gib, chosen, order", [
@@ -119,7 +119,7 @@ def test_val_batch_sizes_stop_at_the_validation_set():
 ])
 def test_the_search_on_measured_tpu_curves(sizes, gib, chosen, order):
   seen = []
-  size, _ = fit.choose(sizes, lambda s: fit.Memory(needs=int(gib[s] * 2**30)), 16 * 2**30,
+  size, _ = sizing.choose(sizes, lambda s: sizing.Memory(needs=int(gib[s] * 2**30)), 16 * 2**30,
                        report=lambda s, m: seen.append(s))
   assert (size, seen) == (chosen, order)
 
@@ -137,8 +137,8 @@ def test_an_environments_samplers_are_its_turn_and_start_programs():
   config = config_lib.validate(c, jax.device_count())
   model_cfg, _, tokenizer = loading.load_policy(config)
   mesh = sharding_lib.make_mesh(config.mesh.to_dict())
-  got = {name: fit.compile_memory(lowered, resident)
-         for name, lowered, resident in fit.programs(config, model_cfg, tokenizer, mesh,
+  got = {name: sizing.compile_memory(lowered, resident)
+         for name, lowered, resident in sizing.programs(config, model_cfg, tokenizer, mesh,
                                                     ["train", "val"])}
   assert list(got) == ["train sampler", "train episode start", "val sampler",
                        "val episode start"]

@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo import build, grpo
+from jaxgrpo.run import build
+from jaxgrpo.algo import grpo
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib

@@ -1,4 +1,4 @@
-"""Chunked log-probs (jaxgrpo.model.scoring): the same numbers and gradients as the full logits,
+"""Chunked log-probs (jaxgrpo.model.logprobs): the same numbers and gradients as the full logits,
 without holding the [N, T, V] logits."""
 
 import functools
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo import grpo
+from jaxgrpo.algo import grpo
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.rollout import sampling
 from numpy_params import assert_close_at_scale, random_params  # tests/numpy_params.py

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxgrpo import grpo
+from jaxgrpo.algo import grpo
 from jaxgrpo.model import hf
 from jaxgrpo.model import attention as attention_lib
 from jaxgrpo.model import decoder as model_lib
@@ -157,6 +157,23 @@ def make_runner(c, engine, tokenizer, add_bos: bool = True):
       max_observation_tokens=e.max_observation_tokens,
       workers=scorer.resolve_workers(e.workers), timeout_s=e.timeout_s,
       user_modules=c.user_modules, seed=c.seed, add_bos=add_bos)
+
+
+def make_validator(c, engine, scorer, runner, val_batches, mesh, sources=(), *,
+                   samples_dir: str | None = None, collect: bool = False):
+  """The run's Validator, built here for the trainer and for evaluate alike (so a run's
+  checkpoint evaluates to the run's own validation row): the validation seam
+  (rollouts.for_validation: one sampler call per batch, or k episodes per prompt), the val
+  profile's k, val_seed, the threshold, the sources and the stop rule's lower bound."""
+  from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import rollouts  # pylint: disable=g-import-not-at-top
+  g = c.grpo
+  return validation.Validator(
+      rollouts.for_validation(c, engine, scorer, runner), val_batches,
+      k=g.val_num_generations_per_prompt if runner is not None else None,
+      threshold=g.val_pass_threshold, seed=g.val_seed, mesh=mesh, samples_dir=samples_dir,
+      sources=sources, stop_metric=g.stop_at_validation_metric,
+      confidence=g.stop_at_validation_confidence, collect=collect)
 
 
 def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):

@@ -61,16 +61,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgrpo import microbatch
+from jaxgrpo.algo import microbatch
 from jaxgrpo.runtime import compile_options
-from jaxgrpo.model import distribution, scoring
+from jaxgrpo.model import distribution, logprobs
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling
-# The loss options' names are defined with the config keys that choose them, so that a config
-# error answers before jax loads.
-from jaxgrpo.config import KL_TYPES, LOSS_AGGS, SCALE_REWARDS
+from jaxgrpo.algo.options import KL_TYPES, LOSS_AGGS, SCALE_REWARDS  # jax-free, for config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +261,7 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   sp: one SamplingParams, or a tuple of them: one forward then serves every profile, and the
   result is a tuple of [N, T] arrays in the same order.
   chunk > 0: project `chunk` positions at a time, never holding the [N, T, V] logits
-  (scoring.chunked_logprobs). remat: what each layer keeps for the backward pass;
+  (logprobs.chunked_logprobs). remat: what each layer keeps for the backward pass;
   scan_layers, attention: model.Decoder's.
   """
   n, t = batch["completion_tokens_NxT"].shape
@@ -276,7 +274,7 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
     hidden_BxGxTxD, head_DxV = model_lib.score_hidden(*args, remat=remat,
                                                       scan_layers=scan_layers,
                                                       attention=attention)
-    out = scoring.chunked_logprobs(hidden_BxGxTxD.reshape(n, t, -1), head_DxV,
+    out = logprobs.chunked_logprobs(hidden_BxGxTxD.reshape(n, t, -1), head_DxV,
                                    batch["completion_tokens_NxT"], sps, chunk)
   else:
     logits_BxGxTxV = model_lib.score_groups(*args, remat=remat, scan_layers=scan_layers,

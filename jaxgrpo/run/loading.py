@@ -195,7 +195,7 @@ def check_env(config, tokenizer) -> None:
   """Stop strings the tokenizer cannot end a turn at: one line, before compiling."""
   if not config.env.name:
     return
-  from jaxgrpo import build  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import build  # pylint: disable=g-import-not-at-top
   try:
     build.stop_ids(config, tokenizer)
   except ValueError as e:
@@ -216,7 +216,7 @@ def lora_meta(config) -> dict:
 
 def resume_point(config, workdir: str, model_cfg, train_batches):
   """Where the run resumes from, checked on the host: (folder, step or None) or None."""
-  from jaxgrpo import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
   want = config.checkpoint.resume
   own = os.path.join(workdir, checkpoint.DIR_NAME)

@@ -1,0 +1,8 @@
+"""A run's assembly, for the commands: setup (the command line, the validated config, the
+policy and data loaded on the host: `prepare(argv) -> Setup`), loading (the host-side
+loading shared by every command), build (the device side: mesh, parameters, the rollout
+engine, the update), sizing (the 'auto' batch sizes, from the compiler's memory figures),
+trainer (the training loop), evaluator (evaluation outside training), checkpoint (orbax
+checkpoints), dynamic (dynamic sampling's generation batches) and artifacts (a run read
+back, and exported). The commands (train, evaluate, export, serve, plot) are thin mains
+over it; nothing here imports a command."""
