@@ -20,16 +20,15 @@ from typing import Any, Callable
 
 import ml_collections
 
-from jaxgrpo import plugins, rewards
 from jaxgrpo.algo import options
-from jaxgrpo.runtime import trackers
+from jaxgrpo.runtime import config_checks
 
 # The loss options' names (algo/grpo.py implements them; algo/options.py needs no jax).
 SCALE_REWARDS, KL_TYPES, LOSS_AGGS = options.SCALE_REWARDS, options.KL_TYPES, options.LOSS_AGGS
 
 
-class ConfigError(ValueError):
-  """A config problem, explained in one line."""
+# A config problem, explained in one line (raised by every check, here and registered).
+ConfigError = config_checks.ConfigError
 
 
 def _int(lo=None):
@@ -85,14 +84,6 @@ def _or_auto(check):
 def _nonempty(v):
   if not isinstance(v, str) or not v.strip():
     return "a non-empty string"
-
-
-def _trackers(v):
-  try:
-    trackers.parse(v)
-  except trackers.TrackerError:
-    return (f"a comma-separated list among {', '.join(trackers.NAMES)} ('' for "
-            "metrics.jsonl only)")
 
 
 def _dtype(v):
@@ -207,7 +198,7 @@ SCHEMA: dict[str, Any] = {
         "best_metric": _optional(_str), "best_to_keep": _int(1)},
     # Where metrics go beside metrics.jsonl (runtime/trackers.py), and the tracker run's
     # project, name ('' = the workdir's name) and tags (comma-separated).
-    "logging": {"trackers": _trackers, "project": _nonempty, "run_name": _str, "tags": _str,
+    "logging": {"trackers": _str, "project": _nonempty, "run_name": _str, "tags": _str,
                 "plots": _bool, "console": _bool},
 }
 
@@ -267,33 +258,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collecti
   config = ml_collections.ConfigDict(values)
   _check_keys("", config, SCHEMA)
   _resolve_val_profile(config.generation)
-  try:  # before the reward names are checked: these register the user's rewards
-    plugins.import_modules(config.user_modules)
-  except plugins.PluginError as e:
-    raise ConfigError(str(e)) from None
-  _check_rewards(config.rewards, config.env.name)
-  _check_cross_fields(config, num_devices)
+  # Then each subsystem's own keys (runtime/config_checks.py: registered by the modules
+  # that own them, in order; the mesh first, whose resolved sizes later checks read).
+  config_checks.run(config, num_devices)
   config.lock()
   return config
-
-
-def _check_rewards(weights, env_name: str = ""):
-  """Registered names with weights >= 0, one of them positive; with an environment every
-  weight may be 0 (its step rewards are the episode's reward: episodes.py)."""
-  if not isinstance(weights, ml_collections.ConfigDict) or not weights.keys():
-    raise ConfigError("config.rewards: expected name -> weight, e.g. {'math': 1.0}; "
-                      f"names: {', '.join(sorted(rewards.REGISTRY))}")
-  for name, weight in weights.items():
-    if name not in rewards.REGISTRY:
-      raise ConfigError(f"config.rewards.{name}: unknown reward; registered rewards: "
-                        f"{', '.join(sorted(rewards.REGISTRY))} (config.user_modules "
-                        "registers your own)")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-      _fail(f"rewards.{name}", weight, "a number >= 0")
-  if not any(w > 0 for w in weights.values()) and not env_name:
-    raise ConfigError("config.rewards: every weight is 0; give at least one reward a "
-                      "positive weight (or config.env.name an environment whose step rewards "
-                      "are the reward)")
 
 
 def _resolve_val_profile(gen):
@@ -309,108 +278,14 @@ def _resolve_val_profile(gen):
                         "config.generation.backend")
 
 
-def _check_stop_rule(g, weights):
-  """The stop metric must be one validation reports with this k (or such a metric of one
-  source, `pass@4/gsm8k`: the source is checked against the data at startup), and come
-  with a threshold."""
-  from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
-  metric, threshold = g.stop_at_validation_metric, g.stop_at_validation_threshold
-  k = g.val_num_generations_per_prompt
-  names = validation.stop_metric_names(k, rewards.majority_reward(weights) is not None)
-  if g.stop_at_validation_confidence is not None and metric is None:
-    _fail("grpo.stop_at_validation_confidence", g.stop_at_validation_confidence,
-          "None while grpo.stop_at_validation_metric is None (it qualifies that rule)")
-  if metric is None:
-    if threshold is not None:
-      raise ConfigError(
-          f"config.grpo.stop_at_validation_metric=None: stop_at_validation_threshold="
-          f"{threshold} is set but names no metric; allowed: {', '.join(names)} (or unset "
-          "the threshold)")
-    return
-  base, _, source = metric.partition("/")
-  if "/" in metric and not source:
-    _fail("grpo.stop_at_validation_metric", metric, "a metric, or a metric/source")
-  if base not in names:
-    j = base[len("pass@"):] if base.startswith("pass@") else ""
-    if base.startswith("maj@") and rewards.majority_reward(weights) is None:
-      why = ("needs a correctness reward with an answer extractor (math or exact_match) "
-             "to vote on")
-    elif base == "pass_k":
-      why = f"reported only when val_num_generations_per_prompt > 1 (it is {k})"
-    elif j.isdigit() and int(j) > k:
-      why = f"needs {j} samples per prompt but val_num_generations_per_prompt={k}"
-    else:
-      why = "validation does not report this metric"
-    raise ConfigError(f"config.grpo.stop_at_validation_metric={metric!r}: {why}; allowed: "
-                      f"{', '.join(names)} (with val_num_generations_per_prompt={k})")
-  if threshold is None:
-    raise ConfigError(
-        f"config.grpo.stop_at_validation_threshold=None: stop_at_validation_metric={metric!r} "
-        f"needs a threshold; allowed: a number, the value of {metric} at which the run stops")
-
-
-def _check_checkpoint(ck, g, weights):
-  from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
-  if not ck.resume:
-    _fail("checkpoint.resume", ck.resume, "'auto', 'never' or a checkpoint folder")
-  names = validation.stop_metric_names(g.val_num_generations_per_prompt,
-                                       rewards.majority_reward(weights) is not None)
-  if ck.best_metric is not None and ck.best_metric.partition("/")[0] not in names:
-    raise ConfigError(
-        f"config.checkpoint.best_metric={ck.best_metric!r}: validation does not report it "
-        f"with val_num_generations_per_prompt={g.val_num_generations_per_prompt}; allowed: "
-        f"{', '.join(names)}")
-  if ck.best_metric is not None and not g.val_period:
-    _fail("checkpoint.best_metric", ck.best_metric,
-          "None while grpo.val_period=0 (best checkpoints are saved at validations)")
-
-
-def _check_micro_batch(g, rows: int):
-  """A micro-batch holds whole groups (a group's advantages and its prompt's single forward
-  need all G rows), its prompts split evenly over the data axes, and divides the batch."""
-  m, gen = g.micro_batch_size, g.num_generations_per_prompt
-  if m == "auto":  # chosen at start-up among the sizes this rule allows (run/sizing.py)
-    return
-  if not m:
-    return
-  batch = g.num_prompts_per_step * gen
-  if m % gen:
-    _fail("grpo.micro_batch_size", m, f"a multiple of num_generations_per_prompt={gen} (a "
-          "group is never split), or 0 for the whole batch")
-  if (m // gen) % rows:
-    _fail("grpo.micro_batch_size", m, f"a multiple of {gen * rows} (num_generations_per_prompt="
-          f"{gen} x mesh data x fsdp={rows}: each micro-batch's prompts split evenly over "
-          "the devices), or 0")
-  if batch % m:
-    _fail("grpo.micro_batch_size", m, f"a divisor of the batch's {batch} rollouts "
-          f"(num_prompts_per_step x num_generations_per_prompt), or 0")
-
-
-def _check_cross_fields(c, num_devices: int):
-  from jaxgrpo.model import sharding
-  try:
-    sizes = sharding.resolve_mesh_shape(c.mesh.to_dict(), num_devices)
-  except ValueError as e:
-    raise ConfigError(f"config.{e}") from None
-  # Stored per slice, as given: resolving the stored sizes again gives the same mesh.
-  for axis, size in zip(sharding.MESH_AXES, sizes):
-    c.mesh[axis] = size // c.mesh.dcn_data if axis == "data" else size
-  rows = sizes[0] * sizes[1]
-  g = c.grpo
-  if g.num_prompts_per_step % rows:
-    _fail("grpo.num_prompts_per_step", g.num_prompts_per_step,
-          f"a multiple of {rows} (mesh data x fsdp), so prompts split evenly over devices")
-  _check_micro_batch(g, rows)
-  if g.val_batch_size == "auto" and c.generation.backend != "native":
-    _fail("grpo.val_batch_size", "auto", "a number with generation.backend="
-          f"{c.generation.backend!r} ('auto' measures the native sampler)")
-  if g.val_batch_size != "auto" and g.val_batch_size % rows:
-    _fail("grpo.val_batch_size", g.val_batch_size,
-          f"a multiple of {rows} (mesh data x fsdp)")
+@config_checks.register(order=30)
+def _check_model_source(c, num_devices: int) -> None:
+  """The clip bounds, and one source of weights (or every architecture key set)."""
+  del num_devices
+  g, m = c.grpo, c.model
   if g.epsilon_high < g.epsilon:
     _fail("grpo.epsilon_high", g.epsilon_high,
           f"a number >= grpo.epsilon={g.epsilon} (the upper clip is at least the lower)")
-  m = c.model
   if m.checkpoint and m.hf_checkpoint:
     _fail("model.hf_checkpoint", m.hf_checkpoint,
           f"'' while model.checkpoint={m.checkpoint!r} is set (one source of weights)")
@@ -419,73 +294,24 @@ def _check_cross_fields(c, num_devices: int):
       if value is None and key not in ("scan_layers", "attention"):  # None: by platform
         _fail(f"model.{key}", value, "a value, or a checkpoint to take it from "
               "(model.hf_checkpoint=/path/to/hf/model or model.checkpoint)")
-  _check_model_shapes(c, m, sizes)
-  _check_lora(m)
-  _check_attention(m)
-  _check_backend(c.generation, rows)
-  _check_dynamic_sampling(c)
-  _check_env(c)
-  _check_stop_rule(g, c.rewards)
-  _check_checkpoint(c.checkpoint, g, c.rewards)
+
+
+@config_checks.register(order=38)
+def _check_data(c, num_devices: int) -> None:
+  """checkpoint.resume, and the data keys: a file for jsonl, a chat template's folder, a
+  template with {question} and no backslash-n."""
+  del num_devices
+  if not c.checkpoint.resume:
+    _fail("checkpoint.resume", c.checkpoint.resume, "'auto', 'never' or a checkpoint folder")
   d = c.data
   if d.source == "jsonl" and not d.train_path:
     _fail("data.train_path", d.train_path, "a JSONL file path when data.source='jsonl'")
-  if d.use_chat_template and not m.hf_checkpoint:
+  if d.use_chat_template and not c.model.hf_checkpoint:
     _fail("data.use_chat_template", True, "False unless model.hf_checkpoint names a Hugging "
           "Face folder (its tokenizer_config.json holds the chat template)")
   if "{question}" not in d.prompt_template:
     _fail("data.prompt_template", d.prompt_template, "a template containing {question}")
   _check_no_backslash_n(d.prompt_template)
-
-
-def _check_env(c):
-  """An environment that exists and can be made with its kwargs, and a token budget that
-  holds the prompt (the stop strings are checked against the tokenizer by loading)."""
-  e, gen = c.env, c.generation
-  if not e.name:
-    if gen.max_episode_tokens:
-      _fail("generation.max_episode_tokens", gen.max_episode_tokens,
-            "0 without an environment (env.name='' samples one completion per prompt)")
-    return
-  from jaxgrpo import envs  # pylint: disable=g-import-not-at-top  (no jax)
-  try:
-    envs.get(e.name)
-  except envs.EnvError as err:
-    raise ConfigError(f"config.env.name={e.name!r}: {err}") from None
-  try:
-    envs.parse_kwargs(e.kwargs)
-  except envs.EnvError as err:
-    raise ConfigError(f"config.env.kwargs={e.kwargs!r}: {err}") from None
-  try:
-    envs.instance(e.name, e.kwargs)
-  except Exception as err:  # pylint: disable=broad-except  (the user's constructor)
-    raise ConfigError(f"config.env.kwargs={e.kwargs!r}: environment {e.name!r} cannot be made "
-                      f"with them: {type(err).__name__}: {err}") from None
-  if gen.max_episode_tokens <= c.data.max_prompt_length:
-    _fail("generation.max_episode_tokens", gen.max_episode_tokens,
-          f"more than data.max_prompt_length={c.data.max_prompt_length} (an episode is the "
-          "prompt and every turn and observation after it)")
-  if gen.backend != "native":
-    _fail("env.name", e.name, f"'' with generation.backend={gen.backend!r} (episodes run on "
-          "the native sampler)")
-  # An episode's turns run on its KV cache, each row at its own slot (rollout/turns.py):
-  # the decode's key blocks read one slot range for every row.
-  if gen.decode_block_size:
-    _fail("generation.decode_block_size", gen.decode_block_size, "0 with an environment "
-          "(episode turns decode each row at its own slot of the KV cache they keep)")
-  if c.grpo.dynamic_sampling != "off":
-    _fail("grpo.dynamic_sampling", c.grpo.dynamic_sampling,
-          "'off' with an environment (dynamic sampling of episodes is not built yet)")
-
-
-def _check_lora(m):
-  if not m.lora_rank:
-    return
-  from jaxgrpo.model import lora  # pylint: disable=g-import-not-at-top  (imports jax)
-  try:
-    lora.parse_targets(m.lora_targets)
-  except ValueError as e:
-    _fail("model.lora_targets", m.lora_targets, str(e).split("; allowed: ")[-1])
 
 
 def _check_no_backslash_n(template: str):
@@ -506,82 +332,6 @@ def _check_no_backslash_n(template: str):
       "newline (a shell passes \\n inside quotes as two characters); allowed: real "
       f"newlines, e.g. --config.data.prompt_template=$'{quoted}' in bash or zsh, or "
       '"\\n" in a Python config file')
-
-
-def _check_attention(m):
-  """cuDNN's fused attention: a GPU and half-precision compute (else jax fails deep inside
-  the first compilation)."""
-  if m.attention != "cudnn":
-    return
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.default_backend() != "gpu":
-    _fail("model.attention", m.attention, f"None or 'xla' on {jax.default_backend()} "
-          "(cuDNN's fused attention needs a GPU)")
-  if m.dtype != "bfloat16":
-    _fail("model.attention", m.attention, f"None or 'xla' with model.dtype={m.dtype!r} "
-          "(cuDNN's flash attention takes bfloat16)")
-
-
-def _check_dynamic_sampling(c):
-  """grpo.dynamic_sampling's keys: a metric that names an active reward, and the native
-  sampler (it draws each generation batch with its own key)."""
-  g = c.grpo
-  if g.dynamic_sampling == "off":
-    return
-  active = sorted(k for k, w in c.rewards.items() if w > 0)
-  if g.dynamic_sampling_metric is not None and g.dynamic_sampling_metric not in active:
-    _fail("grpo.dynamic_sampling_metric", g.dynamic_sampling_metric,
-          f"None (the total reward) or a reward with a weight > 0: {', '.join(active)}")
-  if c.generation.backend != "native":
-    _fail("grpo.dynamic_sampling", g.dynamic_sampling,
-          f"'off' with generation.backend={c.generation.backend!r} (only the native "
-          "sampler draws generation batches of their own)")
-
-
-def _check_backend(gen, rows: int):
-  """The jetstream backend: its extra installed (found, not imported: it imports
-  TensorFlow), one process, and decode slots that split over the data axes."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  if gen.backend != "jetstream":
-    if gen.max_concurrent_decodes:
-      _fail("generation.max_concurrent_decodes", gen.max_concurrent_decodes,
-            f"0 with generation.backend={gen.backend!r} (only 'jetstream' has decode slots)")
-    return
-  if gen.decode_block_size:
-    _fail("generation.decode_block_size", gen.decode_block_size,
-          "0 with generation.backend='jetstream' (its slots decode at their own steps and "
-          "read the whole cache); or generation.backend='native'")
-  if gen.compact_stages:
-    _fail("generation.compact_stages", gen.compact_stages,
-          "0 with generation.backend='jetstream' (it refills finished slots instead); or "
-          "generation.backend='native'")
-  if importlib.util.find_spec("jetstream") is None:
-    _fail("generation.backend", gen.backend, "'native', or 'jetstream' after "
-          "pip install 'jaxgrpo[jetstream]' (google-jetstream is not installed)")
-  if jax.process_count() > 1:
-    _fail("generation.backend", gen.backend, f"'native' on {jax.process_count()} processes "
-          "(the jetstream backend runs on one)")
-  if gen.max_concurrent_decodes % rows:
-    _fail("generation.max_concurrent_decodes", gen.max_concurrent_decodes,
-          f"0 (one slot per rollout row) or a multiple of {rows} (mesh data x fsdp)")
-
-
-def _check_model_shapes(c, m, sizes):
-  """Divisibility rules for the architecture keys that are set (a checkpoint's own values are
-  checked again once it is read)."""
-  if m.num_heads and m.num_kv_heads and m.num_heads % m.num_kv_heads:
-    _fail("model.num_heads", m.num_heads, f"a multiple of model.num_kv_heads={m.num_kv_heads}")
-  if sizes[2] > 1:
-    for key in ("num_kv_heads", "num_heads", "mlp_dim", "vocab_size"):
-      if m[key] is not None and m[key] % sizes[2]:
-        _fail(f"model.{key}", m[key], f"a multiple of mesh.tensor={sizes[2]}")
-  if sizes[1] > 1 and m.d_model is not None and m.d_model % sizes[1]:
-    _fail("model.d_model", m.d_model, f"a multiple of mesh.fsdp={sizes[1]}")
-  for key in ("top_k", "val_top_k"):
-    if m.vocab_size is not None and c.generation[key] > m.vocab_size:
-      _fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="
-            f"{m.vocab_size}")
 
 
 def _never_validates(c) -> str | None:

@@ -54,6 +54,7 @@ import math
 from typing import Any, Callable
 
 import numpy as np
+from jaxgrpo.runtime import config_checks
 
 _REGISTRY: dict[str, type] = {}
 # One instance per process and (name, kwargs): made on first use, here or in a worker.
@@ -183,3 +184,44 @@ def check_step(out) -> tuple[str | None, float | None, bool, dict]:
   if not isinstance(info, dict):
     raise ValueError(f"step's info is {type(info).__name__}; allowed: a dict")
   return observation, reward, bool(done), info
+
+
+@config_checks.register(order=36)
+def _check_config(c, num_devices: int) -> None:
+  """An environment that exists and can be made with its kwargs, and a token budget that
+  holds the prompt (the stop strings are checked against the tokenizer by loading)."""
+  del num_devices
+  e, gen = c.env, c.generation
+  if not e.name:
+    if gen.max_episode_tokens:
+      config_checks.fail("generation.max_episode_tokens", gen.max_episode_tokens,
+            "0 without an environment (env.name='' samples one completion per prompt)")
+    return
+  try:
+    get(e.name)
+  except EnvError as err:
+    raise config_checks.ConfigError(f"config.env.name={e.name!r}: {err}") from None
+  try:
+    parse_kwargs(e.kwargs)
+  except EnvError as err:
+    raise config_checks.ConfigError(f"config.env.kwargs={e.kwargs!r}: {err}") from None
+  try:
+    instance(e.name, e.kwargs)
+  except Exception as err:  # pylint: disable=broad-except  (the user's constructor)
+    raise config_checks.ConfigError(f"config.env.kwargs={e.kwargs!r}: environment {e.name!r} cannot be made "
+                      f"with them: {type(err).__name__}: {err}") from None
+  if gen.max_episode_tokens <= c.data.max_prompt_length:
+    config_checks.fail("generation.max_episode_tokens", gen.max_episode_tokens,
+          f"more than data.max_prompt_length={c.data.max_prompt_length} (an episode is the "
+          "prompt and every turn and observation after it)")
+  if gen.backend != "native":
+    config_checks.fail("env.name", e.name, f"'' with generation.backend={gen.backend!r} (episodes run on "
+          "the native sampler)")
+  # An episode's turns run on its KV cache, each row at its own slot (rollout/turns.py):
+  # the decode's key blocks read one slot range for every row.
+  if gen.decode_block_size:
+    config_checks.fail("generation.decode_block_size", gen.decode_block_size, "0 with an environment "
+          "(episode turns decode each row at its own slot of the KV cache they keep)")
+  if c.grpo.dynamic_sampling != "off":
+    config_checks.fail("grpo.dynamic_sampling", c.grpo.dynamic_sampling,
+          "'off' with an environment (dynamic sampling of episodes is not built yet)")

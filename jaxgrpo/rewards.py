@@ -47,6 +47,9 @@ import re
 import threading
 from typing import Any
 
+from jaxgrpo import plugins
+from jaxgrpo.runtime import config_checks
+
 
 RewardFn = Callable[..., list[float]]
 
@@ -466,3 +469,30 @@ def majority_reward(weights: Mapping[str, float]) -> str | None:
   neither an answer extractor nor `pred`s (then there is no maj@k)."""
   name = correctness_reward(weights)
   return name if name in EXTRACTORS or name in PREDS else None
+
+
+@config_checks.register(order=10)
+def _check_config(c, num_devices: int) -> None:
+  """Registered names with weights >= 0, one of them positive; with an environment every
+  weight may be 0 (its step rewards are the episode's reward: episodes.py). First the user's
+  modules (config.user_modules) are imported: they register their rewards."""
+  del num_devices
+  try:
+    plugins.import_modules(c.user_modules)
+  except plugins.PluginError as e:
+    raise config_checks.ConfigError(str(e)) from None
+  weights, env_name = c.rewards, c.env.name
+  if not hasattr(weights, 'items') or not weights.keys():
+    raise config_checks.ConfigError("config.rewards: expected name -> weight, e.g. {'math': 1.0}; "
+                      f"names: {', '.join(sorted(REGISTRY))}")
+  for name, weight in weights.items():
+    if name not in REGISTRY:
+      raise config_checks.ConfigError(f"config.rewards.{name}: unknown reward; registered rewards: "
+                        f"{', '.join(sorted(REGISTRY))} (config.user_modules "
+                        "registers your own)")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+      config_checks.fail(f"rewards.{name}", weight, "a number >= 0")
+  if not any(w > 0 for w in weights.values()) and not env_name:
+    raise config_checks.ConfigError("config.rewards: every weight is 0; give at least one reward a "
+                      "positive weight (or config.env.name an environment whose step rewards "
+                      "are the reward)")

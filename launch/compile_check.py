@@ -251,7 +251,7 @@ def _validate(config, num_devices: int, num_slices: int):
       raise config_lib.ConfigError(
           f"config.mesh.dcn_data={mesh.dcn_data}: the topology has {num_slices} slice(s) "
           f"(--num_slices={num_slices}); allowed: {num_slices}")
-  return config_lib.validate(config, num_devices)
+  return setup.validate(config, num_devices)
 
 
 def _architecture(config):

@@ -31,6 +31,12 @@ if "TRACKIO_DIR" not in os.environ:
 
 import pytest  # noqa: E402  (after the environment above)
 
+from jaxgrpo.run import setup as _setup  # noqa: E402
+
+# Every subsystem's config checks (runtime/config_checks.py), as each command registers them:
+# tests call config.validate directly.
+_setup.register_checks()
+
 
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory):

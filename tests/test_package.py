@@ -96,9 +96,9 @@ def test_no_private_name_is_used_across_modules():
 
 # The package's layers, lowest first: a module imports its own layer and those below, never
 # one above. "" is the top level's data path (config, data, rewards, scorer, envs, tools,
-# episodes, plugins); run/ assembles a run from everything below it; "commands" are the
+# episodes, plugins); eval/ measures with it (its stop rule reads the rewards); run/ assembles a run from everything below it; "commands" are the
 # top-level modules `python -m jaxgrpo.<name>` runs, thin mains over run/; bench/ measures.
-LAYERS = ("runtime", "model", "rollout", "algo", "eval", "", "run", "commands", "bench")
+LAYERS = ("runtime", "model", "rollout", "algo", "", "eval", "run", "commands", "bench")
 COMMANDS = ("train", "evaluate", "export", "serve", "plot")
 
 
@@ -206,3 +206,40 @@ def test_every_import_of_the_package_names_a_module_that_exists():
                       for a in node.names
                       if a.name.split(".")[0] == "jaxgrpo" and a.name not in modules]
   assert stale == []
+
+
+def test_config_imports_no_subsystem():
+  # config.py imported rewards, plugins, trackers, and inside functions eval/validation,
+  # sharding, lora and envs, to check their keys. Each registers its own checks now
+  # (runtime/config_checks.py); config.py reads the loss options' names (jax-free) and the
+  # registry, nothing else of the package.
+  modules = _modules()
+  deps = _imports(os.path.join(ROOT, "config.py"), modules)
+  assert deps == {"jaxgrpo.algo.options", "jaxgrpo.runtime.config_checks"}
+
+
+def test_every_module_that_registers_config_checks_is_imported_before_validating():
+  # A registering module that run/setup.py's CHECKING_MODULES misses would have its checks
+  # skipped whenever nothing else imported it first.
+  from jaxgrpo.run import setup  # pylint: disable=g-import-not-at-top
+  registering = sorted(
+      m for m, p in _modules().items() if "@config_checks.register" in open(p).read())
+  assert sorted(setup.CHECKING_MODULES) == [
+      m for m in registering if m not in ("jaxgrpo.config", "jaxgrpo.runtime.config_checks")]
+
+
+# run/ and the rollout seam: functions a reader can hold in view. Exceptions: none.
+LONG_FUNCTION_EXCEPTIONS = {}
+
+
+def test_no_function_over_80_lines_in_run():
+  long = []
+  for module, path in _modules().items():
+    if not module.startswith("jaxgrpo.run."):
+      continue
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = node.end_lineno - node.lineno + 1
+        if lines > 80 and f"{module}.{node.name}" not in LONG_FUNCTION_EXCEPTIONS:
+          long.append(f"{module}.{node.name}: {lines} lines")
+  assert long == []

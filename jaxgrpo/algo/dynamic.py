@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxgrpo.algo import grpo
+from jaxgrpo.runtime import config_checks
 
 
 def generation_prompts(num_prompts: int, oversample_factor: float, multiple: int) -> int:
@@ -65,3 +66,21 @@ def choose(informative_per_batch: Sequence[np.ndarray], num_groups: int):
   if len(kept) + len(fill) < num_groups:
     raise ValueError(f"{len(flags)} groups sampled, fewer than the {num_groups} the update needs")
   return np.sort(np.concatenate([kept, fill])), len(fill)
+
+
+@config_checks.register(order=35)
+def _check_config(c, num_devices: int) -> None:
+  """grpo.dynamic_sampling's keys: a metric that names an active reward, and the native
+  sampler (it draws each generation batch with its own key)."""
+  del num_devices
+  g = c.grpo
+  if g.dynamic_sampling == "off":
+    return
+  active = sorted(k for k, w in c.rewards.items() if w > 0)
+  if g.dynamic_sampling_metric is not None and g.dynamic_sampling_metric not in active:
+    config_checks.fail("grpo.dynamic_sampling_metric", g.dynamic_sampling_metric,
+          f"None (the total reward) or a reward with a weight > 0: {', '.join(active)}")
+  if c.generation.backend != "native":
+    config_checks.fail("grpo.dynamic_sampling", g.dynamic_sampling,
+          f"'off' with generation.backend={c.generation.backend!r} (only the native "
+          "sampler draws generation batches of their own)")

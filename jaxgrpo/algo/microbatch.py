@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.runtime import config_checks
 
 
 def split(tree, num_micro: int, shards: int, mesh=None):
@@ -75,3 +76,31 @@ def accumulate(loss_fn: Callable, params, micro_batches, grad_shardings=None):
   (loss, sums, grads), _ = jax.lax.scan(body, zeros, micro_batches)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   return (loss, sums), grads
+
+
+def _check_micro_batch(g, rows: int):
+  """A micro-batch holds whole groups (a group's advantages and its prompt's single forward
+  need all G rows), its prompts split evenly over the data axes, and divides the batch."""
+  m, gen = g.micro_batch_size, g.num_generations_per_prompt
+  if m == "auto":  # chosen at start-up among the sizes this rule allows (run/sizing.py)
+    return
+  if not m:
+    return
+  batch = g.num_prompts_per_step * gen
+  if m % gen:
+    config_checks.fail("grpo.micro_batch_size", m, f"a multiple of num_generations_per_prompt={gen} (a "
+          "group is never split), or 0 for the whole batch")
+  if (m // gen) % rows:
+    config_checks.fail("grpo.micro_batch_size", m, f"a multiple of {gen * rows} (num_generations_per_prompt="
+          f"{gen} x mesh data x fsdp={rows}: each micro-batch's prompts split evenly over "
+          "the devices), or 0")
+  if batch % m:
+    config_checks.fail("grpo.micro_batch_size", m, f"a divisor of the batch's {batch} rollouts "
+          f"(num_prompts_per_step x num_generations_per_prompt), or 0")
+
+
+@config_checks.register(order=21)
+def _check_config(c, num_devices: int) -> None:
+  del num_devices
+  m = c.mesh  # resolved by the mesh check (model/sharding.py)
+  _check_micro_batch(c.grpo, m.data * m.dcn_data * m.fsdp)

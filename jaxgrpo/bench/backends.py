@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxgrpo.run import build, loading
-from jaxgrpo import config as config_lib
+from jaxgrpo.run import setup as setup_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.bench import common
@@ -40,7 +40,7 @@ def run_backends(args) -> list[dict]:
     config = common.default_config()
     config.generation.backend = "native" if name == "native" else "jetstream"
     config.generation.max_concurrent_decodes = slots
-    config = config_lib.validate(config, 1)
+    config = setup_lib.validate(config, 1)
     model_cfg, host_params, tokenizer = loading.load_policy(config)
     engines[name] = build.make_engine(config, model_cfg, tokenizer, mesh)
   params = sharding_lib.shard_params(host_params, model_cfg, mesh)

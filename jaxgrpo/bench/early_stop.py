@@ -34,7 +34,6 @@ import ml_collections
 
 from jaxgrpo import scorer
 from jaxgrpo.run import build, loading, rollouts, trainer
-from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo.run import setup as setup_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -53,7 +52,7 @@ def _setup(args):
   g.stop_at_validation_metric = "accuracy"
   g.stop_at_validation_threshold = args.threshold
   g.stop_at_validation_confidence = args.confidence
-  config = config_lib.validate(config, 1)
+  config = setup_lib.validate(config, 1)
   model_cfg, host_params, tokenizer = loading.load_policy(config)
   return config, model_cfg, host_params, tokenizer
 
@@ -84,7 +83,7 @@ def run_early_stop(args) -> list[dict]:
   _, big = _validator(config, model_cfg, tokenizer, mesh, val_rows, args.big_k, None, seed=1)
   results, per_rule = [], {"plain": [], "confidence": []}
   for run in range(args.first_seed, args.first_seed + args.runs):
-    c = config_lib.validate(_with_seed(config, run), 1)
+    c = setup_lib.validate(_with_seed(config, run), 1)
     batches = data_lib.PromptBatches(train_rows, tokenizer, c.grpo.num_prompts_per_step,
                                      c.data.max_prompt_length, template=c.data.prompt_template,
                                      seed=run, process_index=0, process_count=1)

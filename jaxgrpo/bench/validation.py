@@ -10,7 +10,7 @@ import jax
 
 from jaxgrpo import scorer
 from jaxgrpo.run import build, loading, rollouts
-from jaxgrpo import config as config_lib
+from jaxgrpo.run import setup as setup_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import validation
@@ -22,7 +22,7 @@ def run_validation(args) -> list[dict]:
   devices = jax.devices()[:1]
   config = common.default_config()
   config.grpo.max_val_samples = args.max_val_samples
-  config = config_lib.validate(config, len(devices))
+  config = setup_lib.validate(config, len(devices))
   # The trainer's loader: it also checks that config.model matches the checkpoint.
   model_cfg, host_params, tokenizer = loading.load_policy(config)
   mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)

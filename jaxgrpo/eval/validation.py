@@ -59,6 +59,8 @@ from jaxgrpo.runtime import distributed
 from jaxgrpo.runtime import metrics as metrics_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.eval import voting
+from jaxgrpo.runtime import config_checks
+from jaxgrpo import rewards
 
 
 def pass_js(k: int) -> tuple[int, ...]:
@@ -418,3 +420,64 @@ def reward_metrics(batches) -> dict[str, float]:
 def unbiased_pass_at_j(n: int, c: int, j: int) -> float:
   """Host reference, exact in rationals: 1 - C(n-c, j) / C(n, j) (tests and tools)."""
   return 1.0 - math.comb(n - c, j) / math.comb(n, j)
+
+
+def _check_stop_rule(g, weights):
+  """The stop metric must be one validation reports with this k (or such a metric of one
+  source, `pass@4/gsm8k`: the source is checked against the data at startup), and come
+  with a threshold."""
+  metric, threshold = g.stop_at_validation_metric, g.stop_at_validation_threshold
+  k = g.val_num_generations_per_prompt
+  names = stop_metric_names(k, rewards.majority_reward(weights) is not None)
+  if g.stop_at_validation_confidence is not None and metric is None:
+    config_checks.fail("grpo.stop_at_validation_confidence", g.stop_at_validation_confidence,
+          "None while grpo.stop_at_validation_metric is None (it qualifies that rule)")
+  if metric is None:
+    if threshold is not None:
+      raise config_checks.ConfigError(
+          f"config.grpo.stop_at_validation_metric=None: stop_at_validation_threshold="
+          f"{threshold} is set but names no metric; allowed: {', '.join(names)} (or unset "
+          "the threshold)")
+    return
+  base, _, source = metric.partition("/")
+  if "/" in metric and not source:
+    config_checks.fail("grpo.stop_at_validation_metric", metric, "a metric, or a metric/source")
+  if base not in names:
+    j = base[len("pass@"):] if base.startswith("pass@") else ""
+    if base.startswith("maj@") and rewards.majority_reward(weights) is None:
+      why = ("needs a correctness reward with an answer extractor (math or exact_match) "
+             "to vote on")
+    elif base == "pass_k":
+      why = f"reported only when val_num_generations_per_prompt > 1 (it is {k})"
+    elif j.isdigit() and int(j) > k:
+      why = f"needs {j} samples per prompt but val_num_generations_per_prompt={k}"
+    else:
+      why = "validation does not report this metric"
+    raise config_checks.ConfigError(f"config.grpo.stop_at_validation_metric={metric!r}: {why}; allowed: "
+                      f"{', '.join(names)} (with val_num_generations_per_prompt={k})")
+  if threshold is None:
+    raise config_checks.ConfigError(
+        f"config.grpo.stop_at_validation_threshold=None: stop_at_validation_metric={metric!r} "
+        f"needs a threshold; allowed: a number, the value of {metric} at which the run stops")
+
+
+def _check_best_metric(ck, g, weights):
+  """checkpoint.best_metric: a metric validation reports, at validations that run."""
+  names = stop_metric_names(g.val_num_generations_per_prompt,
+                                       rewards.majority_reward(weights) is not None)
+  if ck.best_metric is not None and ck.best_metric.partition("/")[0] not in names:
+    raise config_checks.ConfigError(
+        f"config.checkpoint.best_metric={ck.best_metric!r}: validation does not report it "
+        f"with val_num_generations_per_prompt={g.val_num_generations_per_prompt}; allowed: "
+        f"{', '.join(names)}")
+  if ck.best_metric is not None and not g.val_period:
+    config_checks.fail("checkpoint.best_metric", ck.best_metric,
+          "None while grpo.val_period=0 (best checkpoints are saved at validations)")
+
+
+@config_checks.register(order=37)
+def _check_config(c, num_devices: int) -> None:
+  """The stop rule and the best checkpoint's metric: metrics this validation reports."""
+  del num_devices
+  _check_stop_rule(c.grpo, c.rewards)
+  _check_best_metric(c.checkpoint, c.grpo, c.rewards)

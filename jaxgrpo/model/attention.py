@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jaxgrpo.runtime import config_checks
 
 # A large finite negative instead of -inf: a fully masked row (a pad query) then gets a
 # uniform softmax instead of NaN, and NaN never leaks into gradients.
@@ -152,3 +153,19 @@ def rope(x, positions, inv_freq):
   x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+@config_checks.register(order=33)
+def _check_config(c, num_devices: int) -> None:
+  """cuDNN's fused attention: a GPU and half-precision compute (else jax fails deep inside
+  the first compilation)."""
+  del num_devices
+  m = c.model
+  if m.attention != "cudnn":
+    return
+  if jax.default_backend() != "gpu":
+    config_checks.fail("model.attention", m.attention, f"None or 'xla' on {jax.default_backend()} "
+          "(cuDNN's fused attention needs a GPU)")
+  if m.dtype != "bfloat16":
+    config_checks.fail("model.attention", m.attention, f"None or 'xla' with model.dtype={m.dtype!r} "
+          "(cuDNN's flash attention takes bfloat16)")

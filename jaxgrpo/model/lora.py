@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.runtime import config_checks
 
 # target -> (parameter path under "layers", how many leading axes (after layers) are its
 # input; the rest are its output), with the logical axis names of the base weight.
@@ -133,3 +134,16 @@ def merge(base, adapters, scale: float):
     merged = (w.astype(jnp.float32) + delta(adapter, scale)).astype(w.dtype)
     layers[section] = {**layers[section], name: merged}
   return {**base, "layers": layers}
+
+
+@config_checks.register(order=32)
+def _check_config(c, num_devices: int) -> None:
+  """model.lora_targets: names parse_targets knows (with lora_rank > 0)."""
+  del num_devices
+  m = c.model
+  if not m.lora_rank:
+    return
+  try:
+    parse_targets(m.lora_targets)
+  except ValueError as e:
+    config_checks.fail("model.lora_targets", m.lora_targets, str(e).split("; allowed: ")[-1])

@@ -35,6 +35,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgrpo.model import decode
 from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.runtime import config_checks
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -263,3 +264,50 @@ def cache_shardings(mesh: Mesh, stacked: bool = False) -> decode.Cache:
       prompt_bias=logical_sharding(mesh, "batch", None, None, "length"),
       gen_k=logical_sharding(mesh, *layers, "batch", "cache_heads", "samples", None, "length"),
       gen_v=logical_sharding(mesh, *layers, "batch", "cache_heads", "samples", "length", None))
+
+
+@config_checks.register(order=20)
+def _check_mesh(c, num_devices: int) -> None:
+  """mesh.*: sizes that resolve over the devices (stored resolved, per slice: resolving the
+  stored sizes again gives the same mesh), and the batches that must split over them."""
+  try:
+    sizes = resolve_mesh_shape(c.mesh.to_dict(), num_devices)
+  except ValueError as e:
+    raise config_checks.ConfigError(f"config.{e}") from None
+  for axis, size in zip(MESH_AXES, sizes):
+    c.mesh[axis] = size // c.mesh.dcn_data if axis == "data" else size
+  rows, g = sizes[0] * sizes[1], c.grpo
+  if g.num_prompts_per_step % rows:
+    config_checks.fail("grpo.num_prompts_per_step", g.num_prompts_per_step,
+                       f"a multiple of {rows} (mesh data x fsdp), so prompts split evenly "
+                       "over devices")
+
+
+@config_checks.register(order=23)
+def _check_val_batch(c, num_devices: int) -> None:
+  del num_devices
+  rows, g = c.mesh.data * c.mesh.dcn_data * c.mesh.fsdp, c.grpo
+  if g.val_batch_size != "auto" and g.val_batch_size % rows:
+    config_checks.fail("grpo.val_batch_size", g.val_batch_size,
+                       f"a multiple of {rows} (mesh data x fsdp)")
+
+
+@config_checks.register(order=31)
+def _check_model_shapes(c, num_devices: int) -> None:
+  """Divisibility rules for the architecture keys that are set (a checkpoint's own values are
+  checked again once it is read)."""
+  del num_devices
+  m = c.model
+  sizes = (c.mesh.data * c.mesh.dcn_data, c.mesh.fsdp, c.mesh.tensor)
+  if m.num_heads and m.num_kv_heads and m.num_heads % m.num_kv_heads:
+    config_checks.fail("model.num_heads", m.num_heads, f"a multiple of model.num_kv_heads={m.num_kv_heads}")
+  if sizes[2] > 1:
+    for key in ("num_kv_heads", "num_heads", "mlp_dim", "vocab_size"):
+      if m[key] is not None and m[key] % sizes[2]:
+        config_checks.fail(f"model.{key}", m[key], f"a multiple of mesh.tensor={sizes[2]}")
+  if sizes[1] > 1 and m.d_model is not None and m.d_model % sizes[1]:
+    config_checks.fail("model.d_model", m.d_model, f"a multiple of mesh.fsdp={sizes[1]}")
+  for key in ("top_k", "val_top_k"):
+    if m.vocab_size is not None and c.generation[key] > m.vocab_size:
+      config_checks.fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="
+            f"{m.vocab_size}")

@@ -16,6 +16,8 @@ from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling
+from jaxgrpo.runtime import config_checks
+import importlib.util
 
 
 def training(setup, mesh=None):
@@ -212,3 +214,43 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                                 decode_block=gen.decode_block_size,
                                 compact_stages=gen.compact_stages,
                                 attention=attention(c, mesh), **common)
+
+
+@config_checks.register(order=34)
+def _check_backend(c, num_devices: int) -> None:
+  """The jetstream backend: its extra installed (found, not imported: it imports
+  TensorFlow), one process, and decode slots that split over the data axes."""
+  del num_devices
+  gen, m = c.generation, c.mesh
+  rows = m.data * m.dcn_data * m.fsdp
+  if gen.backend != "jetstream":
+    if gen.max_concurrent_decodes:
+      config_checks.fail("generation.max_concurrent_decodes", gen.max_concurrent_decodes,
+            f"0 with generation.backend={gen.backend!r} (only 'jetstream' has decode slots)")
+    return
+  if gen.decode_block_size:
+    config_checks.fail("generation.decode_block_size", gen.decode_block_size,
+          "0 with generation.backend='jetstream' (its slots decode at their own steps and "
+          "read the whole cache); or generation.backend='native'")
+  if gen.compact_stages:
+    config_checks.fail("generation.compact_stages", gen.compact_stages,
+          "0 with generation.backend='jetstream' (it refills finished slots instead); or "
+          "generation.backend='native'")
+  if importlib.util.find_spec("jetstream") is None:
+    config_checks.fail("generation.backend", gen.backend, "'native', or 'jetstream' after "
+          "pip install 'jaxgrpo[jetstream]' (google-jetstream is not installed)")
+  if jax.process_count() > 1:
+    config_checks.fail("generation.backend", gen.backend, f"'native' on {jax.process_count()} processes "
+          "(the jetstream backend runs on one)")
+  if gen.max_concurrent_decodes % rows:
+    config_checks.fail("generation.max_concurrent_decodes", gen.max_concurrent_decodes,
+          f"0 (one slot per rollout row) or a multiple of {rows} (mesh data x fsdp)")
+
+
+@config_checks.register(order=22)
+def _check_auto_val_batch(c, num_devices: int) -> None:
+  """'auto' validation batches are measured on the native sampler (run/sizing.py)."""
+  del num_devices
+  if c.grpo.val_batch_size == "auto" and c.generation.backend != "native":
+    config_checks.fail("grpo.val_batch_size", "auto", "a number with generation.backend="
+                       f"{c.generation.backend!r} ('auto' measures the native sampler)")

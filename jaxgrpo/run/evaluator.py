@@ -220,7 +220,7 @@ def _side(raw, spec, overrides) -> Side:
         "checkpoint" if model["checkpoint"] else "random_init")
     checkpoint = {"kind": source, "path": model.get(source)}
   values["model"] = model
-  config = config_lib.validate(ml_collections.ConfigDict(values), jax.device_count())
+  config = setup.validate(ml_collections.ConfigDict(values), jax.device_count())
   model_cfg, host_params, tokenizer = loading.load_policy(config)
   if restore and not config.model.lora_rank:
     host_params = None  # the run's own weights come from its checkpoint, onto the mesh

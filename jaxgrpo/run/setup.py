@@ -110,6 +110,38 @@ def parse_config(argv, announce=None):
   return config
 
 
+# Every module that registers config checks of its own keys (runtime/config_checks.py):
+# config.py imports none of them, so the run layer imports them all before validating.
+CHECKING_MODULES = (
+    "jaxgrpo.rewards",            # config.user_modules imported; reward names and weights
+    "jaxgrpo.envs",               # the environment and its token budget
+    "jaxgrpo.runtime.trackers",   # logging.trackers
+    "jaxgrpo.model.sharding",     # the mesh and what must split over it; model shapes
+    "jaxgrpo.model.lora",         # LoRA targets
+    "jaxgrpo.model.attention",    # cuDNN attention: a GPU and bfloat16
+    "jaxgrpo.algo.microbatch",    # micro-batches of whole groups
+    "jaxgrpo.algo.dynamic",       # dynamic sampling's metric and sampler
+    "jaxgrpo.eval.validation",    # the stop rule and the best checkpoint's metric
+    "jaxgrpo.run.build",          # the rollout backend
+)
+
+
+def register_checks() -> None:
+  """Imports every module of CHECKING_MODULES (they register their config checks) and
+  marks the registry complete, so config.validate runs them all. Imports jax."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.runtime import config_checks  # pylint: disable=g-import-not-at-top
+  for module in CHECKING_MODULES:
+    importlib.import_module(module)
+  config_checks.mark_complete()
+
+
+def validate(raw, num_devices: int):
+  """config.validate with every subsystem's checks registered: what a command runs."""
+  register_checks()
+  return config_lib.validate(raw, num_devices)
+
+
 AUTO_KEYS = ("grpo.micro_batch_size", "grpo.val_batch_size")  # may be 'auto' (sizing.py)
 
 
@@ -152,7 +184,7 @@ def prepare(argv) -> Setup:
   from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.algo import dynamic
   from jaxgrpo.run import loading
-  config = config_lib.validate(raw, jax.device_count())
+  config = validate(raw, jax.device_count())
   _check_trackers(config)
   if jax.process_index() == 0:
     m = config.mesh

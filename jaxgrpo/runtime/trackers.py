@@ -35,6 +35,8 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import urlparse
 
+from jaxgrpo.runtime import config_checks
+
 NAMES = ("tensorboard", "wandb", "trackio")
 # The package each tracker imports and the extra that installs it (tensorboard is a core
 # dependency: tensorboardX writes the events, the `tensorboard` command reads them).
@@ -294,3 +296,15 @@ class Trackers:
   def close(self) -> None:
     self._each("close", lambda t: t.close())
     self.live = []
+
+
+@config_checks.register(order=5)
+def _check_config(c, num_devices: int) -> None:
+  """logging.trackers: a comma-separated list of NAMES ('' for metrics.jsonl only)."""
+  del num_devices
+  try:
+    parse(c.logging.trackers)
+  except TrackerError:
+    config_checks.fail("logging.trackers", c.logging.trackers,
+                       f"a comma-separated list among {', '.join(NAMES)} ('' for "
+                       "metrics.jsonl only)")
