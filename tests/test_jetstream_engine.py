@@ -220,7 +220,7 @@ def test_grpo_run_with_the_jetstream_backend(runs):
 
 @pytest.mark.slow
 def test_serve_answers_a_request_on_localhost(runs):
-  from jaxgrpo import serve  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import serving  # pylint: disable=g-import-not-at-top
   workdir, proc = runs["jetstream"]
   assert proc.returncode == 0, proc.stderr[-3000:]
   port = portpicker.pick_unused_port()
@@ -231,7 +231,7 @@ def test_serve_answers_a_request_on_localhost(runs):
     line = server.stdout.readline()  # printed once the server listens
     assert line.startswith(f"serving step 3 of {workdir} on localhost:{port}"), (
         line, server.stderr.read() if server.poll() is not None else "")
-    text = serve.complete(port, "123+456=", max_tokens=8)
+    text = serving.complete(port, "123+456=", max_tokens=8)
     # The smoke-trained arithmetic model answers with digits (its vocabulary has no others
     # besides + and =); that it is a completion at all is what this checks.
     assert text and set(text) <= set("0123456789+="), text

@@ -384,12 +384,8 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   """Validates one policy: {'metrics': the validation row, '_per_prompt', 'records', ...}."""
   if side.config.grpo.val_batch_size == sizing.AUTO:
     # As the trainer chooses it: the largest validation batch whose val sampler fits.
-    config, (choice,) = sizing.resolve(side.config, side.model_cfg, side.tokenizer, mesh,
-                                    len(side.data.val_rows), keys=("val_batch_size",))
-    if jax.process_index() == 0:
-      print(choice.line(), file=sys.stderr, flush=True)
-    side.config = config
-    side.val_batches = loading.validation_batches(config, side.tokenizer, side.data)
+    side.config, _, side.val_batches = sizing.choose_auto(
+        side.config, side.model_cfg, side.tokenizer, side.data, mesh, keys=("val_batch_size",))
   c, g = side.config, side.config.grpo
   t0 = time.perf_counter()
   params = place(side, mesh)

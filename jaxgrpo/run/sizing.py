@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -267,6 +268,22 @@ def resolve(config, model_cfg, tokenizer, mesh, num_val_prompts: int, limit=None
     if choice.size is None:
       raise FitError(choice.failure())
   return _with(config, **{c.key: c.size for c in choices}), choices
+
+
+def choose_auto(config, model_cfg, tokenizer, data, mesh, keys=KEYS):
+  """The trainer's and evaluate's one sizing step: every 'auto' of `keys` chosen (`resolve`),
+  one line each on process 0's stderr, and the validation batches made again at the chosen
+  size. Returns (config, [Choice], the validation batches, or None when the validation
+  batch was not chosen here). Raises FitError when nothing fits."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  chosen_val = config.grpo.val_batch_size == AUTO and "val_batch_size" in keys
+  config, choices = resolve(config, model_cfg, tokenizer, mesh, len(data.val_rows), keys=keys)
+  if jax.process_index() == 0:
+    for choice in choices:
+      print(choice.line(), file=sys.stderr, flush=True)
+  return (config, choices,
+          loading.validation_batches(config, tokenizer, data) if chosen_val else None)
 
 
 def _with(config, **grpo_values):

@@ -331,16 +331,10 @@ def _fit(setup, mesh=None):
     return setup, []
   if mesh is None:  # (a test passes a TPU topology's devices, as the compile check has)
     mesh = sharding_lib.make_mesh(setup.config.mesh.to_dict())
-  config, choices = sizing.resolve(setup.config, setup.model_cfg, setup.tokenizer, mesh,
-                                len(setup.data.val_rows))
-  primary = jax.process_index() == 0
-  for choice in choices:
-    if primary:
-      print(choice.line(), file=sys.stderr, flush=True)
-  val_batches = setup.val_batches
-  if g.val_batch_size == sizing.AUTO:
-    val_batches = loading.validation_batches(config, setup.tokenizer, setup.data)
-  if primary:  # config.json: the numbers replace 'auto', as a run given them would write it
+  config, choices, val_batches = sizing.choose_auto(setup.config, setup.model_cfg,
+                                                    setup.tokenizer, setup.data, mesh)
+  val_batches = setup.val_batches if val_batches is None else val_batches
+  if jax.process_index() == 0:  # config.json: the numbers, as a run given them writes it
     path = os.path.join(setup.workdir, "config.json")
     with open(path + ".tmp", "w") as f:
       f.write(config_lib.to_json(config))
