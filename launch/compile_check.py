@@ -312,7 +312,7 @@ def _table(memory: dict, hbm: int) -> str:
 
 
 def _build():
-  """jaxgrpo.build, imported once jax is configured (as in _programs)."""
+  """jaxgrpo.run.build, imported once jax is configured (as in _programs)."""
   from jaxgrpo.run import build  # pylint: disable=g-import-not-at-top
   return build
 
