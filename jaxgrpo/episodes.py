@@ -334,13 +334,14 @@ class Runner:
   def _own_prompts(self, own, g: int, failed, done, label: str):
     """The prompts environments returned, one per prompt (GRPO compares the G episodes of
     one prompt, so they must agree); None when none returned one. A row whose episodes
-    disagree, or whose prompt is too long, fails."""
+    disagree, or whose prompt is too long, fails. An episode whose reset failed is already
+    failed alone: the others of its row are compared without it."""
     if not distributed.any_process(any(p is not None for p in own)):
       return None
     out = []
     for r in range(len(own) // g):
-      group = own[r * g:(r + 1) * g]
-      first = group[0]
+      group = [p for i, p in enumerate(own[r * g:(r + 1) * g]) if not failed[r * g + i]]
+      first = group[0] if group else None
       why = None
       if any(p != first for p in group):
         why = "reset returned different prompts for the samples of one row (GRPO compares "
@@ -350,7 +351,7 @@ class Runner:
                f"{self.max_prompt_length}\n")
       if why:
         self._failure(f"{label} reset of row {r}", why)
-        failed[r * g:(r + 1) * g] = done[r * g:(r + 1) * g] = True
+        failed[r * g:(r + 1) * g] = done[r * g:(r + 1) * g] = True  # every episode of it
         first = None
       out.append(first if first is not None else [self.engine.pad_id])
     return out

@@ -466,3 +466,28 @@ def test_observation_text_the_tokenizer_cannot_encode_is_said_once_and_counted()
   assert len(warned) == 1 and "'Q'" in warned[0] and "<unk>" in warned[0]  # once per run
   m = runner.metrics([(np.ones(2, bool), _run(runner, [{"obs": ["xQ"], "answer": ""}]))])
   assert m["observation_unencodable_count"] == 2
+
+
+@envs.register("_test_own_prompt")
+class OwnPrompt:
+  """Returns its own prompt "ab" for every seed, but fails in reset for sample 1 (its seed is
+  the one episode_seed gives sample 1 of row 0 at step 7); one turn, reward 1."""
+
+  def reset(self, row, seed):
+    if seed == episodes.episode_seed(0, 7, 0, 1):
+      raise ValueError("reset fails for this seed")
+    return envs.Start(None, prompt="ab")
+
+  def step(self, state, text):
+    return None, 1.0, True, {}
+
+
+def test_a_failed_reset_among_own_prompts_fails_only_its_episode():
+  """Issue 50 (its item 5): one failed reset among G environments that return their own
+  prompts failed the whole group ("reset returned different prompts")."""
+  lines = []
+  runner = _runner(ScriptedEngine([[[C, EOS]]] * 3), env="_test_own_prompt", log=lines.append)
+  ep = _run(runner, [{"answer": ""}], g=3)
+  np.testing.assert_array_equal(ep.failed_N, [False, True, False])
+  np.testing.assert_array_equal(ep.env_reward_N, [1.0, 0.0, 1.0])
+  assert ep.prompts == [TOK.encode("ab")] and "different prompts" not in "".join(lines)
