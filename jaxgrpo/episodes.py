@@ -62,6 +62,9 @@ class Episodes:
   truncated_N: np.ndarray     # bool: out of tokens or turns, or a turn cut at max_new_tokens
   env_reward_N: np.ndarray    # float32: the sum of the steps' rewards (0 where none)
   env_rewarded_N: np.ndarray  # bool: some step returned a reward
+  # Each step's reward, kept per episode in turn order (None: that step returned none);
+  # env_reward_N is their sum, the environment's part of the episode's return.
+  turn_rewards: list[list[float | None]]
   failed_N: np.ndarray        # bool: the environment raised, hung or returned garbage
   # float32: the environment's own verdict, info["correct"] of the last step that gave one
   # (1/0), NaN where none did: accuracy when no configured reward is a correctness reward
@@ -77,6 +80,11 @@ class Episodes:
   info: dict[str, np.ndarray]  # env/<key>: per-episode sums of numeric info values (NaN: none)
   rollout_s: float            # the sampler calls
   env_s: float                # host time in environments (resets and steps)
+
+  @property
+  def rewarded_steps_N(self) -> np.ndarray:
+    """int32: the steps of each episode that returned a reward."""
+    return np.array([sum(r is not None for r in t) for t in self.turn_rewards], np.int32)
 
 
 def stop_ids(tokenizer, strings) -> tuple[int, ...]:
@@ -181,6 +189,7 @@ class Runner:
     logps = [[] for _ in range(n)]
     env_reward = np.zeros(n, np.float32)
     rewarded = np.zeros(n, bool)
+    turn_rewards: list[list[float | None]] = [[] for _ in range(n)]
     failed = np.zeros(n, bool)
     truncated = np.zeros(n, bool)
     done = np.zeros(n, bool)
@@ -263,6 +272,7 @@ class Runner:
           failed[i] = done[i] = True
           continue
         states[i], (observation, reward, finished, step_info) = value
+        turn_rewards[i].append(reward)
         if reward is not None:
           env_reward[i] += reward
           rewarded[i] = True
@@ -306,7 +316,7 @@ class Runner:
     return Episodes(
         tokens_NxT=tokens, mask_NxT=mask, trained_NxT=trained_mask, logp_NxT=logp,
         lengths_N=mask.sum(1).astype(np.int32), truncated_N=truncated & ~failed,
-        env_reward_N=env_reward, env_rewarded_N=rewarded, failed_N=failed, correct_N=correct,
+        env_reward_N=env_reward, env_rewarded_N=rewarded, turn_rewards=turn_rewards, failed_N=failed, correct_N=correct,
         turns_N=turns,
         tool_calls_N=calls, tool_errors_N=tool_errors, observation_tokens_N=obs_tokens,
         observations=observations, observations_cut=cut,
@@ -395,16 +405,19 @@ def with_env_rewards(scores, ep: Episodes, correctness: str | None):
 
 # The per-episode arrays the metrics read, gathered over processes by the caller.
 METRIC_FIELDS = ("turns_N", "tool_calls_N", "tool_errors_N", "observation_tokens_N",
-                 "lengths_N", "failed_N")
+                 "lengths_N", "failed_N", "env_reward_N", "rewarded_steps_N")
 
 
 def metrics(env_name: str, turns_N, tool_calls_N, tool_errors_N, observation_tokens_N,
-            lengths_N, failed_N, observations: int, observations_cut: int,
-            info: dict[str, np.ndarray], observations_unencodable: int = 0) -> dict[str, float]:
+            lengths_N, failed_N, env_reward_N, rewarded_steps_N, observations: int,
+            observations_cut: int, info: dict[str, np.ndarray],
+            observations_unencodable: int = 0) -> dict[str, float]:
   """What a step (or a validation) logs of its episodes. tool_errors_fraction: of the tool
   calls, the ones that failed; episode_tokens_mean: tokens after the prompt (turns and
   observations); env_errors/<name>: the fraction of episodes whose environment failed;
-  observation_unencodable_count: observations with text the tokenizer turned into <unk>."""
+  observation_unencodable_count: observations with text the tokenizer turned into <unk>;
+  env/turn_reward_mean: the mean reward of a step, over every step that returned one (an
+  episode's environment part is the sum of its steps': env_reward_N)."""
   calls = float(np.sum(tool_calls_N))
   out = {"turns_mean": float(np.mean(turns_N)), "turns_max": int(np.max(turns_N)),
          "tool_calls_mean": float(np.mean(tool_calls_N)),
@@ -414,6 +427,8 @@ def metrics(env_name: str, turns_N, tool_calls_N, tool_errors_N, observation_tok
          "observation_truncated_fraction": observations_cut / max(observations, 1),
          "observation_unencodable_count": observations_unencodable,
          f"env_errors/{env_name}": float(np.mean(failed_N))}
+  if np.sum(rewarded_steps_N):  # left out when no step returned a reward
+    out["env/turn_reward_mean"] = float(np.sum(env_reward_N) / np.sum(rewarded_steps_N))
   for key, values in sorted(info.items()):
     seen = values[~np.isnan(values)]
     if len(seen):  # a key no counted episode returned is left out, not logged as NaN

@@ -142,6 +142,11 @@ def test_an_episode_is_its_sampled_and_observation_tokens_exactly():
   np.testing.assert_array_equal([call[3] for call in engine.calls], [[True, True],
                                                                      [True, False]])
   assert ep.info == {"env/seen": pytest.approx(np.array([6.0, np.nan]), nan_ok=True)}
+  # Each step's reward is kept in turn order (issue 50: not only their sum); the mean per
+  # step that gave one is logged: (0.5 + 1) / 2 steps.
+  assert ep.turn_rewards == [[0.5, 1.0], []]
+  assert episodes.metrics("s", *(getattr(ep, f) for f in episodes.METRIC_FIELDS), 1, 0,
+                          {})["env/turn_reward_mean"] == 0.75
 
 
 def test_max_turns_episode_tokens_and_observation_tokens_each_end_an_episode():
@@ -437,6 +442,7 @@ def test_an_environment_only_reward_reads_its_correct_flag_and_val_samples_add_u
   assert totals == [0.25] * 4 and sum(totals) / 4 == out["reward_mean"]
   assert [s["reward_parts"] for s in samples] == [{"env": [0.25, 0.25]}] * 2
   assert [p for s in samples for p in s["passed"]] == [True, False, True, False]
+  assert [s["turn_rewards"] for s in samples] == [[[0.25], [0.25]]] * 2
   # Training: the flag is the accuracy; with no flag and no configured reward, no accuracy.
   ep = _run(_runner(ScriptedEngine([[[C, EOS]], [[A, EOS]]]), env="_test_verdict"),
             [{"answer": ""}])

@@ -308,7 +308,7 @@ class Validator:
         majs.append(voting.maj_correct(extracted, scored.correct_N.reshape(-1, self.k),
                                        self.scorer.answers_equal))
       if self.collect:
-        records += self._records(batch, scored, lens, trunc, extracted)
+        records += self._records(batch, scored, lens, trunc, extracted, got.episodes)
       if progress is not None:
         valid_rows = np.repeat(batch["valid_B"], self.k)
         done += int(batch["valid_B"].sum())
@@ -365,11 +365,12 @@ class Validator:
     out.update({name: np.asarray(v, np.float64)[keep] for name, v in values.items()})
     return out
 
-  def _records(self, batch, scored, lens, trunc, extracted) -> list[dict]:
+  def _records(self, batch, scored, lens, trunc, extracted, episodes=None) -> list[dict]:
     """The samples log's rows: per prompt its k completions; `rewards`, each one's total
     reward (what reward_mean averages); `reward_parts`, each reward's own value, unweighted
     (what reward/<name> averages; None: it did not score the row), and with an environment
-    its part under `env` (its steps' rewards summed); `passed`, its validation score above
+    its part under `env` (its steps' rewards summed), and `turn_rewards`, each step's reward
+    in turn order (None: that step gave none); `passed`, its validation score above
     val_pass_threshold (what accuracy and pass@j count)."""
     k, out = self.k, []
     parts = dict(scored.breakdown)
@@ -387,6 +388,8 @@ class Validator:
                 "passed": [bool(x > self.threshold) for x in scored.validation_N[rows]],
                 "lengths": [int(x) for x in lens[rows]],
                 "truncated": [bool(x) for x in trunc[rows]]}
+      if episodes is not None:
+        record["turn_rewards"] = [episodes.turn_rewards[i] for i in range(b * k, (b + 1) * k)]
       if extracted is not None:  # what the correctness reward read as each sample's answer
         record["extracted"] = [None if a is None else str(a) for a in extracted[b]]
       if self.sources:
