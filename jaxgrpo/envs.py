@@ -37,6 +37,14 @@ it ended the turn) and returns `(observation, reward, done, info)`:
 The state a step mutates is the state the next step gets: in a worker process the state
 travels with each call (it must pickle), in the main process it is the same object.
 
+`close(state)`, optional, releases what an episode holds (a sandbox, a browser, a database
+connection). It is called exactly once per episode whose reset returned a state, as soon as
+the episode ends, whatever ended it: done, env.max_turns, the token budget, a failed or
+timed-out step (in a worker, with the state the last good step returned; in the main
+process, the state object as the failed step left it), or a failed reset of another
+episode of its row. A run that is stopped (SIGTERM, Ctrl-C) finishes its step first, so its
+episodes are closed too. A close that raises is reported, and changes no reward.
+
 The episode's reward is the sum of its steps' rewards plus `config.rewards` applied to the
 whole transcript (every completion token's text after the prompt), so the shipped rewards
 and maj@k work on the final answer. An environment that raises, hangs past
@@ -160,6 +168,13 @@ def call_step(name: str, kwargs_json: str, state, text: str):
   """One step, as a worker runs it: (the state after it, the step's checked result)."""
   out = instance(name, kwargs_json).step(state, text)
   return state, check_step(out)
+
+
+def call_close(name: str, kwargs_json: str, state) -> None:
+  """An episode's end, as a worker runs it: the environment's optional `close(state)`."""
+  close = getattr(instance(name, kwargs_json), "close", None)
+  if close is not None:
+    close(state)
 
 
 def check_step(out) -> tuple[str | None, float | None, bool, dict]:

@@ -159,12 +159,15 @@ class Runner:
       return [workers_lib.call(t) for t in tasks]
     return self._pool.run([pickle.dumps(t) for t in tasks])
 
-  def _failure(self, label: str, why: str) -> None:
-    """Prints the first failure's traceback in full, later ones one line each."""
+  def _failure(self, label: str, why: str, ends: bool = True) -> None:
+    """Prints the first failure's traceback in full, later ones one line each. ends: the
+    failure ends its episode unscored (a reset or a step; a close changes nothing)."""
     if not self._reported:
       self._reported = True
-      self._log(f"warning: environment {self.env_name!r} failed ({label}); its episode ends "
-                f"with no reward (env_errors/{self.env_name} counts them):\n{why.rstrip()}")
+      what = (f"its episode ends with no reward (env_errors/{self.env_name} counts them)"
+              if ends else "the episode had ended; its reward stands")
+      self._log(f"warning: environment {self.env_name!r} failed ({label}); {what}:\n"
+                f"{why.rstrip()}")
     else:
       self._log(f"warning: environment {self.env_name!r} failed ({label}): "
                 f"{why.strip().splitlines()[-1]}")
@@ -210,6 +213,8 @@ class Runner:
         for i in range(n)])
     t_env += time.perf_counter() - t0
     states: list[Any] = [None] * n
+    has_state = np.zeros(n, bool)  # reset returned a state: close(state) is owed
+    closed = np.zeros(n, bool)
     own_prompts: list[list[int] | None] = [None] * n
     for i, (status, value) in enumerate(results):
       if status != "ok":
@@ -217,9 +222,13 @@ class Runner:
         failed[i] = done[i] = True
         continue
       states[i], prompt = value
+      has_state[i] = True
       if prompt is not None:
         own_prompts[i] = self.tokenizer.encode(prompt, add_bos=self.add_bos)
     new_prompts = self._own_prompts(own_prompts, g, failed, done, label)
+    t0 = time.perf_counter()
+    self._close(states, done & has_state & ~closed, closed, label)
+    t_env += time.perf_counter() - t0
     if new_prompts is not None:
       tokens_BxL, mask_BxL = data.pad_left(new_prompts, self.engine.pad_id,
                                            self.max_prompt_length)
@@ -304,6 +313,12 @@ class Runner:
           obs_tokens[i] += min(len(ids), room)
           if len(ids) >= room:  # no room left for the next turn
             truncated[i] = done[i] = True
+      t0 = time.perf_counter()
+      self._close(states, done & has_state & ~closed, closed, label)
+      t_env += time.perf_counter() - t0
+    t0 = time.perf_counter()  # episodes still going after the last turn: truncated
+    self._close(states, has_state & ~closed, closed, label)
+    t_env += time.perf_counter() - t0
 
     t = self.room
     tokens = np.full((n, t), self.engine.pad_id, np.int32)
@@ -322,6 +337,19 @@ class Runner:
         observations=observations, observations_cut=cut,
         observations_unencodable=unencodable, prompts=new_prompts, info=info,
         rollout_s=t_rollout, env_s=t_env)
+
+  def _close(self, states, which, closed, label: str) -> None:
+    """close(state) of the episodes `which` marks (their environments' optional hook), once:
+    `closed` records it. A close that fails is reported, and changes no reward."""
+    indices = np.flatnonzero(which)
+    if not len(indices):
+      return
+    results = self._calls([(envs.call_close, (self.env_name, self.env_kwargs, states[i]))
+                           for i in indices])
+    closed[indices] = True
+    for i, (status, value) in zip(indices, results):
+      if status != "ok":
+        self._failure(f"{label} close of episode {i}", value, ends=False)
 
   def _check_encodable(self, observation: str, label: str) -> int:
     """1 when the observation has text the tokenizer cannot encode (it becomes <unk>, and

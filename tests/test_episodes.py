@@ -497,3 +497,44 @@ def test_a_failed_reset_among_own_prompts_fails_only_its_episode():
   np.testing.assert_array_equal(ep.failed_N, [False, True, False])
   np.testing.assert_array_equal(ep.env_reward_N, [1.0, 0.0, 1.0])
   assert ep.prompts == [TOK.encode("ab")] and "different prompts" not in "".join(lines)
+
+
+@envs.register("_test_closing")
+class Closing:
+  """Records every close(state). Sample 4's reset fails; a turn starting "a" ends the episode,
+  one starting "x" raises, any other gets an observation "y" and goes on."""
+
+  closed = []
+
+  def reset(self, row, seed):
+    if seed == episodes.episode_seed(0, 7, 0, 4):
+      raise ValueError("reset fails")
+    return {"seed": seed, "turns": 0}
+
+  def step(self, state, text):
+    state["turns"] += 1
+    if text.startswith("x"):
+      raise ValueError("step fails")
+    if text.startswith("a"):
+      return None, 1.0, True, {}
+    return "y", 0.0, False, {}
+
+  def close(self, state):
+    Closing.closed.append((state["seed"], state["turns"]))
+
+
+def test_close_is_called_once_per_episode_whatever_ended_it():
+  """Issue 50 (its close item): done (0), a turn cut at max_new_tokens (1), a step that
+  raises (2: in the main process, with the state as the failed step left it), out of turns
+  (3); a failed reset (4) has no state to close."""
+  Closing.closed.clear()
+  script = [[[A, EOS]], [[C, C, C, C]], [[X, EOS]], [[C, EOS], [C, EOS]], [[A, EOS]]]
+  lines = []
+  ep = _run(_runner(ScriptedEngine(script), env="_test_closing", max_turns=2, width=16,
+                    log=lines.append), [{"answer": ""}], g=5)
+  np.testing.assert_array_equal(ep.failed_N, [False, False, True, False, True])
+  seed = lambda g: episodes.episode_seed(0, 7, 0, g)
+  assert sorted(Closing.closed) == sorted([(seed(0), 1), (seed(1), 0), (seed(2), 1),
+                                           (seed(3), 2)])
+  # As soon as each ended: the first three after turn 0, the last after turn 1.
+  assert [s for s, _ in Closing.closed[:3]] == [seed(0), seed(1), seed(2)]
