@@ -164,7 +164,8 @@ SCHEMA: dict[str, Any] = {
     # Multi-turn episodes (envs.py, episodes.py); name '' = single-turn rollouts.
     "env": {"name": _str, "kwargs": _str, "max_turns": _int(1),
             "max_observation_tokens": _int(1), "stop_strings": _str,
-            "timeout_s": _num(0, lo_open=True), "workers": _int(0)},
+            # timeout_s 0: no limit, only with workers=0 (envs.py's check says why).
+            "timeout_s": _num(0), "workers": _int(0)},
     "grpo": {
         "num_prompts_per_step": _int(1), "num_generations_per_prompt": _int(2),
         "num_iterations": _int(1), "beta": _num(0), "kl_type": _choice(*KL_TYPES),

@@ -207,6 +207,18 @@ def _check_config(c, num_devices: int) -> None:
   holds the prompt (the stop strings are checked against the tokenizer by loading)."""
   del num_devices
   e, gen = c.env, c.generation
+  # In the main process a call cannot be stopped, and an environment that exits ends the
+  # run: a time limit there would be a promise not kept (it needs a worker process).
+  if e.name and not e.workers and e.timeout_s:
+    config_checks.fail("env.workers", e.workers, "1 or more (each reset and step in a worker "
+                       f"process, where env.timeout_s={e.timeout_s:g} is enforced and an "
+                       "environment that exits or hangs ends only its episode), or "
+                       "env.timeout_s=0 with env.workers=0 (no limit, in the main process: "
+                       "for a debugger)", reason="env.timeout_s cannot be enforced in the main "
+                       "process")
+  if e.timeout_s == 0 and e.workers:
+    config_checks.fail("env.timeout_s", 0, "a number > 0 with env.workers > 0 (0, no limit, "
+                       "only with env.workers=0)")
   if not e.name:
     if gen.max_episode_tokens:
       config_checks.fail("generation.max_episode_tokens", gen.max_episode_tokens,

@@ -511,3 +511,18 @@ def test_overridden_keys_reads_every_form_absl_takes():
   argv = ["train", "--config=c.py", "--config.grpo.beta=0.1", "--config.env.name", "tools",
           "--noconfig.logging.plots", "--workdir=x"]
   assert config_lib.overridden_keys(argv) == {"grpo.beta", "env.name", "logging.plots"}
+
+
+def test_an_environment_in_the_main_process_has_no_time_limit_to_promise():
+  """Issue 50 (its timeouts item): env.timeout_s did nothing with env.workers=0, and an
+  environment that exits there ends the run: refused, unless the limit is 0 (none)."""
+  env = {"env.name": "tools", "generation.max_episode_tokens": 64,
+         "env.kwargs": '{"tools": "calculator", "chat": "none"}'}
+  with pytest.raises(config_lib.ConfigError, match=re.escape(
+      "config.env.workers=0: env.timeout_s cannot be enforced in the main process; allowed: "
+      "1 or more")):
+    config_lib.validate(_with({**env, "env.workers": 0}), 1)
+  config_lib.validate(_with({**env, "env.workers": 0, "env.timeout_s": 0}), 1)
+  with pytest.raises(config_lib.ConfigError, match=re.escape("config.env.timeout_s=0: allowed: "
+                                                             "a number > 0 with env.workers > 0")):
+    config_lib.validate(_with({**env, "env.timeout_s": 0}), 1)

@@ -193,7 +193,7 @@ def test_stop_strings_must_be_one_token():
     episodes.stop_ids(TOK, ["ab"])
 
 
-@pytest.mark.parametrize("fail", ["raise", "hang", "garbage"])
+@pytest.mark.parametrize("fail", ["raise", "hang", "garbage", "exit", "os_exit"])
 def test_failing_environments_end_their_episodes_and_are_counted(fail):
   # fixture_faulty fails in step for every episode whose seed is divisible by 3, in a worker
   # process with a 1 s limit (a hang is killed there); the others end with reward 0. The run
@@ -215,7 +215,9 @@ def test_failing_environments_end_their_episodes_and_are_counted(fail):
   assert len(lines) == want.sum()
   first = {"raise": "ValueError: fixture_faulty fails on seed",
            "hang": "did not return within env.timeout_s=1 s",
-           "garbage": "step returned str 'garbage'"}[fail]
+           "garbage": "step returned str 'garbage'",
+           "exit": "SystemExit: 3",  # sys.exit: the worker catches it, the call fails
+           "os_exit": "worker process died (exit code 3)"}[fail]
   assert first in lines[0] and "episode ends with no reward" in lines[0]
   if fail == "raise":
     assert "Traceback" in lines[0]
@@ -329,7 +331,8 @@ class _Recording:
 # suite seconds a run, and test_failing_environments_... above runs environments in them.
 EPISODES = (f"--config={os.path.join(ROOT, 'configs', 'calculator.py')}:smoke",
             "--config.checkpoint.save_period=1", "--config.grpo.num_prompts_per_step=8",
-            "--config.env.workers=0", "--config.reward_workers=0", "--config.logging.trackers=",
+            "--config.env.workers=0", "--config.env.timeout_s=0", "--config.reward_workers=0",
+            "--config.logging.trackers=",
             "--config.generation.val_temperature=0", "--config.mesh.data=8")
 
 
