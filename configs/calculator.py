@@ -15,7 +15,8 @@ Each of G=8 episodes per prompt runs against the `tools` environment (jaxgrpo/to
 chat='none': the model has no chat template): a turn ends at `</tool_call>` (a stop string)
 or at the end token; the environment runs the call and answers with the <tool_response>
 block, which is appended and never trained; a turn without a call ends the episode. The
-`math` reward reads the transcript's last number. GRPO raises how often the model calls the
+`math` reward reads the last number the policy wrote itself (its turns, without the tool's
+response: an episode that calls the tool and then writes only its end token scores 0). GRPO raises how often the model calls the
 tool, and with it the accuracy; the progress line shows turns_mean and tool_calls_mean.
 
 `arg`: `smoke` (a few steps, for tests).

@@ -13,6 +13,11 @@ where `columns` holds one list per row field, each as long as `completions`:
 every column of the data row other than `answer` under its own name (`question`,
 `source`, `tests`, ...; None where a row lacks it), `prompts` (the rendered
 prompt text) and `completion_ids` (each completion's token ids, EOS included).
+In a multi-turn episode `completions` is what the policy wrote: its sampled turns,
+in order, without the environment's observations (a tool's result is not the
+policy's answer); `transcripts` is the whole episode after the prompt (every turn
+and observation) and `turns` its parts as [{"role": "assistant" | "environment",
+"text": ...}], for a reward that wants them.
 A reward reads the columns it needs and ignores the rest (the built-ins use
 none), so any registered reward is called the same way. A reward never raises
 on odd model text: anything it cannot read scores 0.0.
@@ -59,7 +64,8 @@ CORRECTNESS: list[str] = []
 # Rewards registered with pred=True: their dict rows carry the answer maj@k votes on.
 PREDS: set[str] = set()
 # Keyword names the scorer passes itself; a data column may not take one of them.
-RESERVED_COLUMNS = ("completions", "answers", "prompts", "completion_ids")
+RESERVED_COLUMNS = ("completions", "answers", "prompts", "completion_ids", "transcripts",
+                    "turns")
 
 # math-verify's timeout is signal.alarm, so it is whole seconds; one second per
 # parse/verify call bounds a pathological item at about three seconds.

@@ -189,18 +189,33 @@ class Scorer:
     return results
 
   def __call__(self, tokens_NxT, lengths_N, batch: Mapping[str, Any], repeats: int,
-               extract: bool = False, label: str = "", whole: bool = False) -> Scores:
+               extract: bool = False, label: str = "", whole: bool = False,
+               trained_NxT=None) -> Scores:
     """label: where the failures printed happened (e.g. "step 12"). whole: each row's text
-    is all of its `lengths_N` tokens (a multi-turn episode's transcript: every turn and
-    observation), not the part before its first end token."""
+    is all of its `lengths_N` tokens, not the part before its first end token.
+    trained_NxT: a multi-turn episode's sampled tokens (episodes.py): the rewards'
+    `completions` are then what the policy wrote (every sampled turn, in order, without
+    the observations), beside `transcripts` (every token) and `turns` (its parts)."""
     tokens_NxT, lengths_N = np.asarray(tokens_NxT), np.asarray(lengths_N)
-    completions = ([self.tokenizer.decode(t[:k], until_end=False)
-                    for t, k in zip(tokens_NxT, lengths_N)] if whole
-                   else self.tokenizer.decode_batch(tokens_NxT))
+    extra_columns = {}
+    if trained_NxT is not None:
+      trained_NxT = np.asarray(trained_NxT, bool)
+      completions = [self.tokenizer.decode(t[:k][m[:k]], until_end=False)
+                     for t, k, m in zip(tokens_NxT, lengths_N, trained_NxT)]
+      extra_columns["transcripts"] = [self.tokenizer.decode(t[:k], until_end=False)
+                                      for t, k in zip(tokens_NxT, lengths_N)]
+      extra_columns["turns"] = [self._turns(t[:k], m[:k])
+                                for t, k, m in zip(tokens_NxT, lengths_N, trained_NxT)]
+    elif whole:
+      completions = [self.tokenizer.decode(t[:k], until_end=False)
+                     for t, k in zip(tokens_NxT, lengths_N)]
+    else:
+      completions = self.tokenizer.decode_batch(tokens_NxT)
     n = len(completions)
     answers = [row["answer"] for row in batch["rows"] for _ in range(repeats)]
     columns = self.columns(batch, repeats)
     columns["completion_ids"] = [t[:k] for t, k in zip(tokens_NxT, lengths_N)]
+    columns.update(extra_columns)
     chunks = max(1, min(self.workers, n))
     bounds = [(n * c // chunks, n * (c + 1) // chunks) for c in range(chunks)]
     calls = [(name, a, b) for name in self.weights for a, b in bounds if b > a]
@@ -272,6 +287,18 @@ class Scorer:
         answers_out = preds
     return Scores(completions, total_N, scored_N, values, extras, errors,
                   validation_N.astype(np.float32), correct_N.astype(np.float32), answers_out)
+
+  def _turns(self, tokens, trained) -> list[dict[str, str]]:
+    """An episode's parts in order: each run of sampled tokens an assistant part, each run
+    of appended ones the environment's (two turns with no observation between are one)."""
+    out, start = [], 0
+    for i in range(1, len(tokens) + 1):
+      if i == len(tokens) or trained[i] != trained[start]:
+        role = "assistant" if trained[start] else "environment"
+        out.append({"role": role,
+                    "text": self.tokenizer.decode(tokens[start:i], until_end=False)})
+        start = i
+    return out
 
   def _report(self, errors, first_error, n: int, label: str, skipped) -> None:
     for name, rows in errors.items():

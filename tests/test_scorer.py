@@ -258,3 +258,43 @@ def test_a_slow_row_costs_only_its_own_score_and_the_retries_are_bounded(registr
            "reward_timeout_s = 2 s ran out on slow rows" in lines[-1]
   finally:
     s.close()
+
+
+def test_episode_rewards_score_what_the_policy_wrote():
+  """Issue 50 (its first item): rewards scored the whole transcript, so an episode that
+  called the calculator and then wrote only its end token scored 1.0: the tool's response
+  held the answer. The rewards' completions are now the policy's own turns; the transcript
+  and its turns come as columns. With the calculator task's tokenizer and reward (math)."""
+  from jaxgrpo.model import hf  # pylint: disable=g-import-not-at-top
+  _, _, tok = hf.load_pretrained("@embedded/calc3")
+  call = ('<tool_call>{"name": "calculator", "arguments": {"expression": '
+          '"123*456"}}</tool_call>')
+  response = "<tool_response>56088</tool_response>"
+
+  def episode(last_turn):
+    parts = [(call, True), (response, False), (last_turn, True)]
+    ids = [(tok.encode(text, add_bos=False), sampled) for text, sampled in parts]
+    ids[-1] = (ids[-1][0] + [tok.eos_id], True)
+    tokens = [t for part, _ in ids for t in part]
+    trained = [s for part, s in ids for _ in part]
+    return tokens, trained
+
+  rows = [episode(""), episode("56088")]
+  width = max(len(t) for t, _ in rows)
+  tokens_NxT = np.array([t + [tok.pad_id] * (width - len(t)) for t, _ in rows], np.int32)
+  trained_NxT = np.array([m + [False] * (width - len(m)) for _, m in rows], bool)
+  lengths_N = np.array([len(t) for t, _ in rows])
+  seen = []
+  rewards.register("_test_columns")(
+      lambda c, a, **cols: seen.append(cols) or [0.0] * len(c))
+  try:
+    s = scorer.Scorer({"math": 1.0, "_test_columns": 0.5}, tok)
+    batch = {"rows": [{"question": "123*456=", "answer": "56088"}], "prompts": ["123*456="]}
+    scores = s(tokens_NxT, lengths_N, batch, 2, trained_NxT=trained_NxT)
+  finally:
+    rewards.REGISTRY.pop("_test_columns")
+  np.testing.assert_array_equal(scores.breakdown["math"], [0.0, 1.0])
+  assert "56088" not in scores.completions[0] and scores.completions[1].endswith("56088")
+  assert "<tool_response>56088</tool_response>" in seen[0]["transcripts"][0]
+  assert [t["role"] for t in seen[0]["turns"][1]] == ["assistant", "environment", "assistant"]
+  assert seen[0]["turns"][1][1]["text"] == response and seen[0]["turns"][1][2]["text"] == "56088"

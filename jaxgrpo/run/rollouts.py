@@ -137,7 +137,7 @@ class EpisodeRollouts:
     t0 = time.perf_counter()
     scores = self.runner.rewards(
         self.scorer(ep.tokens_NxT, ep.lengths_N, batch, samples, extract=extract, label=label,
-                    whole=True),
+                    trained_NxT=ep.trained_NxT),
         ep, self.scorer.correctness)
     t_reward = time.perf_counter() - t0
     # Sampled tokens only: observations are appended, not generated (every process's).
