@@ -150,9 +150,9 @@ def test_the_trainer_chooses_what_the_check_chooses(check, tmp_path):
       "import sys\n"
       "from jax.experimental import topologies\n"
       f"sys.path.insert(0, {ROOT!r})\n"
-      "from jaxgrpo import train, trainer\n"
+      "from jaxgrpo.run import setup as setup_lib, trainer\n"
       "from jaxgrpo.model import sharding\n"
-      "setup = train.prepare(sys.argv)\n"
+      "setup = setup_lib.prepare(sys.argv)\n"
       "devices = topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu').devices\n"
       "mesh = sharding.make_mesh(setup.config.mesh.to_dict(), devices)\n"
       "setup, choices = trainer._fit(setup, mesh)\n")
