@@ -46,7 +46,7 @@ def test_a_column_named_like_a_reward_argument_is_refused_with_its_line(tmp_path
                                                   "prompts": "x"})])
   with pytest.raises(DataError, match=r"t\.jsonl:2: column 'prompts' is a name the rewards "
                      r"are given already; rename it \(reserved: completions, answers, prompts, "
-                     r"completion_ids\)"):
+                     r"completion_ids, transcripts, turns\)"):
     data.load_jsonl(path)
 
 
