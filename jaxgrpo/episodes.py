@@ -226,9 +226,7 @@ class Runner:
       if prompt is not None:
         own_prompts[i] = self.tokenizer.encode(prompt, add_bos=self.add_bos)
     new_prompts = self._own_prompts(own_prompts, g, failed, done, label)
-    t0 = time.perf_counter()
-    self._close(states, done & has_state & ~closed, closed, label)
-    t_env += time.perf_counter() - t0
+    t_env += self._close(states, done & has_state & ~closed, closed, label)
     if new_prompts is not None:
       tokens_BxL, mask_BxL = data.pad_left(new_prompts, self.engine.pad_id,
                                            self.max_prompt_length)
@@ -313,12 +311,9 @@ class Runner:
           obs_tokens[i] += min(len(ids), room)
           if len(ids) >= room:  # no room left for the next turn
             truncated[i] = done[i] = True
-      t0 = time.perf_counter()
-      self._close(states, done & has_state & ~closed, closed, label)
-      t_env += time.perf_counter() - t0
-    t0 = time.perf_counter()  # episodes still going after the last turn: truncated
-    self._close(states, has_state & ~closed, closed, label)
-    t_env += time.perf_counter() - t0
+      t_env += self._close(states, done & has_state & ~closed, closed, label)
+    # Episodes still going after the last turn: truncated.
+    t_env += self._close(states, has_state & ~closed, closed, label)
 
     t = self.room
     tokens = np.full((n, t), self.engine.pad_id, np.int32)
@@ -338,18 +333,21 @@ class Runner:
         observations_unencodable=unencodable, prompts=new_prompts, info=info,
         rollout_s=t_rollout, env_s=t_env)
 
-  def _close(self, states, which, closed, label: str) -> None:
+  def _close(self, states, which, closed, label: str) -> float:
     """close(state) of the episodes `which` marks (their environments' optional hook), once:
-    `closed` records it. A close that fails is reported, and changes no reward."""
+    `closed` records it. A close that fails is reported, and changes no reward. Returns the
+    seconds it took (host time in environments)."""
     indices = np.flatnonzero(which)
     if not len(indices):
-      return
+      return 0.0
+    t0 = time.perf_counter()
     results = self._calls([(envs.call_close, (self.env_name, self.env_kwargs, states[i]))
                            for i in indices])
     closed[indices] = True
     for i, (status, value) in zip(indices, results):
       if status != "ok":
         self._failure(f"{label} close of episode {i}", value, ends=False)
+    return time.perf_counter() - t0
 
   def _check_encodable(self, observation: str, label: str) -> int:
     """1 when the observation has text the tokenizer cannot encode (it becomes <unk>, and

@@ -189,10 +189,8 @@ class Scorer:
     return results
 
   def __call__(self, tokens_NxT, lengths_N, batch: Mapping[str, Any], repeats: int,
-               extract: bool = False, label: str = "", whole: bool = False,
-               trained_NxT=None) -> Scores:
-    """label: where the failures printed happened (e.g. "step 12"). whole: each row's text
-    is all of its `lengths_N` tokens, not the part before its first end token.
+               extract: bool = False, label: str = "", trained_NxT=None) -> Scores:
+    """label: where the failures printed happened (e.g. "step 12").
     trained_NxT: a multi-turn episode's sampled tokens (episodes.py): the rewards'
     `completions` are then what the policy wrote (every sampled turn, in order, without
     the observations), beside `transcripts` (every token) and `turns` (its parts)."""
@@ -206,9 +204,6 @@ class Scorer:
                                       for t, k in zip(tokens_NxT, lengths_N)]
       extra_columns["turns"] = [self._turns(t[:k], m[:k])
                                 for t, k, m in zip(tokens_NxT, lengths_N, trained_NxT)]
-    elif whole:
-      completions = [self.tokenizer.decode(t[:k], until_end=False)
-                     for t, k in zip(tokens_NxT, lengths_N)]
     else:
       completions = self.tokenizer.decode_batch(tokens_NxT)
     n = len(completions)

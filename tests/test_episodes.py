@@ -436,7 +436,7 @@ def test_an_environment_only_reward_reads_its_correct_flag_and_val_samples_add_u
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   none = scorer.Scorer({}, TOK)
   validator = validation.Validator(
-      rollouts.EpisodeRollouts(engine, none, runner, TOK.pad_id, 4), batches, threshold=0.5,
+      rollouts.EpisodeRollouts(engine, none, runner), batches, threshold=0.5,
       seed=0, mesh=mesh, samples_dir=str(tmp_path), k=2)
   out = validator(None, step=0)
   assert out["accuracy"] == 0.5 and out["reward_mean"] == 0.25

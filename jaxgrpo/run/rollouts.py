@@ -62,7 +62,6 @@ class Collected:
 @dataclasses.dataclass
 class _Pending:
   """A dispatched sampler call, not yet scored."""
-  name: str
   batch: dict
   samples: int
   rollout: Any
@@ -86,7 +85,7 @@ class SingleTurn:
                                  batch["prompt_mask_BxL"],
                                  **({"key": key} if key is not None else {"step": step}),
                                  **({"row_ids_B": row_ids_B} if row_ids_B is not None else {}))
-    return _Pending(name, batch, samples, rollout, t0, label)
+    return _Pending(batch, samples, rollout, t0, label)
 
   def finish(self, pending: _Pending, *, extract: bool = False) -> Collected:
     r = pending.rollout
@@ -111,9 +110,8 @@ class EpisodeRollouts:
   """`samples` multi-turn episodes per prompt (episodes.Runner), scored on their
   transcripts together with the environment's own rewards."""
 
-  def __init__(self, engine, scorer, runner, pad_id: int, max_prompt_length: int):
+  def __init__(self, engine, scorer, runner):
     self.engine, self.scorer, self.runner = engine, scorer, runner
-    self.pad_id, self.max_prompt_length = pad_id, max_prompt_length
 
   def start(self, name: str, params, batch: dict, **kwargs):
     """Episodes run turn by turn with the host in between: nothing to dispatch ahead."""
@@ -143,7 +141,8 @@ class EpisodeRollouts:
     # Sampled tokens only: observations are appended, not generated (every process's).
     generated = int(distributed.gather_rows(ep.trained_NxT.sum(axis=1))[0].sum())
     prompt = ((batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"]) if ep.prompts is None
-              else data_lib.pad_left(ep.prompts, self.pad_id, self.max_prompt_length))
+              else data_lib.pad_left(ep.prompts, self.engine.pad_id,
+                                     self.runner.max_prompt_length))
     return Collected(
         *prompt, (ep.tokens_NxT, ep.mask_NxT, ep.logp_NxT, ep.truncated_N), ep.lengths_N,
         ep.truncated_N, scores, [batch], ep.rollout_s + ep.env_s, t_reward,
@@ -234,7 +233,7 @@ def _chosen_rows(parts, chosen, g: int, num: int, t_rollout, t_reward, generated
 def for_training(config, engine, scorer, runner, next_batch: Callable[[], dict]):
   """The source a run's training steps collect from."""
   if runner is not None:
-    return EpisodeRollouts(engine, scorer, runner, engine.pad_id, config.data.max_prompt_length)
+    return EpisodeRollouts(engine, scorer, runner)
   if config.grpo.dynamic_sampling != "off":
     return DynamicSampling(config, engine, scorer, next_batch)
   return SingleTurn(engine, scorer)
@@ -243,5 +242,5 @@ def for_training(config, engine, scorer, runner, next_batch: Callable[[], dict])
 def for_validation(config, engine, scorer, runner):
   """The source a run's validations collect from (the `val` profile)."""
   if runner is not None:
-    return EpisodeRollouts(engine, scorer, runner, engine.pad_id, config.data.max_prompt_length)
+    return EpisodeRollouts(engine, scorer, runner)
   return SingleTurn(engine, scorer)
