@@ -109,10 +109,13 @@ def get_config(arg=None):
   # prompt, as always. A name runs episodes against that environment (registered with
   # @jaxgrpo.envs.register, built in: 'tools'), made with `kwargs` (a JSON object); each
   # turn ends at the end token or a `stop_strings` token (comma-separated), each step of an
-  # environment runs in one of `workers` processes within `timeout_s`.
+  # environment runs in one of `workers` processes within `timeout_s`. An observation
+  # appends at most `max_observation_tokens` (the chat template's framing included); longer
+  # text is cut before templating, on `observation_truncation_side` ('right' keeps its
+  # start, 'left' its end, 'middle' both).
   c.env = ml_collections.ConfigDict(dict(
       name="", kwargs="", max_turns=4, max_observation_tokens=64, stop_strings="",
-      timeout_s=30.0, workers=2))
+      observation_truncation_side="right", timeout_s=30.0, workers=2))
 
   c.grpo = ml_collections.ConfigDict(dict(
       num_prompts_per_step=64, num_generations_per_prompt=8, num_iterations=1,

@@ -164,6 +164,7 @@ SCHEMA: dict[str, Any] = {
     # Multi-turn episodes (envs.py, episodes.py); name '' = single-turn rollouts.
     "env": {"name": _str, "kwargs": _str, "max_turns": _int(1),
             "max_observation_tokens": _int(1), "stop_strings": _str,
+            "observation_truncation_side": _choice("right", "left", "middle"),
             # timeout_s 0: no limit, only with workers=0 (envs.py's check says why).
             "timeout_s": _num(0), "workers": _int(0)},
     "grpo": {
@@ -378,6 +379,7 @@ MODE_KEYS: tuple[tuple[tuple[str, ...], Callable[[Any], str | None], str], ...] 
     (("data.num_digits",), _while("data.source", lambda v: v != "arithmetic"),
      "--config.data.source=arithmetic (it sizes the generated additions), or drop it"),
     (("env.kwargs", "env.max_turns", "env.max_observation_tokens", "env.stop_strings",
+      "env.observation_truncation_side",
       "env.timeout_s", "env.workers"),
      _while("env.name", lambda v: not v), "--config.env.name=tools (or your environment)"),
     (("grpo.oversample_factor", "grpo.max_generation_batches",

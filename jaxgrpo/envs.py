@@ -27,8 +27,12 @@ unless reset returns `Start(state, prompt)`: then `prompt` (a string, tokenized 
 replaces it. `step(state, text)` gets the state and the text of the turn just sampled (its
 tokens decoded with special tokens kept, so an end token such as `<|im_end|>` is there when
 it ended the turn) and returns `(observation, reward, done, info)`:
-  observation  str or None: the text that follows (tool output, feedback), tokenized alone
-               and appended to the episode, never trained; None: nothing
+  observation  what follows, appended to the episode and never trained (observations.py):
+               a str, tokenized alone and appended as it is (feedback, a model without a
+               chat template); or chat messages, a dict {"role": "tool", "content": ...}
+               or a list of them (`tool_message(text)` makes one), rendered by the
+               model's own chat template as the token difference of the conversation
+               with and without them, the next assistant turn opened; None: nothing
   reward       a number or None: added to the episode's reward
   done         True ends the episode
   info         a dict; its numeric values are logged as `env/<key>` (means over episodes),
@@ -36,6 +40,11 @@ it ended the turn) and returns `(observation, reward, done, info)`:
                and `tool_errors_fraction` metrics
 The state a step mutates is the state the next step gets: in a worker process the state
 travels with each call (it must pickle), in the main process it is the same object.
+
+An environment whose observations are chat messages may say so with a class attribute
+`uses_chat_template = True` (the tools environment does): a run without a chat template, or
+with one that cannot continue a conversation, is then refused at start-up in one line;
+otherwise such an observation fails its episode when it comes.
 
 `close(state)`, optional, releases what an episode holds (a sandbox, a browser, a database
 connection). It is called exactly once per episode whose reset returned a state, as soon as
@@ -62,6 +71,7 @@ import math
 from typing import Any, Callable
 
 import numpy as np
+from jaxgrpo import observations
 from jaxgrpo.runtime import config_checks
 
 _REGISTRY: dict[str, type] = {}
@@ -158,6 +168,19 @@ def tool_schemas(name: str, kwargs_json: str = "") -> list[dict] | None:
   return fn() if callable(fn) else None
 
 
+def tool_message(content: str) -> dict:
+  """A tool's response as an observation message: the model's chat template renders it as
+  its tool turn (Qwen: a <tool_response> block in a user turn; Llama 3: an ipython turn)."""
+  return {"role": "tool", "content": str(content)}
+
+
+def uses_chat_template(name: str, kwargs_json: str = "") -> bool:
+  """Whether the environment declares that its observations are chat messages (its
+  `uses_chat_template` attribute): then the run must have a chat template that continues
+  a conversation, checked at start-up."""
+  return bool(getattr(instance(name, kwargs_json), "uses_chat_template", False))
+
+
 def call_reset(name: str, kwargs_json: str, row: dict, seed: int):
   """One reset, as a worker runs it: (state, prompt or None)."""
   out = instance(name, kwargs_json).reset(row, seed)
@@ -184,8 +207,10 @@ def check_step(out) -> tuple[str | None, float | None, bool, dict]:
     raise ValueError(f"step returned {type(out).__name__} {out!r:.60}; allowed: a tuple "
                      "(observation, reward, done, info)")
   observation, reward, done, info = out
-  if observation is not None and not isinstance(observation, str):
-    raise ValueError(f"step's observation is {type(observation).__name__}; allowed: str or None")
+  try:
+    observations.messages_of(observation)
+  except observations.ObservationError as e:
+    raise ValueError(f"step's {e} (or None)") from None
   if reward is not None:
     if isinstance(reward, (bool, str)) or not isinstance(reward, (int, float, np.number)):
       raise ValueError(f"step's reward is {type(reward).__name__}; allowed: a number or None")

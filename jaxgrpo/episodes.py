@@ -6,8 +6,9 @@ returns them as one token sequence each after the prompt:
     assistant tokens (sampled, trained) | observation tokens (appended, never trained) | ...
 
 with the sampler's log-probs on the assistant tokens. Nothing is re-tokenized: each turn's
-tokens are the sampled ids, each observation is tokenized alone and appended as ids, so what
-the update trains is exactly what was sampled.
+tokens are the sampled ids, each observation becomes ids on its own (text tokenized alone,
+or chat messages rendered by the model's chat template: observations.py) and is appended,
+so what the update trains is exactly what was sampled.
 
 Per turn (turns.py, the device side): each prompt is prefilled once for its G episodes,
 and the episodes' KV cache is kept on device between turns: a turn appends each live
@@ -18,8 +19,8 @@ profile, and no other distribution exists). A turn ends at an end token, at a st
 token (`env.stop_strings` and the environment's own), or after `generation.max_new_tokens`.
 The host then steps the environments of the episodes whose turn ended (in worker
 processes, each call limited to `env.timeout_s`: envs.py), appends their observations (at
-most `env.max_observation_tokens` each; longer ones are cut and counted) and starts the
-next turn. Episodes that ended are inactive rows: they append and sample nothing, and
+most `env.max_observation_tokens` each, the template's framing included; longer text is cut
+before templating, and counted) and starts the next turn. Episodes that ended are inactive rows: they append and sample nothing, and
 with `generation.compact_stages` the turn's decode drops them (compaction.py).
 
 An episode ends when its environment says done, or it is truncated (the loss may mask it:
@@ -45,6 +46,7 @@ import jax
 import numpy as np
 
 from jaxgrpo import data, envs, plugins
+from jaxgrpo import observations as observations_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.runtime import distributed
 from jaxgrpo.runtime import workers as workers_lib
@@ -111,10 +113,17 @@ class Runner:
   def __init__(self, engine, tokenizer, *, env_name: str, env_kwargs: str = "",
                max_turns: int, max_episode_tokens: int, max_prompt_length: int,
                max_observation_tokens: int, workers: int = 0, timeout_s: float = 60.0,
-               user_modules: str = "", seed: int = 0, add_bos: bool = True, log=None):
+               user_modules: str = "", seed: int = 0, add_bos: bool = True, chat=None,
+               tools: list[dict] | None = None, truncation_side: str = "right", log=None):
+    """chat, tools: the chat template the prompts were rendered with and the tools they
+    show (None: plain-text prompts), which render observations that are chat messages;
+    truncation_side: where an observation's text is cut (observations.py)."""
     self.engine, self.tokenizer = engine, tokenizer
     self.env_name, self.env_kwargs = env_name, env_kwargs
-    self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
+    self.max_turns = max_turns
+    self.renderer = observations_lib.Renderer(tokenizer, chat, tools,
+                                              max_tokens=max_observation_tokens,
+                                              side=truncation_side)
     self.max_prompt_length = max_prompt_length
     self.room = max_episode_tokens - max_prompt_length  # the completion region, T
     self.seed, self.add_bos = seed, add_bos
@@ -298,11 +307,16 @@ class Runner:
           truncated[i] = done[i] = True  # an observation, so none is appended
           continue
         if observation:
-          ids = self.tokenizer.encode(observation, add_bos=False)
+          try:
+            rendered = self.renderer.render(observation, out_tokens[i, :out_len[i]].tolist())
+          except observations_lib.ObservationError as e:
+            self._failure(f"{label} turn {turn} of episode {i}", f"ObservationError: {e}\n")
+            failed[i] = done[i] = True
+            continue
+          ids = rendered.ids
           observations += 1
-          unencodable += self._check_encodable(observation, label)
-          if len(ids) > self.max_observation_tokens:
-            ids, cut = ids[:self.max_observation_tokens], cut + 1
+          cut += rendered.cut
+          unencodable += self._check_encodable(rendered.text, label)
           room = self.room - len(comp[i])
           comp[i] += ids[:room]
           new[i] += ids[:room]

@@ -432,6 +432,7 @@ IDLE_OVERRIDES = [
     ("env.max_turns", "env.name=''", {"env.name": "tools"}),
     ("env.max_observation_tokens", "env.name=''", {"env.name": "tools"}),
     ("env.stop_strings", "env.name=''", {"env.name": "tools"}),
+    ("env.observation_truncation_side", "env.name=''", {"env.name": "tools"}),
     ("env.timeout_s", "env.name=''", {"env.name": "tools"}),
     ("env.workers", "env.name=''", {"env.name": "tools"}),
     ("grpo.oversample_factor", "grpo.dynamic_sampling='off'", {"grpo.dynamic_sampling": "filter"}),

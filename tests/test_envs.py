@@ -55,7 +55,7 @@ def test_instances_are_made_once_per_process_with_their_kwargs():
 @pytest.mark.parametrize("out, error", [
     ("done", "step returned str 'done'; allowed: a tuple"),
     ((None, 1.0, True), "step returned tuple"),
-    ((3, 1.0, True, {}), "observation is int; allowed: str or None"),
+    ((3, 1.0, True, {}), "step's observation is int; allowed: a str, a message"),
     (("x", "1", True, {}), "reward is str; allowed: a number or None"),
     (("x", float("nan"), True, {}), "reward is nan"),
     (("x", 1.0, "yes", {}), "done is str; allowed: bool"),
@@ -122,3 +122,43 @@ def test_a_stop_string_the_tokenizer_cannot_end_a_turn_at_is_one_line(tmp_path):
                        "--config.env.stop_strings=</tool_call>,ab", workdir=tmp_path)
   cli.assert_clean_error(proc, "config.env.stop_strings='</tool_call>,ab': stop string 'ab' "
                          "encodes to 2 tokens")
+
+
+def test_tool_messages_without_a_chat_template_are_one_line_at_start_up(tmp_path):
+  """Issue 50: the tools environment answers with tool messages that the model's chat
+  template renders; the embedded models have none, so chat='template' (the default) is
+  refused before anything compiles, naming chat='none'."""
+  import cli  # pylint: disable=g-import-not-at-top
+  kwargs = '{"tools": "calculator", "stop_at_call_end": true}'
+  proc = cli.run_train(f"--config={ROOT}/configs/calculator.py:smoke",
+                       f"--config.env.kwargs={kwargs}", workdir=tmp_path)
+  cli.assert_clean_error(proc, f"config.env.kwargs='{kwargs}': environment 'tools' answers "
+                         "with chat messages, which the model's chat template renders, and the "
+                         "model has no chat template (the embedded models read plain text); "
+                         "allowed: '{\"chat\": \"none\"}' in env.kwargs")
+
+
+@pytest.mark.parametrize("template, limit, error", [
+    # Numbers every message by the count of messages: a tool message renumbers the turns.
+    ("{% for m in messages %}[{{ messages|length }}]{{ m.content }}{% endfor %}", 64,
+     "config.env.name='tools': test: the chat template is not prefix-preserving"),
+    # The Qwen2 fixture's template frames a tool message with 20 tokens (its tiny BPE).
+    (None, 20, "config.env.max_observation_tokens=20: the chat template frames a tool message "
+               "with 20 tokens, so no text would fit; allowed: more than 20"),
+])
+def test_a_chat_template_that_cannot_answer_with_a_tool_is_one_line(template, limit, error):
+  from jaxgrpo import data  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import chat, hf  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2")
+  c = _math_config()
+  c.env.name, c.env.max_observation_tokens = "tools", limit
+  ct = (chat.ChatTemplate("test", template, {}) if template
+        else chat.ChatTemplate.from_folder(folder))
+  prompt = data.ChatPrompt("{question}", ct, tools=None)
+  with pytest.raises(config_lib.ConfigError) as e:
+    loading.check_observations(c, hf.hf_tokenizer(folder), prompt)
+  assert error in str(e.value) and "\n" not in str(e.value)
+  c.env.max_observation_tokens = 21
+  if template is None:  # one more token: room for text
+    loading.check_observations(c, hf.hf_tokenizer(folder), prompt)

@@ -541,3 +541,73 @@ def test_close_is_called_once_per_episode_whatever_ended_it():
                                            (seed(3), 2)])
   # As soon as each ended: the first three after turn 0, the last after turn 1.
   assert [s for s, _ in Closing.closed[:3]] == [seed(0), seed(1), seed(2)]
+
+
+@pytest.mark.parametrize("folder, parser, call", [
+    ("qwen2.5", "hermes", '<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+                          '"123*456"}}\n</tool_call>'),
+    ("llama3.1", "llama3_json", '{"name": "calculator", "parameters": {"expression": '
+                                '"123*456"}}')])
+def test_a_tools_episode_is_the_chat_templates_rendering_of_its_conversation(folder, parser,
+                                                                              call):
+  """Issue 50: observations are rendered by the model's own chat template (Qwen2.5's and
+  Llama 3.1's formats, tests/fixtures/templates): prompt + episode tokens are exactly the
+  template's rendering of the conversation, the tool's turn included, and only the
+  policy's turns are trained."""
+  from jaxgrpo import data  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import chat, hf  # pylint: disable=g-import-not-at-top
+  path = os.path.join(ROOT, "tests", "fixtures", "templates", folder)
+  tok, template = hf.hf_tokenizer(path), chat.ChatTemplate.from_folder(path)
+  kwargs = json.dumps({"tools": "calculator", "parser": parser})
+  schemas = envs.tool_schemas("tools", kwargs)
+  prompt = tok.encode(data.ChatPrompt("{question}", template, schemas)(
+      {"question": "What is 123*456?"}), add_bos=False)
+  turns_text = [call + tok.eos_token, "It is 56088." + tok.eos_token]
+  script = [[tok.encode(t, add_bos=False) for t in turns_text]]
+  engine = ScriptedEngine(script, max_new_tokens=80, stops=tok.stop_ids)
+  engine.pad_id = tok.pad_id
+  runner = episodes.Runner(engine, tok, env_name="tools", env_kwargs=kwargs, max_turns=3,
+                           max_episode_tokens=len(prompt) + 300, max_prompt_length=len(prompt),
+                           max_observation_tokens=100, chat=template, tools=schemas,
+                           add_bos=False)
+  ep = runner.run("train", None, np.array([prompt]), np.ones((1, len(prompt)), bool),
+                  [{"question": "What is 123*456?", "answer": "56088"}], 1,
+                  key=jax.random.key(0), step=0)
+  n = int(ep.lengths_N[0])
+  conversation = [{"role": "user", "content": "What is 123*456?"},
+                  {"role": "assistant", "content": call}, envs.tool_message("56088"),
+                  {"role": "assistant", "content": "It is 56088."}]
+  rendered = tok.encode(template.render(conversation, add_generation_prompt=False,
+                                        tools=schemas), add_bos=False)
+  # The template closes the last turn with its end token (+ "\n" for Qwen): the episode
+  # ends at the sampled end token.
+  assert prompt + ep.tokens_NxT[0, :n].tolist() == rendered[:len(prompt) + n]
+  assert len(rendered) - (len(prompt) + n) == (1 if folder == "qwen2.5" else 0)
+  turn0, turn1 = (len(s) for s in script[0])
+  assert ep.trained_NxT[0, :n].tolist() == [True] * turn0 + [False] * (n - turn0 - turn1) + (
+      [True] * turn1)
+  assert ep.turns_N[0] == 2 and ep.tool_calls_N[0] == 1 and ep.observations_cut == 0
+
+
+def test_a_run_stopped_by_sigterm_closes_every_episode_it_started(tmp_path):
+  """Issue 50 (its close item, the last way an episode ends): SIGTERM while episodes are
+  in flight (the environment sends it during a step of the first training step). The run
+  finishes the step, saves and stops; every episode whose reset ran was closed, once."""
+  log = tmp_path / "episodes.log"
+  kwargs = json.dumps({"log": str(log), "sigterm_at": 5})
+  proc = run_train(*EPISODES, f"--config.user_modules={FIXTURE_ENVS}",
+                   "--config.env.name=fixture_closing", f"--config.env.kwargs={kwargs}",
+                   "--config.grpo.max_num_steps=3", "--config.grpo.val_period=0",
+                   "--config.grpo.val_at_start=False",
+                   workdir=tmp_path / "run", XLA_FLAGS=xla_flags(8))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "preempted (SIGTERM) after 1 steps" in proc.stdout + proc.stderr
+  lines = log.read_text().split("\n")[:-1]
+  at = lines.index("sigterm")
+  opened = lambda part: ([l.split()[1] for l in part if l.startswith("reset")],
+                         [l.split()[1] for l in part if l.startswith("close")])
+  resets, closes = opened(lines[:at])
+  assert len(resets) > len(closes)  # the signal came with episodes open
+  resets, closes = opened(lines)
+  assert sorted(resets) == sorted(closes) and len(set(closes)) == len(closes)
+  assert len(resets) == 8 * 4  # one step's 8 prompts x 4 episodes: nothing after it

@@ -10,20 +10,58 @@ def calculator_call(expression):
           + expression + '"}}\n</tool_call><|im_end|>')
 
 
-def test_a_turn_with_a_call_gets_the_result_in_qwens_format():
+def test_a_turn_with_a_call_gets_the_result_as_a_tool_message():
   env = tools.Tools("calculator")
   observation, reward, done, info = env.step(None, calculator_call("123*456"))
-  # The model closed its turn with <|im_end|>; the response opens a user turn with the
-  # <tool_response> block and reopens the assistant's, as Qwen2.5's chat template writes it.
-  assert observation == ("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response>"
-                         "<|im_end|>\n<|im_start|>assistant\n")
+  # A tool message: the episode runner renders it with the model's own chat template
+  # (tests/test_observations.py), never ChatML written here.
+  assert observation == [{"role": "tool", "content": "56088"}]
   assert (reward, done, info) == (None, False, {"tool_calls": 1, "tool_errors": 0})
-  # A turn stopped at </tool_call> (a stop string) is closed by the observation.
-  text = calculator_call("2+2").removesuffix("<|im_end|>")
-  assert env.step(None, text)[0].startswith("<|im_end|>\n<|im_start|>user\n")
-  # Without a chat template: bare blocks.
+  # Without a chat template: the parser's bare blocks.
   assert tools.Tools("calculator", chat="none").step(None, calculator_call("7*6"))[0] == (
       "<tool_response>42</tool_response>")
+  assert envs.uses_chat_template("tools", "") and not envs.uses_chat_template(
+      "tools", '{"chat": "none"}')
+
+
+def test_llama3_json_calls_are_the_whole_turn():
+  env = tools.Tools("calculator", parser="llama3_json")
+  call = '{"name": "calculator", "parameters": {"expression": "6*7"}}'
+  assert env.step(None, call + "<|eot_id|>") == (
+      [{"role": "tool", "content": "42"}], None, False, {"tool_calls": 1, "tool_errors": 0})
+  # After <|python_tag|>, ended by <|eom_id|>, two calls separated by ';'.
+  observation, _, _, info = env.step(None, f"<|python_tag|>{call}; {call}<|eom_id|>")
+  assert [m["content"] for m in observation] == ["42", "42"] and info["tool_calls"] == 2
+  # A turn that does not start with '{' is the final answer; a broken one is an error.
+  assert env.step(None, "The answer is 42.<|eot_id|>")[2] is True
+  observation, _, done, info = env.step(None, '{"name": "calculator", "parame<|eot_id|>')
+  assert "not JSON" in observation[0]["content"] and not done and info["tool_errors"] == 1
+  # Hermes blocks are not Llama calls (and the reverse).
+  assert env.step(None, calculator_call("1+1"))[2] is True
+  assert tools.Tools().step(None, call + "<|eot_id|>")[2] is True
+
+
+def test_a_users_parser_is_registered_by_name():
+  @tools.parser("_test_bracket")
+  class Bracket:  # [[calculator: 2+3]]
+    stop_strings = ("]]",)
+
+    def parse(self, text):
+      return [tools.Call("calculator", {"expression": e}) for e in
+              __import__("re").findall(r"\[\[calculator: (.*?)\]\]", text)]
+
+    def bare(self, responses):
+      return " ".join(f"=> {r}" for r in responses)
+
+  env = tools.Tools(parser="_test_bracket", chat="none", stop_at_call_end=True)
+  assert env.step(None, "[[calculator: 2+3]]") == ("=> 5", None, False,
+                                                   {"tool_calls": 1, "tool_errors": 0})
+  assert env.stop_strings == ("]]",) and "_test_bracket" in tools.parsers()
+  with pytest.raises(tools.ToolError, match="parser='nope'; allowed: _test_bracket, hermes, "
+                     "llama3_json"):
+    tools.Tools(parser="nope")
+  with pytest.raises(tools.ToolError, match="has no parse"):
+    tools.parser("_bad")(type("NoParse", (), {}))
 
 
 def test_a_turn_without_a_call_ends_the_episode():
@@ -43,13 +81,14 @@ def test_a_turn_without_a_call_ends_the_episode():
     ('["calculator"]', 'Error: a tool call is {"name": ..., "arguments": {...}}'),
 ])
 def test_malformed_calls_get_an_error_response_not_a_crash(body, error):
-  observation, _, done, info = tools.Tools().step(None, f"<tool_call>{body}</tool_call>")
+  observation, _, done, info = tools.Tools(chat="none").step(
+      None, f"<tool_call>{body}</tool_call>")
   assert error in observation and not done
   assert info == {"tool_calls": 1, "tool_errors": 1}
 
 
 def test_an_unclosed_call_and_too_many_calls_are_errors():
-  env = tools.Tools(max_calls_per_turn=1)
+  env = tools.Tools(max_calls_per_turn=1, chat="none")
   observation, _, _, info = env.step(None, calculator_call("1+1") + "<tool_call>{")
   assert "2" in observation and "without </tool_call>" in observation
   assert info == {"tool_calls": 2, "tool_errors": 1}
@@ -95,7 +134,7 @@ def test_tools_by_module_and_name_and_the_environment_registry():
       "calculator")
   with pytest.raises(tools.ToolError, match="unknown tool 'nope'"):
     tools.Tools("nope")
-  with pytest.raises(tools.ToolError, match="chat='html'; allowed: chatml, none"):
+  with pytest.raises(tools.ToolError, match="chat='html'; allowed: template, none"):
     tools.Tools(chat="html")
   assert envs.stop_strings("tools", '{"stop_at_call_end": true}') == ("</tool_call>",)
 

@@ -146,8 +146,10 @@ class CountedUpdate:
     return self.fn(state, batch, ref_params)
 
 
-def make_runner(c, engine, tokenizer, add_bos: bool = True):
-  """The episode runner of a run with an environment (episodes.py), else None."""
+def make_runner(c, engine, tokenizer, template=None):
+  """The episode runner of a run with an environment (episodes.py), else None. template:
+  the run's prompt template (loading.Data.template): a ChatPrompt's chat template and tools
+  render the observations that are chat messages, and its add_bos is the prompts' own."""
   if not c.env.name:
     return None
   from jaxgrpo import episodes, scorer  # pylint: disable=g-import-not-at-top
@@ -158,7 +160,9 @@ def make_runner(c, engine, tokenizer, add_bos: bool = True):
       max_prompt_length=c.data.max_prompt_length,
       max_observation_tokens=e.max_observation_tokens,
       workers=scorer.resolve_workers(e.workers), timeout_s=e.timeout_s,
-      user_modules=c.user_modules, seed=c.seed, add_bos=add_bos)
+      user_modules=c.user_modules, seed=c.seed, add_bos=getattr(template, "add_bos", True),
+      chat=getattr(template, "chat", None), tools=getattr(template, "tools", None),
+      truncation_side=e.observation_truncation_side)
 
 
 def make_validator(c, engine, scorer, runner, val_batches, mesh, sources=(), *,

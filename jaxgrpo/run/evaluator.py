@@ -393,8 +393,7 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   if key not in validators:
     engine = build.make_engine(c, side.model_cfg, side.tokenizer, mesh)
     # An environment task (config.env.name): k episodes per prompt, as the run validated.
-    runner = build.make_runner(c, engine, side.tokenizer,
-                               getattr(side.data.template, "add_bos", True))
+    runner = build.make_runner(c, engine, side.tokenizer, side.data.template)
     validators[key] = build.make_validator(c, engine, scorer.from_config(c, side.tokenizer),
                                            runner, side.val_batches, mesh, sources,
                                            collect=True)

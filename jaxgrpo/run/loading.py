@@ -56,6 +56,7 @@ def load_data(config, tokenizer) -> Data:
             f"{config.model.hf_checkpoint} does not show tools to the model; describe them in "
             "data.prompt_template", file=sys.stderr, flush=True)
     template = data_lib.ChatPrompt(d.prompt_template, chat_template, tools=tools)
+  check_observations(config, tokenizer, template)
   # Before the batches: their length check would otherwise report prompts of <unk> tokens
   # as too long, hiding that the model cannot read them.
   warning = check_encodable(tokenizer, template, train_rows, val_rows, model_name(config))
@@ -201,6 +202,40 @@ def check_env(config, tokenizer) -> None:
   except ValueError as e:
     raise config_lib.ConfigError(f"config.env.stop_strings={config.env.stop_strings!r}: {e}"
                                  ) from None
+
+
+def check_observations(config, tokenizer, template) -> None:
+  """An environment that declares chat-message observations (envs.uses_chat_template: the
+  tools environment unless chat='none') needs a chat template that continues a
+  conversation with a tool message, within env.max_observation_tokens: one line, before
+  compiling."""
+  e = config.env
+  if not e.name:
+    return
+  from jaxgrpo import envs, observations  # pylint: disable=g-import-not-at-top
+  if not envs.uses_chat_template(e.name, e.kwargs):
+    return
+  chat = getattr(template, "chat", None)
+  tools_chat = ("; allowed: '{\"chat\": \"none\"}' in env.kwargs (the parser's bare text, for "
+                "a model without a chat template), or " if e.name == "tools" else "; allowed: ")
+  if chat is None:
+    why = ("the model has no chat template (the embedded models read plain text)"
+           if not config.model.hf_checkpoint else "data.use_chat_template=False")
+    raise config_lib.ConfigError(
+        f"config.env.kwargs={e.kwargs!r}: environment {e.name!r} answers with chat messages, "
+        f"which the model's chat template renders, and {why}{tools_chat}"
+        "model.hf_checkpoint=<a Hugging Face folder> with data.use_chat_template=True")
+  renderer = observations.Renderer(tokenizer, chat, getattr(template, "tools", None),
+                                   max_tokens=e.max_observation_tokens)
+  try:
+    framing = renderer.framing("tool")
+  except observations.ObservationError as err:
+    raise config_lib.ConfigError(f"config.env.name={e.name!r}: {err}") from None
+  if framing >= e.max_observation_tokens:
+    raise config_lib.ConfigError(
+        f"config.env.max_observation_tokens={e.max_observation_tokens}: the chat template "
+        f"frames a tool message with {framing} tokens, so no text would fit; allowed: more "
+        f"than {framing} (the framing and the environment's text together)")
 
 
 def lora_meta(config) -> dict:

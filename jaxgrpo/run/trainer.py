@@ -160,9 +160,8 @@ class _Run:
     self.setup = setup
     c = self.c = setup.config
     self.engine, self.state, self.ref_params, self.update = build.training(setup)
-    self.runner = build.make_runner(
-        c, self.engine, setup.tokenizer,
-        getattr(setup.data.template, "add_bos", True) if setup.data else True)
+    self.runner = build.make_runner(c, self.engine, setup.tokenizer,
+                                    setup.data.template if setup.data else None)
     self.primary = primary = jax.process_index() == 0
     ck = c.checkpoint
     self.checkpoints = checkpoint.Checkpoints(
