@@ -175,7 +175,9 @@ def get_config(arg=None):
     # Multi-turn episodes with a calculator (jaxgrpo/tools.py: exact arithmetic by its own
     # parser, never eval). The chat template shows the tool in the system prompt; the model
     # calls it as <tool_call>{json}</tool_call> and ends its turn with <|im_end|>; the
-    # result comes back as a user turn of <tool_response> blocks. Up to 4 turns of up to
+    # result comes back as a tool message the model's own chat template renders (Qwen2.5:
+    # a user turn of <tool_response> blocks). A Llama 3.x model: add "parser":
+    # "llama3_json" to env.kwargs (its calls are the turn's JSON; results an ipython turn). Up to 4 turns of up to
     # 512 tokens, 1024 after the prompt in all (turns and results). Turns run on a KV cache
     # kept between them (rollout/turns.py): the prompt prefilled once for its episodes,
     # each observation appended at its episode's place. Qwen2.5-1.5B on v5e:2x4: the train

@@ -180,8 +180,9 @@ def parser(name: str):
   """Class decorator: `@parser("name")` makes a tool-call format `env.kwargs` can name as
   `{"parser": "name"}`. The class (made without arguments) has `parse(text) -> list[Call]`
   (the calls of one assistant turn, [] for a final answer), and optionally `stop_strings`
-  (what ends a turn right after a call, for `stop_at_call_end`) and `bare(responses) -> str`
-  (the observation for a model without a chat template)."""
+  (what ends a turn right after a call, for `stop_at_call_end`), `bare(responses) -> str`
+  (the observation for a model without a chat template) and `template_mark` (a string the
+  chat templates of its model family contain: start-up warns when the model's lacks it)."""
   def wrap(cls):
     if not callable(getattr(cls, "parse", None)):
       raise ToolError(f"tool-call parser {name!r} ({cls.__qualname__}) has no parse(text) method")
@@ -223,6 +224,7 @@ class Hermes:
   response comes back as a `<tool_response>...</tool_response>` block."""
 
   stop_strings = ("</tool_call>",)
+  template_mark = "<tool_call>"  # what a chat template made for this format mentions
   _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
   
   def parse(self, text: str) -> list[Call]:
@@ -246,6 +248,7 @@ class Llama3Json:
   as their bare text."""
 
   stop_strings = ()
+  template_mark = "ipython"
   _ENDS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 
   def parse(self, text: str) -> list[Call]:
@@ -301,7 +304,7 @@ class Tools:
                       f"{', '.join(sorted(_TOOLS))} (or module:function)")
     self.chat, self.max_calls = chat, int(max_calls_per_turn)
     self.uses_chat_template = chat == "template"
-    self.parser = _PARSERS[parser]()
+    self.parser, self.parser_name = _PARSERS[parser](), parser
     self.stop_strings = (tuple(getattr(self.parser, "stop_strings", ()))
                          if stop_at_call_end else ())
 

@@ -2,6 +2,7 @@
 returns; the config keys that choose an environment."""
 
 import importlib.util
+import json
 import os
 
 import numpy as np
@@ -162,3 +163,19 @@ def test_a_chat_template_that_cannot_answer_with_a_tool_is_one_line(template, li
   c.env.max_observation_tokens = 21
   if template is None:  # one more token: room for text
     loading.check_observations(c, hf.hf_tokenizer(folder), prompt)
+
+
+def test_a_parser_the_chat_template_never_mentions_is_warned_about(capsys):
+  from jaxgrpo import data  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import chat, hf  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(ROOT, "tests", "fixtures", "templates", "llama3.1")
+  c = _math_config()
+  c.env.name, c.env.max_observation_tokens, c.model.hf_checkpoint = "tools", 64, folder
+  prompt = data.ChatPrompt("{question}", chat.ChatTemplate.from_folder(folder))
+  for parser, warned in (("hermes", True), ("llama3_json", False)):
+    c.env.kwargs = json.dumps({"parser": parser})
+    loading.check_observations(c, hf.hf_tokenizer(folder), prompt)
+    err = capsys.readouterr().err
+    assert ("warning: env.kwargs: the tool-call parser 'hermes' reads the format of templates "
+            "that mention '<tool_call>'" in err) == warned, err

@@ -48,6 +48,7 @@ class ChatTemplate:
     # Whether the template reads `tools` at all (Qwen2.5's and Llama 3.1's do): a template
     # that does not cannot show a multi-turn environment's tools to the model.
     self.shows_tools = "tools" in template
+    self.text = template
 
   @classmethod
   def from_folder(cls, folder: str) -> "ChatTemplate":

@@ -231,6 +231,15 @@ def check_observations(config, tokenizer, template) -> None:
     framing = renderer.framing("tool")
   except observations.ObservationError as err:
     raise config_lib.ConfigError(f"config.env.name={e.name!r}: {err}") from None
+  env = envs.instance(e.name, e.kwargs)
+  mark = getattr(getattr(env, "parser", None), "template_mark", None)
+  if mark and mark not in chat.text and _primary():
+    name = getattr(env, "parser_name", type(env.parser).__name__)
+    print(f"warning: env.kwargs: the tool-call parser {name!r} reads the format "
+          f"of templates that mention {mark!r}, and the chat template of "
+          f"{config.model.hf_checkpoint} does not: the model may call tools another way "
+          "(Qwen, Hermes: {\"parser\": \"hermes\"}; Llama 3.x: {\"parser\": \"llama3_json\"})",
+          file=sys.stderr, flush=True)
   if framing >= e.max_observation_tokens:
     raise config_lib.ConfigError(
         f"config.env.max_observation_tokens={e.max_observation_tokens}: the chat template "
