@@ -114,17 +114,31 @@ class Renderer:
     self.tokenizer, self.chat, self.tools = tokenizer, chat, tools
     self.max_tokens, self.side = max_tokens, side
     self._assistant: str | None = None  # the probe's assistant turn that works (found once)
+    self._without_cache: dict[str, tuple[list[int], list[int]]] = {}
 
   def _encode(self, text: str) -> list[int]:
     return self.tokenizer.encode(text, add_bos=False)
+
+  def _without(self, assistant: str, fresh: bool = False) -> tuple[list[int], list[int]]:
+    """The probe rendered without messages: (its ids, the close of its assistant turn),
+    made once per probe turn (a template that renders today's date renders it anew when a
+    rendering stops matching: `fresh`)."""
+    if fresh or assistant not in self._without_cache:
+      text = self.chat.render([_PROBE_USER, {"role": "assistant", "content": assistant}],
+                              add_generation_prompt=False, tools=self.tools)
+      close = text[text.rfind(_MARK) + len(_MARK):]
+      self._without_cache[assistant] = (self._encode(text), self._encode(close))
+    return self._without_cache[assistant]
 
   def _continuation(self, messages: list[dict], assistant: str) -> tuple[list[int], list[int]]:
     """(the close of the probe's assistant turn, the tokens the messages add after it);
     ObservationError if the template does not continue the probe."""
     base = [_PROBE_USER, {"role": "assistant", "content": assistant}]
-    without = self.chat.render(base, add_generation_prompt=False, tools=self.tools)
-    with_ = self.chat.render(base + messages, add_generation_prompt=True, tools=self.tools)
-    ids_without, ids_with = self._encode(without), self._encode(with_)
+    ids_with = self._encode(self.chat.render(base + messages, add_generation_prompt=True,
+                                             tools=self.tools))
+    ids_without, close = self._without(assistant)
+    if ids_with[:len(ids_without)] != ids_without:
+      ids_without, close = self._without(assistant, fresh=True)
     if ids_with[:len(ids_without)] != ids_without:
       at = next((i for i, (a, b) in enumerate(zip(ids_with, ids_without)) if a != b),
                 min(len(ids_with), len(ids_without)))
@@ -137,8 +151,7 @@ class Renderer:
           "; an episode only appends, so use a template that renders earlier turns as they "
           "were (the model folder's tokenizer_config.json chat_template), or return the "
           "observation as text")
-    close = without[without.rfind(_MARK) + len(_MARK):]
-    return self._encode(close), ids_with[len(ids_without):]
+    return close, ids_with[len(ids_without):]
 
   def probe(self, messages: list[dict]) -> tuple[list[int], list[int]]:
     """_continuation with the first probe assistant turn the template continues."""
