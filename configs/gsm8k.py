@@ -53,7 +53,8 @@ def get_config(arg=None):
       remat="full",
       # None: the layers scanned (one compiled layer body) on TPU and GPU, unrolled on CPU.
       scan_layers=unset(bool),
-      # None: cuDNN's fused attention on a GPU (bfloat16 compute), XLA's einsums elsewhere.
+      # None: splash (Pallas' flash kernel) on TPU, cuDNN's fused attention on a GPU
+      # (bfloat16 compute), XLA's einsums elsewhere (CPU).
       attention=unset(str),
       # LoRA: rank 0 trains every weight; a rank trains adapters (alpha / rank scaled) on
       # the frozen base, on all-linear or a list of q,k,v,o,gate,up,down.

@@ -39,7 +39,8 @@ def get_config(arg=None):
       # CPU (faster steps there), scanned on TPU and GPU (compile time that does not grow
       # with depth).
       scan_layers=config_dict.placeholder(bool),
-      # None: cuDNN's fused attention on a GPU with bfloat16 compute, XLA's einsums elsewhere.
+      # None: splash (Pallas' flash kernel) on TPU, cuDNN's fused attention on a GPU with
+      # bfloat16 compute, XLA's einsums elsewhere (CPU).
       attention=config_dict.placeholder(str),
       # LoRA: rank 0 trains every weight; a rank trains adapters (alpha / rank scaled) on
       # the frozen base, on all-linear or a list of q,k,v,o,gate,up,down.

@@ -136,7 +136,7 @@ SCHEMA: dict[str, Any] = {
         # Not architecture: the layers as one compiled loop body or unrolled (None: by platform).
         "scan_layers": _optional(_bool),
         # Not architecture: the attention kernel (None: cudnn on GPU with bfloat16, else xla).
-        "attention": _optional(_choice("xla", "cudnn")),
+        "attention": _optional(_choice("xla", "cudnn", "splash")),
         # LoRA (model/lora.py): 0 = full fine-tuning; else adapters of this rank on the
         # targets (all-linear, or q,k,v,o,gate,up,down / HF's q_proj,...), scaled alpha/rank.
         "lora_rank": _int(0), "lora_alpha": _num(0, lo_open=True), "lora_targets": _str},

@@ -351,11 +351,74 @@ def test_fused_attention_path_equals_the_einsum_path(variant, monkeypatch):
       a, b, rtol=0, atol=1e-4 * float(np.abs(b).max())), g_f, g_x)
 
 
+def test_splash_attention_equals_the_einsum_path():
+  """Issue 51: Pallas' splash attention (run here in interpret mode: the kernel's own code,
+  on CPU) gives the einsum path's outputs and gradients: grouped-query heads, left padding
+  (a pad query's output is junk on both paths and never read, so only real queries are
+  compared), and for `extend` ragged completions over a shared, padded prompt. Lengths that
+  are not multiples of the kernel's 128-token blocks are padded inside."""
+  rng = np.random.default_rng(0)
+  b, t, h, hk, d = 2, 40, 4, 2, 16
+  q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, d)), jnp.float32) for n in (h, hk, hk))
+  mask = jnp.asarray(np.arange(t)[None] >= np.array([5, 0])[:, None])
+  allowed = jnp.tril(jnp.ones((t, t), bool))[None] & mask[:, None, :]
+  weights = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32) * mask[..., None, None]
+
+  def loss(fn):
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * weights), (0, 1, 2))
+
+  want = loss(lambda q, k, v: attention.attend(q, k, v, allowed, "xla"))(q, k, v)
+  got = loss(lambda q, k, v: attention.splash(q, k, v, mask, mask, 0))(q, k, v)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for a, b_ in zip(got[1], want[1]):
+    np.testing.assert_allclose(a, b_, atol=2e-5 * float(jnp.abs(b_).max()))
+  # extend: G=3 completions of T=24 per prompt, 24, 10 and 1 (and 5, 24, 20) real tokens.
+  g, tt = 3, 24
+  qe, ke, ve = (jnp.asarray(rng.standard_normal((b, g, tt, n, d)), jnp.float32)
+                for n in (h, hk, hk))
+  own_mask = jnp.asarray(np.arange(tt)[None, None] < np.array([[24, 10, 1], [5, 24, 20]])[..., None])
+  own = jnp.tril(jnp.ones((tt, tt), bool))[None, None] & own_mask[:, :, None, :]
+  prompt_k, prompt_v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  want = attention.extend(qe, ke, ve, prompt_k, prompt_v, mask, own, "xla")
+  got = attention.extend_splash(qe, ke, ve, prompt_k, prompt_v, mask, own_mask)
+  real = own_mask[..., None, None]
+  np.testing.assert_allclose(got * real, want * real, atol=1e-5)
+
+
+def test_splash_on_a_mesh_equals_the_einsum_path():
+  """The model's training forward and backward (score_groups: prompts, then completions over
+  their prompt's K/V) with attention='splash' on 8 devices (data 2 x fsdp 2 x tensor 2:
+  the kernel inside shard_map, rows over the data axes, heads over tensor) against 'xla'
+  on the same mesh: the loss and every parameter's gradient."""
+  from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(BASE, num_layers=1)
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  params = sharding.shard_params(_random_params(cfg, seed=4), cfg, mesh)
+  rng = np.random.default_rng(5)
+  prompt, _, completion, completion_mask = _score_batch(cfg, rng, b=4, g=2)
+  prompt_mask = np.arange(prompt.shape[1])[None] >= np.array([1, 3, 0, 2])[:, None]
+  batch = (prompt, prompt_mask, completion, completion_mask)
+  batch = tuple(jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)) for x in batch)
+
+  def loss(p, implementation):
+    logits = model.score_groups(p, cfg, *batch, scan_layers=True, attention=implementation)
+    real = batch[3][..., None]
+    return jnp.sum(jax.nn.log_softmax(logits) * jnp.cos(jnp.arange(logits.shape[-1])) * real)
+
+  with sharding.activation_sharding(mesh):
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (loss_s, g_s), (loss_x, g_x) = grad(params, "splash"), grad(params, "xla")
+  np.testing.assert_allclose(loss_s, loss_x, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=0, atol=1e-4 * float(np.abs(b).max())), g_s, g_x)
+
+
 def test_attention_resolves_by_platform_and_dtype():
   # cuDNN's flash attention takes half-precision inputs only: a float32 model on a GPU
-  # keeps the einsum path, as do TPU and CPU (XLA compiles it there).
+  # keeps the einsum path, and CPU keeps it always. TPU runs splash (issue 51).
   assert attention.resolve_attention(None, "gpu", "bfloat16") == "cudnn"
   assert attention.resolve_attention(None, "gpu", "float32") == "xla"
-  assert attention.resolve_attention(None, "tpu", "bfloat16") == "xla"
+  assert attention.resolve_attention(None, "tpu", "bfloat16") == "splash"
+  assert attention.resolve_attention(None, "tpu", "float32") == "splash"
   assert attention.resolve_attention(None, "cpu", "bfloat16") == "xla"
   assert attention.resolve_attention("xla", "gpu", "bfloat16") == "xla"

@@ -1,5 +1,5 @@
 """Attention maths for the training forward and the prefill: rotary embeddings, and
-softmax(q k^T / sqrt(D), masked) v in one of two implementations (`model.attention`):
+softmax(q k^T / sqrt(D), masked) v in one of three implementations (`model.attention`):
 
   * "xla": the scores as einsums and the softmax in float32, what XLA compiles on TPU and
     CPU. For the completions (`extend`) the prompt's K/V are shared by the G samples and the
@@ -8,6 +8,15 @@ softmax(q k^T / sqrt(D), masked) v in one of two implementations (`model.attenti
     never holds the [B, H, T, S] scores. Causality and left padding are one boolean mask
     (cuDNN's padding masks assume right padding), and a completion attends to [its prompt |
     itself] as one key sequence.
+  * "splash": Pallas' splash attention (TPU; `jax.experimental.pallas.ops.tpu.
+    splash_attention`, as MaxText and Tunix use it), a flash kernel that never holds the
+    scores and skips the blocks its mask rules out. Its mask is causal (with an offset for
+    a completion over [its prompt | itself]) and its segment ids say who may see whom: a
+    real token is segment 1, a pad 0 (so a pad query attends only pads: finite, and
+    never read), the keys padded up to the kernel's blocks -1 (seen by no one). No [B, T,
+    S] mask is built. Kernels cannot be partitioned by XLA, so under a mesh it runs inside
+    `jax.shard_map`: rows over the data axes, heads over `tensor` when both head counts
+    divide it. Off TPU it runs in Pallas' interpret mode (tests: equal to "xla").
 
 Grouped-query attention throughout: query head h reads KV head h // (H / H_kv). The decode
 step's attention lives in decode.py.
@@ -25,15 +34,18 @@ from jaxgrpo.runtime import config_checks
 # uniform softmax instead of NaN, and NaN never leaks into gradients.
 _NEG = -1e30
 
-ATTENTION = ("xla", "cudnn")
+ATTENTION = ("xla", "cudnn", "splash")
+SPLASH_BLOCK = 128  # the kernel's smallest block: sequences are padded to a multiple
 
 
 def resolve_attention(value: str | None, platform: str, dtype: str) -> str:
-  """`model.attention`; None picks by platform: "cudnn" (jax.nn.dot_product_attention's
-  cuDNN flash attention, which keeps no [B, H, T, S] scores) on GPU with bfloat16 compute,
-  "xla" (the einsum path, what XLA compiles on TPU and CPU) elsewhere."""
+  """`model.attention`; None picks by platform: "splash" (Pallas' flash kernel) on TPU,
+  "cudnn" (jax.nn.dot_product_attention's cuDNN flash attention) on GPU with bfloat16
+  compute, "xla" (the einsum path) elsewhere: CPU keeps "xla"."""
   if value is not None:
     return value
+  if platform == "tpu":
+    return "splash"
   return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
 
 
@@ -43,6 +55,71 @@ def fused_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementati
   one [B, 1, T, S] boolean, which cuDNN takes as an additive bias in the compute dtype."""
   return jax.nn.dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
                                       mask=allowed_BxTxS[:, None], implementation=implementation)
+
+
+def _pick_block(length: int) -> int:
+  """The largest of 512, 256, 128 that divides `length` (a multiple of 128)."""
+  return next(b for b in (512, 256, SPLASH_BLOCK) if length % b == 0)
+
+
+def _splash_kernel(heads: int, t: int, s: int, offset: int, interpret: bool):
+  """A splash kernel for `heads` query heads, t queries over s keys (multiples of the block),
+  query i seeing keys <= i + offset; the dq and dkv backward kernels kept apart (the fused
+  one holds an unreduced float32 dq: issue 51's probe measured 3.6 GiB at 16k)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+  mask = masks.MultiHeadMask([masks.CausalMask((t, s), offset=offset)] * heads)
+  bq, bkv = _pick_block(t), _pick_block(s)
+  sizes = kernel.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
+                            block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
+                            block_kv_dq=bkv, use_fused_bwd_kernel=False)
+  return kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                interpret=interpret)
+
+
+def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offset: int,
+           mesh=None):
+  """softmax(q k^T / sqrt(D)) v through splash attention: query i sees key j when j <= i +
+  offset and their segment ids are equal (module doc). mesh: the activations' mesh, whose
+  data axes split the N rows (and `tensor` the heads, where both counts divide it); None:
+  one device. out [N, T, H, D]."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+  n, t, h, d = q_NxTxHxD.shape
+  s, hk = k_NxSxKxD.shape[1], k_NxSxKxD.shape[2]
+  tp, sp = -(-t // SPLASH_BLOCK) * SPLASH_BLOCK, -(-s // SPLASH_BLOCK) * SPLASH_BLOCK
+  # The kernel does not scale: q is, in float32 then back to the compute dtype.
+  q = (q_NxTxHxD.astype(jnp.float32) * d ** -0.5).astype(q_NxTxHxD.dtype)
+  # [N, heads, length, D], padded to whole blocks: a padded query is a real one (it sees
+  # real keys: finite, and cut off below), a padded key segment -1 (seen by no one).
+  q = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  k = jnp.pad(k_NxSxKxD, ((0, 0), (0, sp - s), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  v = jnp.pad(v_NxSxKxD, ((0, 0), (0, sp - s), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  q_seg = jnp.pad(q_segment_NxT.astype(jnp.int32), ((0, 0), (0, tp - t)), constant_values=1)
+  kv_seg = jnp.pad(kv_segment_NxS.astype(jnp.int32), ((0, 0), (0, sp - s)),
+                   constant_values=-1)
+  # The kernel compiles for TPU; elsewhere Pallas interprets it. The mesh's devices decide,
+  # not the default backend: launch/compile_check.py compiles for TPU from a CPU.
+  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  interpret = platform != "tpu"
+  tensor = mesh.shape["tensor"] if mesh is not None else 1
+  heads_split = tensor > 1 and h % tensor == 0 and hk % tensor == 0
+
+  def local(q, k, v, q_seg, kv_seg):
+    fn = _splash_kernel(q.shape[1], tp, sp, offset, interpret)
+    return jax.vmap(lambda q, k, v, qs, ks: fn(q, k, v, segment_ids=kernel.SegmentIds(qs, ks)))(
+        q, k, v, q_seg, kv_seg)
+
+  if mesh is None:
+    o = local(q, k, v, q_seg, kv_seg)
+  else:
+    from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    rows = ("data", "fsdp")
+    heads = "tensor" if heads_split else None
+    o = jax.shard_map(local, mesh=mesh,
+                      in_specs=(P(rows, heads), P(rows, heads), P(rows, heads), P(rows),
+                                P(rows)),
+                      out_specs=P(rows, heads), check_vma=False)(q, k, v, q_seg, kv_seg)
+  return o.transpose(0, 2, 1, 3)[:, :t]
 
 
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
@@ -94,6 +171,28 @@ def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS, implementa
       b, hk, g * r * t, -1), prompt_v).reshape(b, hk, g, r, t, d)
        + jnp.einsum("bkgrts,bkgsd->bkgrtd", (e_own / denom).astype(v.dtype), v_BKGSD))
   o = o.transpose(0, 2, 4, 1, 3, 5)  # [B,G,T,Hkv,R,D]
+  return o.reshape(b, g, t, h, d)
+
+
+def extend_splash(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, mask_BxGxT, mesh=None):
+  """`extend` through splash attention: each sample's T queries over [its prompt | itself]
+  (L + T keys, each sample with its own copy of its prompt's K/V, as _extend_fused), query t
+  seeing the prompt's real keys and its own real keys up to t (causal offset L); no [B, G,
+  T, S] mask is built. q [B, G, T, H, D], k/v [B, G, T, H_kv, D], prompt_k/v [B, H_kv, L,
+  D]; out [B, G, T, H, D]."""
+  b, g, t, h, d = q.shape
+  p = prompt_mask_BxL.shape[-1]
+
+  def with_prompt(prompt_BxKxLxD, own_BxGxTxKxD):
+    prompt = jnp.broadcast_to(prompt_BxKxLxD.transpose(0, 2, 1, 3)[:, None],
+                              (b, g, p) + prompt_BxKxLxD.shape[1:2] + (d,))
+    return jnp.concatenate([prompt.astype(own_BxGxTxKxD.dtype), own_BxGxTxKxD],
+                           axis=2).reshape(b * g, p + t, -1, d)
+
+  kv_segment = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxL[:, None], (b, g, p)),
+                                mask_BxGxT], axis=-1).reshape(b * g, p + t)
+  o = splash(q.reshape(b * g, t, h, d), with_prompt(prompt_k, k), with_prompt(prompt_v, v),
+             jnp.ones((b * g, t), jnp.int32), kv_segment, p, mesh)
   return o.reshape(b, g, t, h, d)
 
 
@@ -158,9 +257,12 @@ def rope(x, positions, inv_freq):
 @config_checks.register(order=33)
 def _check_config(c, num_devices: int) -> None:
   """cuDNN's fused attention: a GPU and half-precision compute (else jax fails deep inside
-  the first compilation)."""
+  the first compilation); splash: not on a GPU."""
   del num_devices
   m = c.model
+  if m.attention == "splash" and jax.default_backend() == "gpu":
+    config_checks.fail("model.attention", m.attention, "None, 'cudnn' or 'xla' on gpu (splash "
+                       "is a TPU kernel; on CPU it runs in Pallas' interpret mode, for tests)")
   if m.attention != "cudnn":
     return
   if jax.default_backend() != "gpu":

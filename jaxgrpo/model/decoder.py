@@ -237,8 +237,8 @@ def rms_norm(x, scale, cfg: ModelConfig):
 class Attention(nn.Module):
   """Grouped-query attention; query head h uses key/value head h // (H / H_kv).
 
-  attention: "xla" (scores as einsums, the softmax in float32) or "cudnn" (fused); see
-  attention.py. Resolved by `resolve_attention` before it gets here.
+  attention: "xla" (scores as einsums, the softmax in float32), "cudnn" (fused) or "splash"
+  (Pallas' flash kernel, TPU); see attention.py. Resolved by `resolve_attention` before it gets here.
   """
 
   cfg: ModelConfig
@@ -283,6 +283,9 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, positions_BxT, mask_BxT):
     t = x_BxTxD.shape[1]
     q, k, v = self._qkv(x_BxTxD, positions_BxT)
+    if self.attention == "splash":  # causal, real tokens segment 1 and pads 0: no [B, T, S]
+      o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, ACTIVATION_MESH.get())
+      return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
     causal_TxT = jnp.tril(jnp.ones((t, t), bool))
     allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
     o = attention_lib.attend(q, k, v, allowed, self.attention)
@@ -297,6 +300,10 @@ class Attention(nn.Module):
     cache: decode.extend)."""
     t = x_BxGxTxD.shape[2]
     q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
+    if self.attention == "splash":
+      out = self._out(attention_lib.extend_splash(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
+                                                  mask_BxGxT, ACTIVATION_MESH.get()))
+      return (out, (k, v)) if return_kv else out
     own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
     out = self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
                                          own_BxGxTxS, self.attention))
