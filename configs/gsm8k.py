@@ -23,8 +23,9 @@ the search. What the check chose for real models and slices is in BENCHMARKS.md.
 
 `arg`: `cpu` shrinks lengths and batches to check the pipeline on a laptop with a tiny model;
 `lora` trains rank-16 adapters on a frozen bfloat16 base instead of every weight; `tools` runs
-multi-turn episodes in which the model may call a calculator tool (`cpu,lora`, `cpu,tools`:
-combined).
+multi-turn episodes in which the model may call a calculator tool; `long` gives responses
+up to 16,384 tokens (long reasoning; splash attention on TPU) (`cpu,lora`, `cpu,tools`,
+`cpu,long`: combined).
 """
 
 import ml_collections
@@ -160,9 +161,9 @@ def get_config(arg=None):
 
   presets = [a for a in (arg or "").split(",") if a]
   for preset in presets:
-    if preset not in ("cpu", "lora", "tools"):
+    if preset not in ("cpu", "lora", "tools", "long"):
       raise ValueError(f"configs/gsm8k.py: unknown preset {preset!r}; allowed: cpu, lora, "
-                       "tools (or several: cpu,lora)")
+                       "tools, long (or several: cpu,lora)")
   if "lora" in presets:
     # Rank-16 adapters on every linear layer of a frozen base (model/lora.py): the optimizer
     # holds the adapters' moments only and the KL reference is the base itself. Adapters
@@ -178,8 +179,8 @@ def get_config(arg=None):
     # calls it as <tool_call>{json}</tool_call> and ends its turn with <|im_end|>; the
     # result comes back as a tool message the model's own chat template renders (Qwen2.5:
     # a user turn of <tool_response> blocks). A Llama 3.x model: add "parser":
-    # "llama3_json" to env.kwargs (its calls are the turn's JSON; results an ipython turn). Up to 4 turns of up to
-    # 512 tokens, 1024 after the prompt in all (turns and results). Turns run on a KV cache
+    # "llama3_json" to env.kwargs (its calls are the turn's JSON; results an ipython turn).
+    # Up to 4 turns of up to 512 tokens, 1024 after the prompt in all (turns and results). Turns run on a KV cache
     # kept between them (rollout/turns.py): the prompt prefilled once for its episodes,
     # each observation appended at its episode's place. Qwen2.5-1.5B on v5e:2x4: the train
     # sampler 11.3 GiB a chip, the update 10.8 (launch/compile_check.py; BENCHMARKS.md).
@@ -188,12 +189,21 @@ def get_config(arg=None):
     c.env.max_turns = 4
     c.env.max_observation_tokens = 64
     c.generation.max_episode_tokens = c.data.max_prompt_length + 1024
+  if "long" in presets:
+    # Long reasoning (issue 51): responses of up to 16,384 tokens, as DAPO and DeepScaleR
+    # train. On TPU the attention is splash (model.attention None: no [T, S] scores held);
+    # the update's micro-batch stays 'auto' and validation runs 8 prompts at a time (a val
+    # sampler's KV cache at 16k is most of a chip). Truncated completions leave the loss.
+    c.generation.max_new_tokens = 16384
+    c.grpo.val_batch_size = 8
+    c.grpo.mask_truncated_completions = True
   if "cpu" in presets:
     c.mesh.fsdp = 1
     c.mesh.data = -1
     c.model.dtype = "float32"
     c.data.max_prompt_length = 1024  # the fixtures' byte-level tokenizer: long prompts
-    c.generation.max_new_tokens = 16
+    # `cpu,long`: the long preset's path at a length the fixtures run in seconds.
+    c.generation.max_new_tokens = 256 if "long" in presets else 16
     if "tools" in presets:  # two short turns and a result
       c.generation.max_episode_tokens = c.data.max_prompt_length + 64
     c.grpo.num_prompts_per_step = 8
