@@ -70,16 +70,16 @@ def test_validate_leaves_callers_config_alone():
     ("grpo.stop_at_validation_confidence", 1.5, "a number > 0 and < 1"),
     ("grpo.stop_at_validation_confidence", 0.9, "None while grpo.stop_at_validation_metric"),
     ("mesh.dcn_data", 0, "config.mesh.dcn_data=0"),
-    # 32 prompts x 8 rollouts on 8 devices: a micro-batch is whole groups (a multiple of 8),
-    # its prompts split over the 8 devices (a multiple of 64) and it divides the 256 rollouts.
-    ("grpo.micro_batch_size", 12, "a multiple of num_generations_per_prompt=8"),
-    ("grpo.micro_batch_size", 8, "a multiple of 64"),
-    ("grpo.micro_batch_size", 192, "a divisor of the batch's 256 rollouts"),
+    # 32 prompts x 8 rollouts on 8 devices: each device holds whole groups (64, 128, 256) or
+    # one sub-group of 1, 2 or 4 completions (8, 16, 32), and it divides the 256 rollouts.
+    ("grpo.micro_batch_size", 12, "one of [8, 16, 32, 64, 128, 256]"),
+    ("grpo.micro_batch_size", 24, "one of [8, 16, 32, 64, 128, 256]"),
+    ("grpo.micro_batch_size", 192, "dividing the batch's 256 rollouts"),
     ("grpo.micro_batch_size", -64, "config.grpo.micro_batch_size=-64"),
     ("grpo.logprob_chunk_size", 0, "config.grpo.logprob_chunk_size=0"),
     ("grpo.logprob_chunk_size", -16, "config.grpo.logprob_chunk_size=-16"),
     ("model.remat", "dots", "'none', 'full', 'save_dots'"),
-    ("model.attention", "flash", "None or one of 'xla', 'cudnn'"),
+    ("model.attention", "flash", "None or one of 'xla', 'cudnn', 'splash'"),
     # cuDNN's kernel needs a GPU: on CPU (and for a TPU compile check) a line, not a
     # RuntimeError from inside the first compilation.
     ("model.attention", "cudnn", "None or 'xla' on cpu (cuDNN's fused attention needs a GPU)"),

@@ -95,6 +95,15 @@ CASES = {
     "mesh222_token_mean_beta": (
         {"data": 2, "fsdp": 2, "tensor": 2}, dict(micro_batch_size=8, beta=0.05),
         sampling.SamplingParams(1.0, 1.0, 0), 2),
+    # Sub-groups (issue 51): one completion of a group of 2 per micro-batch, its prompt
+    # computed for it alone; on one device, and on 8 (one row a device).
+    "subgroups_seq_mean_beta_masked": (
+        {"data": 1}, dict(micro_batch_size=1, loss_agg="seq_mean_token_mean", beta=0.1,
+                          mask_truncated_completions=True),
+        sampling.SamplingParams(0.8, 1.0, 0), 1),
+    "mesh222_subgroups": (
+        {"data": 2, "fsdp": 2, "tensor": 2}, dict(micro_batch_size=4, beta=0.05),
+        sampling.SamplingParams(1.0, 1.0, 0), 1),
 }
 
 

@@ -405,6 +405,14 @@ def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, me
   n = batch["rewards_N"].shape[0]
   rows, mask, advantages = _prepare_rows(batch, loss)
   shards = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
+  # Fewer rows on a device than a group (microbatch.subgroup): each prompt is repeated for
+  # its sub-groups, which then run as groups of that size (advantages, the mask and the
+  # weights came from the whole groups above).
+  sub = microbatch.subgroup(loss.micro_batch_size, loss.num_generations, shards)
+  if sub < loss.num_generations:
+    for key in ("prompt_tokens_BxL", "prompt_mask_BxL"):
+      rows[key] = jnp.repeat(rows[key], loss.num_generations // sub, axis=0)
+    loss = dataclasses.replace(loss, num_generations=sub)
   micro = microbatch.split(rows, n // loss.micro_batch_size, shards, mesh)
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
   shardings = None if mesh is None else (

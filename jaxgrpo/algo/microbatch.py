@@ -7,8 +7,13 @@ backward pass of each and sums the gradients. Exactness is the caller's part: th
 micro-batch must be its share of the whole batch's loss, i.e. every normaliser (token
 counts, row counts, advantages) is computed on the whole batch before the split
 (grpo.token_weights), so that the micro-batches' losses and gradients add up to the whole
-batch's. A micro-batch is a multiple of G rows, so a group (and its prompt, computed once)
-is never split.
+batch's. A micro-batch holds whole groups on each device (a group's prompt computed once
+for its G completions), or, when a device's share of it is fewer rows than a group (long
+completions: issue 51), sub-groups: a divisor G' of G completions of one prompt, the
+prompt computed once per sub-group (its tokens repeated G / G' times; a prompt is short
+beside its completions), so a step at 16k tokens can hold 4 rows a chip instead of 8.
+The sub-groups give the same loss and gradients (tested): the advantages and every
+normaliser come from the whole groups first.
 
 Layout: the rows of a batch are split over the data axes in contiguous blocks. Micro-batch
 k takes the k-th slice of every device's block, so every device computes its share of
@@ -78,25 +83,37 @@ def accumulate(loss_fn: Callable, params, micro_batches, grad_shardings=None):
   return (loss, sums), grads
 
 
+def subgroup(micro_batch_size: int, group: int, shards: int) -> int:
+  """G' of the module doc: the completions of one prompt a micro-batch computes together,
+  G when each device holds whole groups (or the whole batch: 0)."""
+  if not micro_batch_size:
+    return group
+  per_device = micro_batch_size // shards
+  return group if per_device % group == 0 else per_device
+
+
+def valid_sizes(group: int, shards: int, batch: int) -> list[int]:
+  """Every valid micro_batch_size, smallest first: on each device whole groups, or one
+  sub-group (a divisor of G), dividing the batch."""
+  per_device = [d for d in range(1, group) if group % d == 0] + list(
+      range(group, batch // shards + 1, group))
+  return [p * shards for p in per_device if batch % (p * shards) == 0]
+
+
 def _check_micro_batch(g, rows: int):
-  """A micro-batch holds whole groups (a group's advantages and its prompt's single forward
-  need all G rows), its prompts split evenly over the data axes, and divides the batch."""
+  """A micro-batch divides the batch and holds, on each device, whole groups or one
+  sub-group of a divisor of G completions (module doc)."""
   m, gen = g.micro_batch_size, g.num_generations_per_prompt
   if m == "auto":  # chosen at start-up among the sizes this rule allows (run/sizing.py)
     return
   if not m:
     return
   batch = g.num_prompts_per_step * gen
-  if m % gen:
-    config_checks.fail("grpo.micro_batch_size", m, f"a multiple of num_generations_per_prompt={gen} (a "
-          "group is never split), or 0 for the whole batch")
-  if (m // gen) % rows:
-    config_checks.fail("grpo.micro_batch_size", m, f"a multiple of {gen * rows} (num_generations_per_prompt="
-          f"{gen} x mesh data x fsdp={rows}: each micro-batch's prompts split evenly over "
-          "the devices), or 0")
-  if batch % m:
-    config_checks.fail("grpo.micro_batch_size", m, f"a divisor of the batch's {batch} rollouts "
-          f"(num_prompts_per_step x num_generations_per_prompt), or 0")
+  sizes = valid_sizes(gen, rows, batch)
+  if m not in sizes:
+    config_checks.fail("grpo.micro_batch_size", m, f"one of {sizes} (mesh data x fsdp={rows} "
+          f"devices each holding whole groups of num_generations_per_prompt={gen}, or one "
+          f"sub-group of a divisor of {gen}; dividing the batch's {batch} rollouts), or 0")
 
 
 @config_checks.register(order=21)

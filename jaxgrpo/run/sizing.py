@@ -50,6 +50,7 @@ import numpy as np
 
 from jaxgrpo.run import build
 from jaxgrpo.algo import grpo
+from jaxgrpo.algo import microbatch
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
@@ -144,12 +145,12 @@ def memory_limit(config, mesh) -> int | None:
 
 
 def micro_batch_sizes(config, mesh) -> list[int]:
-  """Every valid grpo.micro_batch_size, smallest first: whole groups whose prompts split over
-  the data axes, dividing the batch (config._check_micro_batch's rule)."""
+  """Every valid grpo.micro_batch_size, smallest first: whole groups or one sub-group on each
+  device, dividing the batch (algo/microbatch.py's rule)."""
   g = config.grpo
-  step = g.num_generations_per_prompt * sharding_lib.batch_size_multiple(mesh)
-  batch = g.num_prompts_per_step * g.num_generations_per_prompt
-  return [m for m in range(step, batch + 1, step) if batch % m == 0]
+  return microbatch.valid_sizes(g.num_generations_per_prompt,
+                                sharding_lib.batch_size_multiple(mesh),
+                                g.num_prompts_per_step * g.num_generations_per_prompt)
 
 
 def val_batch_sizes(mesh, num_val_prompts: int) -> list[int]:
