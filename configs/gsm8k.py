@@ -195,7 +195,7 @@ def get_config(arg=None):
     # the update's micro-batch stays 'auto' and validation runs 8 prompts at a time (a val
     # sampler's KV cache at 16k is most of a chip). Truncated completions leave the loss.
     c.generation.max_new_tokens = 16384
-    c.grpo.val_batch_size = 8
+    c.grpo.val_batch_size = "8"  # as the command line gives a number: the key ships 'auto'
     c.grpo.mask_truncated_completions = True
   if "cpu" in presets:
     c.mesh.fsdp = 1
