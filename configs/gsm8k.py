@@ -192,9 +192,13 @@ def get_config(arg=None):
   if "long" in presets:
     # Long reasoning (issue 51): responses of up to 16,384 tokens, as DAPO and DeepScaleR
     # train. On TPU the attention is splash (model.attention None: no [T, S] scores held);
-    # the update's micro-batch stays 'auto' and validation runs 8 prompts at a time (a val
-    # sampler's KV cache at 16k is most of a chip). Truncated completions leave the loss.
+    # the update's micro-batch stays 'auto' (for Qwen2.5-7B on v5p:2x2x2 a sub-group of 4
+    # rollouts a chip: 65.7 GiB, where a whole group of 8 needs 114.7); validation runs 8
+    # prompts at a time (22.1 GiB; all 1,320 would need 886). Compaction is off: its
+    # copies of a 16k cache do not fit (train sampler 129.5 GiB with 3 stages, 73.3
+    # without; BENCHMARKS.md). Truncated completions leave the loss.
     c.generation.max_new_tokens = 16384
+    c.generation.compact_stages = 0
     c.grpo.val_batch_size = "8"  # as the command line gives a number: the key ships 'auto'
     c.grpo.mask_truncated_completions = True
   if "cpu" in presets:

@@ -210,3 +210,19 @@ def test_two_slices_split_the_data_axis(check):
   assert "2 x v5e:2x2: 8 x TPU v5 lite" in proc.stdout
   assert "mesh data=8 (2 slices x 4), fsdp=1, tensor=1" in proc.stdout
   assert list(table_rows(proc.stdout)) == ["train sampler"], proc.stdout
+
+
+def test_the_long_preset_compiles_splash_and_sub_groups_for_tpu(check, tmp_path):
+  """Issue 51: configs/gsm8k.py:cpu,long (256 response tokens, the Qwen2 fixture without
+  weights) on v5e:2x2: splash attention (TPU's default) inside shard_map, and a micro-batch
+  of 8 rollouts over 4 chips (a sub-group of 2 of each group of 4), compile for TPU."""
+  fixture = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2")
+  for name in os.listdir(fixture):
+    if not name.endswith((".safetensors", ".npz")):
+      shutil.copy(os.path.join(fixture, name), tmp_path)
+  proc = check("--topology=v5e:2x2", f"--config={ROOT}/configs/gsm8k.py:cpu,long",
+               f"--config.model.hf_checkpoint={tmp_path}", "--config.grpo.micro_batch_size=8")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "micro-batches of 8" in proc.stdout and "attention=splash" in proc.stdout, proc.stdout
+  assert sorted(table_rows(proc.stdout)) == sorted(PROGRAMS), proc.stdout
+  assert "ok: update step, train sampler, val sampler compile for v5e:2x2" in proc.stdout
