@@ -269,7 +269,7 @@ def test_auto_with_nothing_that_fits_is_one_line_before_the_first_rollout(tmp_pa
   errors = [l for l in proc.stderr.splitlines() if l.startswith("error")]
   assert len(errors) == 1 and errors[0].startswith(
       "error: config.grpo.micro_batch_size=auto: no valid size fits the update step in "
-      "10.49 KiB per chip (tried 4: "), errors  # 1 device: sizes 4, 8, 16, 32
+      "10.49 KiB per chip (tried 1: "), errors  # 1 device: sub-groups 1, 2, then 4, 8, ...
   assert "Traceback" not in proc.stderr
   # The search compiled the update (AOT); nothing else was: no sampler, no checkpoint, no
   # training row.
