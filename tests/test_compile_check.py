@@ -184,13 +184,18 @@ def test_suggest_micro_batch_says_when_nothing_fits(check):
       "1.02 MiB per chip (tried 16: "), lines
 
 
-def test_a_hugging_face_folder_without_weights_is_enough(check, tmp_path):
-  # config.json and the tokenizer's files of the Qwen2 fixture, no model.safetensors: the
-  # fit of a model is checked before its weights are downloaded.
+def _without_weights(folder):
+  """The Qwen2 fixture's config.json and tokenizer files in `folder`, no weights."""
   fixture = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2")
   for name in os.listdir(fixture):
     if not name.endswith((".safetensors", ".npz")):
-      shutil.copy(os.path.join(fixture, name), tmp_path)
+      shutil.copy(os.path.join(fixture, name), folder)
+
+
+def test_a_hugging_face_folder_without_weights_is_enough(check, tmp_path):
+  # config.json and the tokenizer's files of the Qwen2 fixture, no model.safetensors: the
+  # fit of a model is checked before its weights are downloaded.
+  _without_weights(tmp_path)
   proc = check("--topology=v5e:2x2", f"--config={ROOT}/configs/gsm8k.py:cpu",
                f"--config.model.hf_checkpoint={tmp_path}", "--programs=update")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -216,10 +221,7 @@ def test_the_long_preset_compiles_splash_and_sub_groups_for_tpu(check, tmp_path)
   """Issue 51: configs/gsm8k.py:cpu,long (256 response tokens, the Qwen2 fixture without
   weights) on v5e:2x2: splash attention (TPU's default) inside shard_map, and a micro-batch
   of 8 rollouts over 4 chips (a sub-group of 2 of each group of 4), compile for TPU."""
-  fixture = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2")
-  for name in os.listdir(fixture):
-    if not name.endswith((".safetensors", ".npz")):
-      shutil.copy(os.path.join(fixture, name), tmp_path)
+  _without_weights(tmp_path)
   proc = check("--topology=v5e:2x2", f"--config={ROOT}/configs/gsm8k.py:cpu,long",
                f"--config.model.hf_checkpoint={tmp_path}", "--config.grpo.micro_batch_size=8")
   assert proc.returncode == 0, proc.stderr[-3000:]
