@@ -79,7 +79,7 @@ def test_the_renderings_as_token_strings():
                   "<|start_header_id|>assistant<|end_header_id|>\n\n"}
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "llama3.1"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen2.5", "llama3.1"])
 @pytest.mark.parametrize("side", observations.SIDES)
 def test_a_long_observation_is_cut_before_templating_and_keeps_its_framing(name, side):
   tok, template = _load(name)
@@ -110,6 +110,8 @@ def test_a_long_observation_is_cut_before_templating_and_keeps_its_framing(name,
 
 def _content(text: str, name: str, k: int) -> str:
   """The k-th tool response's text in a rendered observation."""
+  if name == "qwen2":
+    return text.split("<|im_start|>tool\n")[k + 1].split("<|im_end|>")[0]
   if name == "qwen2.5":
     return text.split("<tool_response>\n")[k + 1].split("\n</tool_response>")[0]
   return text.split("ipython<|end_header_id|>\n\n")[k + 1].split("<|eot_id|>")[0]
