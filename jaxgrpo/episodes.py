@@ -20,8 +20,9 @@ token (`env.stop_strings` and the environment's own), or after `generation.max_n
 The host then steps the environments of the episodes whose turn ended (in worker
 processes, each call limited to `env.timeout_s`: envs.py), appends their observations (at
 most `env.max_observation_tokens` each, the template's framing included; longer text is cut
-before templating, and counted) and starts the next turn. Episodes that ended are inactive rows: they append and sample nothing, and
-with `generation.compact_stages` the turn's decode drops them (compaction.py).
+before templating, and counted) and starts the next turn. Episodes that ended are inactive
+rows: they append and sample nothing, and with `generation.compact_stages` the turn's
+decode drops them (compaction.py).
 
 An episode ends when its environment says done, or it is truncated (the loss may mask it:
 `grpo.mask_truncated_completions`) when it runs out of tokens (the completion region of

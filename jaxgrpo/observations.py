@@ -161,16 +161,16 @@ class Renderer:
                              "one): return text, or use a model.hf_checkpoint with "
                              "data.use_chat_template=True")
     turns = (self._assistant,) if self._assistant else _ASSISTANT_TURNS
-    for k, assistant in enumerate(turns):
+    for assistant in turns[:-1]:
       try:
         out = self._continuation(messages, assistant)
       except ObservationError:
-        if k == len(turns) - 1:
-          raise
         continue
       self._assistant = assistant
       return out
-    raise AssertionError("unreachable")
+    out = self._continuation(messages, turns[-1])  # the last one's error is the one said
+    self._assistant = turns[-1]
+    return out
 
   def framing(self, role: str = "tool") -> int:
     """Tokens the template adds around one empty `role` message after a turn that ended
@@ -205,9 +205,8 @@ class Renderer:
             f"{len(ids) - sum(len(c) for c in contents)}+ tokens; env.max_observation_tokens="
             f"{self.max_tokens} leaves no room for their text")
       keep = shares([len(c) for c in contents], room)
-      messages = [dict(m, content=self._decode(cut_ids(c, k, self.side)))
-                  for m, c, k in zip(messages, contents, keep)]
       contents = [cut_ids(c, k, self.side) for c, k in zip(contents, keep)]
+      messages = [dict(m, content=self._decode(c)) for m, c in zip(messages, contents)]
       cut = True
 
   def _decode(self, ids: list[int]) -> str:

@@ -182,18 +182,22 @@ def extend_splash(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, mask_BxGxT, mesh
   D]; out [B, G, T, H, D]."""
   b, g, t, h, d = q.shape
   p = prompt_mask_BxL.shape[-1]
-
-  def with_prompt(prompt_BxKxLxD, own_BxGxTxKxD):
-    prompt = jnp.broadcast_to(prompt_BxKxLxD.transpose(0, 2, 1, 3)[:, None],
-                              (b, g, p) + prompt_BxKxLxD.shape[1:2] + (d,))
-    return jnp.concatenate([prompt.astype(own_BxGxTxKxD.dtype), own_BxGxTxKxD],
-                           axis=2).reshape(b * g, p + t, -1, d)
-
+  keys = _with_prompt(prompt_k, k).reshape(b * g, p + t, -1, d)
+  values = _with_prompt(prompt_v, v).reshape(b * g, p + t, -1, d)
   kv_segment = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxL[:, None], (b, g, p)),
                                 mask_BxGxT], axis=-1).reshape(b * g, p + t)
-  o = splash(q.reshape(b * g, t, h, d), with_prompt(prompt_k, k), with_prompt(prompt_v, v),
-             jnp.ones((b * g, t), jnp.int32), kv_segment, p, mesh)
+  o = splash(q.reshape(b * g, t, h, d), keys, values, jnp.ones((b * g, t), jnp.int32),
+             kv_segment, p, mesh)
   return o.reshape(b, g, t, h, d)
+
+
+def _with_prompt(prompt_BxKxLxD, own_BxGxTxKxD):
+  """Each sample's key (or value) sequence [its prompt | its own], [B, G, L + T, H_kv, D]:
+  the prompt's copy per sample that a fused kernel's one key sequence needs."""
+  prompt_BxLxKxD = prompt_BxKxLxD.transpose(0, 2, 1, 3)
+  prompt = jnp.broadcast_to(prompt_BxLxKxD[:, None],
+                            own_BxGxTxKxD.shape[:2] + prompt_BxLxKxD.shape[1:])
+  return jnp.concatenate([prompt.astype(own_BxGxTxKxD.dtype), own_BxGxTxKxD], axis=2)
 
 
 def _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS,
@@ -203,13 +207,7 @@ def _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS,
   (B*G*L*H_kv*D values per layer, small beside the [B, H, T, L + T] scores it saves)."""
   b, g, t, h, d = q.shape
   p = prompt_mask_BxL.shape[-1]
-
-  def with_prompt(prompt_BxKxLxD, own_BxGxTxKxD):
-    prompt = jnp.broadcast_to(prompt_BxKxLxD.transpose(0, 2, 1, 3)[:, None],
-                              (b, g, p) + prompt_BxKxLxD.shape[1:2] + (d,))
-    return jnp.concatenate([prompt.astype(own_BxGxTxKxD.dtype), own_BxGxTxKxD], axis=2)
-
-  keys, values = with_prompt(prompt_k, k), with_prompt(prompt_v, v)
+  keys, values = _with_prompt(prompt_k, k), _with_prompt(prompt_v, v)
   allowed = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxL[:, None, None], (b, g, t, p)),
                              own_BxGxTxS], axis=-1)
   o = fused_attention(q.reshape(b * g, t, h, d), keys.reshape(b * g, p + t, -1, d),

@@ -238,7 +238,8 @@ class Attention(nn.Module):
   """Grouped-query attention; query head h uses key/value head h // (H / H_kv).
 
   attention: "xla" (scores as einsums, the softmax in float32), "cudnn" (fused) or "splash"
-  (Pallas' flash kernel, TPU); see attention.py. Resolved by `resolve_attention` before it gets here.
+  (Pallas' flash kernel, TPU); see attention.py. Resolved by `resolve_attention` before it
+  gets here.
   """
 
   cfg: ModelConfig

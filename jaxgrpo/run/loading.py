@@ -73,8 +73,7 @@ def _check_messages(config, train_rows, val_rows) -> None:
   if not any(data_lib.is_messages(r["question"]) for r in (*train_rows, *val_rows)):
     return
   if not d.use_chat_template:
-    why = ("the model has no chat template (the embedded models read plain text)"
-           if not config.model.hf_checkpoint else "data.use_chat_template=False")
+    why = _no_chat_template(config)
     raise config_lib.ConfigError(
         f"config.data.question_key={d.question_key!r}: the column holds chat messages (a "
         f"list of {{role, content}}), which only a chat template renders, and {why}; allowed: "
@@ -204,6 +203,12 @@ def check_env(config, tokenizer) -> None:
                                  ) from None
 
 
+def _no_chat_template(config) -> str:
+  """Why a run renders no chat template, for the lines that need one."""
+  return ("the model has no chat template (the embedded models read plain text)"
+          if not config.model.hf_checkpoint else "data.use_chat_template=False")
+
+
 def check_observations(config, tokenizer, template) -> None:
   """An environment that declares chat-message observations (envs.uses_chat_template: the
   tools environment unless chat='none') needs a chat template that continues a
@@ -219,8 +224,7 @@ def check_observations(config, tokenizer, template) -> None:
   tools_chat = ("; allowed: '{\"chat\": \"none\"}' in env.kwargs (the parser's bare text, for "
                 "a model without a chat template), or " if e.name == "tools" else "; allowed: ")
   if chat is None:
-    why = ("the model has no chat template (the embedded models read plain text)"
-           if not config.model.hf_checkpoint else "data.use_chat_template=False")
+    why = _no_chat_template(config)
     raise config_lib.ConfigError(
         f"config.env.kwargs={e.kwargs!r}: environment {e.name!r} answers with chat messages, "
         f"which the model's chat template renders, and {why}{tools_chat}"
