@@ -134,6 +134,9 @@ def get_config(arg=None):
       # rollouts x 128 positions x 151,936 float32 logits is a chunk of 37 GiB over the
       # slice, not 264 GiB for all 912.
       micro_batch_size="auto", logprob_chunk_size=128, max_num_steps=500,
+      # Or rollouts packed end to end into micro-batches of this many tokens a chip, for
+      # long-tailed lengths (0 = off; 'auto': the most that fit): docs/scaling.md.
+      micro_batch_tokens=0,
       val_period=50, val_at_start=True, val_at_end=True,
       # Prompts (x k=4) per validation batch: 'auto', the most whose val sampler fits beside
       # the train state; the numbers do not depend on the batch size.

@@ -119,6 +119,9 @@ def get_config(arg=None):
       # Memory, not maths: rollouts per forward/backward pass (0 = all), and completion
       # positions per output projection (None = all; a chunk never holds [N, T, vocab]).
       micro_batch_size=0, logprob_chunk_size=config_dict.placeholder(int),
+      # Or rollouts packed end to end into micro-batches of this many tokens a chip, for
+      # long-tailed lengths (0 = off; 'auto': the most that fit): docs/scaling.md.
+      micro_batch_tokens=0,
       max_num_steps=500,
       val_period=100, val_at_start=True, val_at_end=True, val_batch_size=128,
       max_val_samples=500,  # prompts; each is sampled val_num_generations_per_prompt times

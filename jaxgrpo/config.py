@@ -182,6 +182,8 @@ SCHEMA: dict[str, Any] = {
         # pass (0: the whole batch), completion positions per output projection (None: all).
         # 'auto': the largest that fits the chips' memory, chosen at start-up (run/sizing.py).
         "micro_batch_size": _or_auto(_int(0)), "logprob_chunk_size": _optional(_int(1)),
+        # Or packed micro-batches of that many tokens a chip (0: off; algo/packing.py).
+        "micro_batch_tokens": _or_auto(_int(0)),
         "max_num_steps": _int(1), "val_period": _int(0),
         "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _or_auto(_int(1)),
         "max_val_samples": _int(0), "val_num_generations_per_prompt": _int(1),
@@ -251,7 +253,7 @@ def _check_keys(prefix: str, section: Any, schema: dict[str, Any]):
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
   """Checks and resolves a run config; returns a locked copy. Raises ConfigError."""
   values = config.to_dict()  # a copy: the caller's stays as is
-  for key in ("micro_batch_size", "val_batch_size"):
+  for key in ("micro_batch_size", "val_batch_size", "micro_batch_tokens"):
     # A config that ships 'auto' types the key as a string, so a command-line number
     # arrives as one ("256"): it means the number.
     value = values.get("grpo", {}).get(key)
@@ -363,9 +365,9 @@ def _no_tracker_run(c) -> str | None:
 
 def _no_auto(c) -> str | None:
   g = c.grpo
-  if "auto" not in (g.micro_batch_size, g.val_batch_size):
-    return ("grpo.micro_batch_size and grpo.val_batch_size are numbers (only 'auto' plans "
-            "against a memory limit)")
+  if "auto" not in (g.micro_batch_size, g.val_batch_size, g.micro_batch_tokens):
+    return ("grpo.micro_batch_size, val_batch_size and micro_batch_tokens are numbers (only "
+            "'auto' plans against a memory limit)")
   return None
 
 

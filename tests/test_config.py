@@ -76,6 +76,10 @@ def test_validate_leaves_callers_config_alone():
     ("grpo.micro_batch_size", 24, "one of [8, 16, 32, 64, 128, 256]"),
     ("grpo.micro_batch_size", 192, "dividing the batch's 256 rollouts"),
     ("grpo.micro_batch_size", -64, "config.grpo.micro_batch_size=-64"),
+    # Packed micro-batches (issue 51): the budget holds the longest sequence (math.py: a
+    # 9-token prompt and 5 new tokens), and replaces micro-batches of rows.
+    ("grpo.micro_batch_tokens", 13, "0, 'auto' or at least 14, the longest sequence"),
+    ("grpo.micro_batch_tokens", -1, "config.grpo.micro_batch_tokens=-1"),
     ("grpo.logprob_chunk_size", 0, "config.grpo.logprob_chunk_size=0"),
     ("grpo.logprob_chunk_size", -16, "config.grpo.logprob_chunk_size=-16"),
     ("model.remat", "dots", "'none', 'full', 'save_dots'"),
@@ -102,6 +106,18 @@ def test_micro_batch_and_chunk_sizes_that_fit_validate():
   c.grpo.micro_batch_size, c.grpo.logprob_chunk_size, c.model.remat = 64, 3, "full"
   resolved = config_lib.validate(c, num_devices=8)
   assert (resolved.grpo.micro_batch_size, resolved.grpo.logprob_chunk_size) == (64, 3)
+
+
+def test_a_token_budget_beside_a_micro_batch_of_rows_is_refused():
+  # Packing replaces micro-batches of rows: a number for both is one line naming the pair
+  # ('auto', as gsm8k.py ships it, steps aside: run/sizing.py).
+  c = math_config()
+  c.grpo.micro_batch_size, c.grpo.micro_batch_tokens = 64, 128
+  with pytest.raises(config_lib.ConfigError, match=r"config.grpo.micro_batch_size=64: allowed: "
+                     r"0 or 'auto' while grpo.micro_batch_tokens=128 packs"):
+    config_lib.validate(c, num_devices=8)
+  c.grpo.micro_batch_size = 0
+  assert config_lib.validate(c, num_devices=8).grpo.micro_batch_tokens == 128
 
 
 def test_wrong_type_is_named():

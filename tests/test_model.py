@@ -422,3 +422,42 @@ def test_attention_resolves_by_platform_and_dtype():
   assert attention.resolve_attention(None, "tpu", "float32") == "splash"
   assert attention.resolve_attention(None, "cpu", "bfloat16") == "xla"
   assert attention.resolve_attention("xla", "gpu", "bfloat16") == "xla"
+
+
+def test_packed_rows_attend_within_their_segments_with_splash_as_with_xla():
+  """Issue 51's packing (algo/packing.py): score_packed over rows holding several sequences
+  end to end (segment ids 1, 2, ...; 0 padding, positions restarting at 0). Each sequence's
+  hidden states equal those of the sequence forwarded alone (the xla path), and splash
+  attention (interpret mode) gives the xla path's loss and gradients on those rows."""
+  cfg = dataclasses.replace(BASE, num_layers=1)
+  params = _random_params(cfg, seed=6)
+  rng = np.random.default_rng(7)
+  lengths = [[5, 9, 3], [12, 6]]  # row 0: 17 tokens and 3 of padding; row 1: 18 and 2
+  s = 20
+  tokens = rng.integers(1, cfg.vocab_size, (2, s)).astype(np.int32)
+  segments, positions = np.zeros((2, s), np.int32), np.zeros((2, s), np.int32)
+  for r, row in enumerate(lengths):
+    start = 0
+    for i, n in enumerate(row):
+      segments[r, start:start + n], positions[r, start:start + n] = i + 1, np.arange(n)
+      start += n
+  packed = jax.jit(functools.partial(model.score_packed, cfg=cfg, scan_layers=True),
+                   static_argnames="attention")
+  hidden, _ = packed(params, tokens_RxS=tokens, positions_RxS=positions,
+                     segments_RxS=segments, attention="xla")
+  # Row 0's second sequence (columns 5-13) alone: the same hidden states.
+  alone, _ = packed(params, tokens_RxS=tokens[:1, 5:14], positions_RxS=positions[:1, 5:14],
+                    segments_RxS=np.ones((1, 9), np.int32), attention="xla")
+  np.testing.assert_allclose(hidden[0, 5:14], alone[0], atol=1e-5)
+
+  def loss(p, implementation):
+    h, head = model.score_packed(p, cfg, tokens, positions, segments, scan_layers=True,
+                                 attention=implementation)
+    real = (segments > 0)[..., None]
+    return jnp.sum(jax.nn.log_softmax(h @ head) * jnp.cos(jnp.arange(cfg.vocab_size)) * real)
+
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  (loss_s, g_s), (loss_x, g_x) = grad(params, "splash"), grad(params, "xla")
+  np.testing.assert_allclose(loss_s, loss_x, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=0, atol=1e-4 * float(np.abs(b).max())), g_s, g_x)

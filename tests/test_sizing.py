@@ -4,6 +4,7 @@ import importlib.util
 import os
 
 import jax
+import ml_collections
 import pytest
 
 from jaxgrpo import config as config_lib
@@ -148,3 +149,25 @@ def test_an_environments_samplers_are_its_turn_and_start_programs():
   for name in ("train", "val"):
     start, turn = got[f"{name} episode start"], got[f"{name} sampler"]
     assert 0 < start.outputs < turn.arguments and turn.alias > 0.99 * start.outputs
+
+
+def test_auto_token_budget_packs_one_longest_sequence_with_xla_and_searches_with_a_limit():
+  # Issue 51's packing: sequences of 64 + 64 = 128 tokens, 32 rollouts a device. With xla
+  # attention (CPU), whose packed row holds [S, S] scores, the only candidate is one longest
+  # sequence; with a flash kernel, 1, 2, 4, ... of them up to 16,384 tokens and the 32 rows.
+  config, model_cfg, tokenizer, mesh = _setup()
+  config = sizing._with(config, micro_batch_tokens="auto")
+  assert sizing.micro_batch_token_sizes(config, mesh) == [128]
+  values = config.to_dict()
+  values["model"]["attention"] = "splash"
+  splash = ml_collections.ConfigDict(values)
+  assert sizing.micro_batch_token_sizes(splash, mesh) == [128 * k for k in (1, 2, 4, 8, 16, 32)]
+  # micro_batch_size='auto' beside a token budget: packing replaces it (0), nothing searched.
+  both = sizing._with(config, micro_batch_size="auto")
+  resolved, (choice,) = sizing.resolve(both, model_cfg, tokenizer, mesh, 32)
+  assert (resolved.grpo.micro_batch_size, resolved.grpo.micro_batch_tokens) == (0, 128)
+  assert choice.line().startswith("micro_batch_tokens=auto -> 128 (the largest candidate: ")
+  # A limit: the packed update step is compiled and measured (the one candidate fits 50 MB).
+  resolved, (choice,) = sizing.resolve(config, model_cfg, tokenizer, mesh, 32,
+                                       limit=50 * 10**6)
+  assert resolved.grpo.micro_batch_tokens == 128 and choice.tried[128].temporaries > 0

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgrpo.algo import microbatch
+from jaxgrpo.algo import microbatch, packing
 from jaxgrpo.runtime import compile_options
 from jaxgrpo.model import distribution, logprobs
 from jaxgrpo.model import decoder as model_lib
@@ -86,6 +86,7 @@ class LossConfig:
   max_new_tokens: int
   # How the update is computed, not what: the same loss and gradient either way.
   micro_batch_size: int = 0    # rollouts per forward and backward pass; 0 = the whole batch
+  micro_batch_tokens: int = 0  # > 0: packed micro-batches of that many tokens a chip (packing)
   logprob_chunk_size: int = 0  # completion positions per output projection; 0 = all at once
   remat: str = "none"          # what each layer keeps for the backward (model.REMAT_POLICIES)
   scan_layers: bool | None = None  # layers as one compiled loop body; None: by backend
@@ -191,7 +192,8 @@ def _advantages_BxG(rewards_BxG, scored_BxG, scale_rewards: str):
 def clipped_surrogate(logp_NxT, old_logp_NxT, advantages_N, epsilon, epsilon_high):
   """Per-token loss -min(ρÂ, clip(ρ, 1-ε, 1+ε_high)Â) and where the clip was active."""
   ratio = jnp.exp(logp_NxT - old_logp_NxT)
-  adv = advantages_N[:, None]
+  # [N] per row, or already one per token (packed rows: algo/packing.py)
+  adv = advantages_N[:, None] if advantages_N.ndim == 1 else advantages_N
   unclipped = ratio * adv
   clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv
   return -jnp.minimum(unclipped, clipped), (clipped < unclipped), ratio
@@ -264,6 +266,9 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   (logprobs.chunked_logprobs). remat: what each layer keeps for the backward pass;
   scan_layers, attention: model.Decoder's.
   """
+  if "segments_RxS" in batch:  # packed rows (algo/packing.py)
+    return _packed_logprobs(params, cfg, batch, sp, chunk=chunk, remat=remat,
+                            scan_layers=scan_layers, attention=attention)
   n, t = batch["completion_tokens_NxT"].shape
   b = n // group_size
   completion_BxGxT = batch["completion_tokens_NxT"].reshape(b, group_size, t)
@@ -281,6 +286,22 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
                                             attention=attention)
     out = tuple(distribution.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
                 for p in sps)
+  return out if isinstance(sp, tuple) else out[0]
+
+
+def _packed_logprobs(params, cfg, batch, sp, *, chunk, remat, scan_layers, attention):
+  """completion_logprobs of packed rows: log π_θ of targets_RxS, the token each position
+  predicts (0 where it predicts none: the loss's mask leaves those)."""
+  hidden_RxSxD, head_DxV = model_lib.score_packed(
+      params, cfg, batch["tokens_RxS"], batch["positions_RxS"], batch["segments_RxS"],
+      remat=remat, scan_layers=scan_layers, attention=attention)
+  sps = sp if isinstance(sp, tuple) else (sp,)
+  targets = batch["targets_RxS"]
+  if chunk:
+    out = logprobs.chunked_logprobs(hidden_RxSxD, head_DxV, targets, sps, chunk)
+  else:
+    logits = jnp.einsum("rsd,dv->rsv", hidden_RxSxD, head_DxV).astype(jnp.float32)
+    out = tuple(distribution.token_logprobs(logits, targets, p) for p in sps)
   return out if isinstance(sp, tuple) else out[0]
 
 
@@ -378,11 +399,13 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
   """One micro-batch's share of the whole batch's loss, and its shares of the diagnostics'
   sums. `micro` carries what only the whole batch can give (`micro_batch_loss`): advantages_N,
   mask_NxT (truncated rows already removed) and weights_NxT (token_weights)."""
-  mask, weights = micro["mask_NxT"], micro["weights_NxT"]
+  # Packed rows (packed_loss) carry the same per-token values laid out as [R, S].
+  suffix = "_RxS" if "segments_RxS" in micro else "_NxT"
+  mask, weights, old_logp = (micro[k + suffix] for k in ("mask", "weights", "old_logp"))
+  advantages = micro.get("advantages_RxS", micro.get("advantages_N"))
   policy_params = lora.merge(ref_params, params, loss.lora_scale) if loss.lora_rank else params
   logp, kl_logp = _policy_logprobs(policy_params, cfg, micro, loss, sp)
-  per_token, clipped, ratio = clipped_surrogate(logp, micro["old_logp_NxT"],
-                                                micro["advantages_N"], loss.epsilon,
+  per_token, clipped, ratio = clipped_surrogate(logp, old_logp, advantages, loss.epsilon,
                                                 loss.epsilon_high)
   total = lambda x: jnp.where(mask, x, 0.0).sum()  # where, not *: see aggregate
   policy = total(per_token * weights)
@@ -393,7 +416,7 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
     kl = kl_penalty(kl_logp, ref_logp, loss.kl_type)
     sums["kl_loss"], sums["kl"] = total(kl * weights), total(kl)
     return policy + loss.beta * sums["kl_loss"], sums
-  sums["kl"] = total(micro["old_logp_NxT"] - logp)
+  sums["kl"] = total(old_logp - logp)
   return policy, sums
 
 
@@ -422,6 +445,75 @@ def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, me
   return (total, _diagnostics(total, sums, mask, advantages)), grads
 
 
+def packed_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, mesh=None):
+  """((loss, aux), grads) of the whole batch through packed micro-batches of
+  loss.micro_batch_tokens tokens a device (algo/packing.py): each rollout one sequence
+  [prompt | completion] of its real tokens, packed first-fit on its own device, the
+  micro-batches actually used run one after another. Advantages, the mask and the token
+  weights come from the whole batch first, as in micro_batch_loss: the same loss and
+  gradients as the whole-batch update. aux also has the padding fractions of the padded
+  layout (`padding_fraction_padded`: prompt once a group, completions to the batch's
+  width) and of the packed one (`padding_fraction_packed`), and `packed_micro_batches`."""
+  rows, mask, advantages = _prepare_rows(batch, loss)
+  prompt_BxL, prompt_mask_BxL = rows["prompt_tokens_BxL"], rows["prompt_mask_BxL"]
+  completion_NxT = rows["completion_tokens_NxT"]
+  (n, t), l = completion_NxT.shape, prompt_BxL.shape[1]
+  width, budget, g = l + t, loss.micro_batch_tokens, loss.num_generations
+  shards = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
+  per_device = n // shards
+  num_bins = packing.max_micro_batches(per_device, width, budget)
+  prompt_len_N = jnp.repeat(prompt_mask_BxL.sum(axis=1).astype(jnp.int32), g)
+  length_N = prompt_len_N + rows["completion_mask_NxT"].sum(axis=1).astype(jnp.int32)
+  # Each rollout as one padded row [its prompt (left-padded) | its completion]; its real
+  # tokens are the columns [l - prompt length, l + completion length).
+  full_NxU = jnp.concatenate([jnp.repeat(prompt_BxL, g, axis=0), completion_NxT], axis=1)
+  by_device = lambda x: x.reshape(shards, per_device, *x.shape[1:])
+  start_PxR = by_device(l - prompt_len_N)
+  index_PxKxS, used_P = jax.vmap(
+      lambda s, n_: packing.index_map(s, n_, width, budget, num_bins))(start_PxR,
+                                                                        by_device(length_N))
+  per_token = {k: by_device(rows[k]) for k in ("old_logp_NxT", "weights_NxT", "mask_NxT")}
+  local = dict(full=by_device(full_NxU), completion=by_device(completion_NxT), start=start_PxR,
+               advantages=by_device(rows["advantages_N"]), **per_token)
+
+  def gather(index_S, d):
+    """One device's packed row from its rows d (algo/packing.py's layout)."""
+    real = index_S >= 0
+    i = jnp.maximum(index_S, 0)
+    r, col = i // width, i % width
+    target = col + 1 - l  # the completion position this position predicts
+    predicts = real & (target >= 0) & (target < t)
+    tc = jnp.clip(target, 0, t - 1)
+    return {"tokens_RxS": d["full"][r, col], "positions_RxS": col - d["start"][r],
+            "segments_RxS": jnp.where(real, r + 1, 0), "targets_RxS": d["completion"][r, tc],
+            "old_logp_RxS": d["old_logp_NxT"][r, tc],
+            "weights_RxS": jnp.where(predicts, d["weights_NxT"][r, tc], 0.0),
+            "mask_RxS": predicts & d["mask_NxT"][r, tc],
+            "advantages_RxS": d["advantages"][r]}
+
+  def micro_batch(k):
+    m = jax.vmap(gather)(index_PxKxS[:, k], local)
+    if mesh is not None:  # one packed row a device
+      m = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+          x, sharding_lib.batch_sharding(mesh, x.ndim)), m)
+    return m
+
+  fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
+  shardings = None if mesh is None else (
+      sharding_lib.adapter_shardings(cfg, mesh, loss.lora_targets) if loss.lora_rank
+      else sharding_lib.param_shardings(cfg, mesh))
+  count = jnp.max(used_P)
+  (total, sums), grads = microbatch.accumulate_dynamic(fn, params, micro_batch, count,
+                                                       shardings)
+  aux = _diagnostics(total, sums, mask, advantages)
+  real = length_N.sum().astype(jnp.float32)
+  real_padded = (prompt_mask_BxL.sum() + rows["completion_mask_NxT"].sum()).astype(jnp.float32)
+  aux["padding_fraction_padded"] = packing.padding_fraction(real_padded, n // g * l + n * t)
+  aux["padding_fraction_packed"] = packing.padding_fraction(real, count * shards * budget)
+  aux["packed_micro_batches"] = count
+  return (total, aux), grads
+
+
 def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, sp,
                 optimizer, lr_schedule, mesh=None):
   """One optimizer update on one rollout batch (pure; jit it with `compile_update`).
@@ -432,7 +524,10 @@ def update_step(state: TrainState, batch, ref_params, *, cfg, loss: LossConfig, 
   (`micro_batch_loss`); mesh: where their rows go (None: one device).
   """
   n = batch["rewards_N"].shape[0]
-  if loss.micro_batch_size and loss.micro_batch_size < n:
+  if loss.micro_batch_tokens:
+    (_, aux), grads = packed_loss(state.params, ref_params, batch, cfg=cfg, loss=loss, sp=sp,
+                                  mesh=mesh)
+  elif loss.micro_batch_size and loss.micro_batch_size < n:
     (_, aux), grads = micro_batch_loss(state.params, ref_params, batch, cfg=cfg, loss=loss,
                                        sp=sp, mesh=mesh)
   else:

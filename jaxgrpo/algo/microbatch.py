@@ -58,29 +58,45 @@ def accumulate(loss_fn: Callable, params, micro_batches, grad_shardings=None):
   (the parameters' shardings, a tree like params): the running sum is kept split like the
   parameters, as FSDP means it to be.
   """
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   first = jax.tree.map(lambda x: x[0], micro_batches)
-  sums_shape = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], params, first)
+  zeros, add = _summation(loss_fn, params, first, grad_shardings)
+  (loss, sums, grads), _ = jax.lax.scan(lambda carry, m: (add(carry, m), None), zeros,
+                                        micro_batches)
+  return (loss, sums), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
+def accumulate_dynamic(loss_fn: Callable, params, micro_batch: Callable, count,
+                       grad_shardings=None):
+  """`accumulate` over micro_batch(k) for k < count, a traced scalar (packed micro-batches:
+  algo/packing.py): a while loop, so the time follows the micro-batches used while every
+  shape stays static. micro_batch(k) builds the k-th micro-batch inside the loop."""
+  zeros, add = _summation(loss_fn, params, jax.eval_shape(micro_batch, 0), grad_shardings)
+  loss, sums, grads = jax.lax.fori_loop(0, count, lambda k, c: add(c, micro_batch(k)), zeros)
+  return (loss, sums), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
+def _summation(loss_fn: Callable, params, micro_shape, grad_shardings):
+  """(zero sums, carry + one micro-batch's loss, sums and float32 gradient)."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  sums_shape = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], params, micro_shape)
   split = ((lambda tree: tree) if grad_shardings is None else
            (lambda tree: jax.lax.with_sharding_constraint(tree, grad_shardings)))
   zeros = (jnp.zeros((), jnp.float32),
            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape),
            split(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
 
-  def body(carry, micro):
+  def add(carry, micro):
     # Tied to this micro-batch, the parameters are no longer loop-invariant, so XLA cannot
     # hoist work on them (FSDP's all-gathers) out of the loop and hold its results for the
     # whole scan. Measured on 8 CPU devices, fsdp=8, a 4-layer d_model 1024 model with few
     # tokens: 1,456 -> 1,130 MiB of temporaries (the whole batch: 644; the rest is open).
     p, micro = jax.lax.optimization_barrier((params, micro))
     (loss, sums), grads = grad_fn(p, micro)
-    add = lambda a, b: a + b.astype(jnp.float32)
-    return (add(carry[0], loss), jax.tree.map(add, carry[1], sums),
-            split(jax.tree.map(add, carry[2], split(grads)))), None
+    plus = lambda a, b: a + b.astype(jnp.float32)
+    return (plus(carry[0], loss), jax.tree.map(plus, carry[1], sums),
+            split(jax.tree.map(plus, carry[2], split(grads))))
 
-  (loss, sums, grads), _ = jax.lax.scan(body, zeros, micro_batches)
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  return (loss, sums), grads
+  return zeros, add
 
 
 def subgroup(micro_batch_size: int, group: int, shards: int) -> int:
@@ -116,8 +132,35 @@ def _check_micro_batch(g, rows: int):
           f"sub-group of a divisor of {gen}; dividing the batch's {batch} rollouts), or 0")
 
 
+def _check_micro_batch_tokens(c):
+  """Packed micro-batches (algo/packing.py): a budget that holds the longest sequence,
+  instead of (not beside) micro-batches of rows."""
+  g = c.grpo
+  if not g.micro_batch_tokens:
+    return
+  if g.micro_batch_size not in (0, "auto"):
+    config_checks.fail("grpo.micro_batch_size", g.micro_batch_size,
+                       f"0 or 'auto' while grpo.micro_batch_tokens={g.micro_batch_tokens} packs "
+                       "the micro-batches by tokens (set one of the two)")
+  if g.micro_batch_tokens == "auto":
+    return
+  width = sequence_width(c)
+  if g.micro_batch_tokens < width:
+    config_checks.fail("grpo.micro_batch_tokens", g.micro_batch_tokens,
+                       f"0, 'auto' or at least {width}, the longest sequence (a prompt of "
+                       "data.max_prompt_length and its completion; a sequence is never split)")
+
+
+def sequence_width(c) -> int:
+  """The longest rollout sequence the update sees, prompt and completion (or episode)."""
+  if c.env.name:
+    return c.generation.max_episode_tokens
+  return c.data.max_prompt_length + c.generation.max_new_tokens
+
+
 @config_checks.register(order=21)
 def _check_config(c, num_devices: int) -> None:
   del num_devices
   m = c.mesh  # resolved by the mesh check (model/sharding.py)
   _check_micro_batch(c.grpo, m.data * m.dcn_data * m.fsdp)
+  _check_micro_batch_tokens(c)

@@ -282,13 +282,19 @@ class Attention(nn.Module):
     return dense(o, self.wo.astype(DTYPES[self.cfg.dtype]), in_dims=2)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxT):
+    """Causal self-attention. mask_BxT: a boolean padding mask (real tokens True), or, for
+    packed rows (algo/packing.py), int segment ids: a token sees the earlier tokens of its
+    own segment only (0: padding)."""
     t = x_BxTxD.shape[1]
     q, k, v = self._qkv(x_BxTxD, positions_BxT)
     if self.attention == "splash":  # causal, real tokens segment 1 and pads 0: no [B, T, S]
       o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, ACTIVATION_MESH.get())
       return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
     causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-    allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
+    if mask_BxT.dtype == jnp.bool_:
+      allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
+    else:
+      allowed = causal_TxT[None] & (mask_BxT[:, :, None] == mask_BxT[:, None, :])
     o = attention_lib.attend(q, k, v, allowed, self.attention)
     # K/V returned in the cache layout [B, H_kv, T, D] for prefill.
     return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
@@ -358,6 +364,11 @@ class Block(nn.Module):
 def _prefill_layer(block, x, positions, mask):
   """One layer of the full forward, as a scan body: (x, its (K, V) for the cache)."""
   return block(x, positions, mask)
+
+
+def _packed_layer(block, x, positions, segments):
+  """One layer over packed rows, as a scan body (no K/V kept: nothing reads them)."""
+  return constrain_rows(block(x, positions, segments)[0]), None
 
 
 def _train_layer(block, carry, positions_p, mask_p, positions_c, mask_c):
@@ -472,6 +483,19 @@ class Decoder(nn.Module):
                            positions_BxGxT, completion_mask_BxGxT)
     return x_p[:, -1], x_c
 
+  def score_packed(self, tokens_RxS, positions_RxS, segments_RxS):
+    """(final-normed hidden states [R, S, D], head [D, V]) of packed rows (algo/packing.py):
+    several sequences end to end in each row, each attending causally to itself only
+    (segment ids; 0 marks padding) with its own positions. Position s predicts the token
+    at s + 1 of its sequence."""
+    x = constrain_rows(self._embed(tokens_RxS))
+    body = _packed_layer
+    if self.remat != "none":  # as in _score_hidden
+      body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
+    layers = over_layers(body, self.cfg.num_layers, self._scan(), 2)
+    x, _ = layers(self.layers, x, positions_RxS, segments_RxS)
+    return self.final_norm(x), self._head()
+
   def _scan(self) -> bool:
     return resolve_scan_layers(self.scan_layers, jax.default_backend())
 
@@ -509,6 +533,15 @@ def score_hidden(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
   return Decoder(cfg, remat, scan_layers, attention).apply(
       {"params": params}, prompt_tokens_BxL, prompt_mask_BxL, completion_BxGxT,
       completion_mask_BxGxT, method=Decoder.score_hidden)
+
+
+def score_packed(params, cfg: ModelConfig, tokens_RxS, positions_RxS, segments_RxS,
+                 remat: str = "none", scan_layers: bool | None = None,
+                 attention: str | None = None):
+  """(hidden [R, S, D], head [D, V]) of packed rows: Decoder.score_packed."""
+  return Decoder(cfg, remat, scan_layers, attention).apply(
+      {"params": params}, tokens_RxS, positions_RxS, segments_RxS,
+      method=Decoder.score_packed)
 
 
 def init_params(cfg: ModelConfig, rng):

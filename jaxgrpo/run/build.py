@@ -91,6 +91,7 @@ def loss_config(c, mesh) -> grpo.LossConfig:
       epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
       scale_rewards=g.scale_rewards, mask_truncated_completions=g.mask_truncated_completions,
       max_new_tokens=completion_width(c), micro_batch_size=g.micro_batch_size,
+      micro_batch_tokens=g.micro_batch_tokens,
       logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat,
       scan_layers=scan_layers(c, mesh), attention=attention(c, mesh),
       lora_rank=c.model.lora_rank,

@@ -50,7 +50,7 @@ TRAINING_ONLY = ("seed", "optim.", "checkpoint.", "logging.", "model.remat",
                      "num_prompts_per_step", "num_generations_per_prompt", "num_iterations",
                      "beta", "kl_type", "epsilon", "epsilon_high", "loss_agg",
                      "scale_rewards", "mask_truncated_completions", "micro_batch_size",
-                     "logprob_chunk_size", "max_num_steps", "val_period", "val_at_start",
+                     "micro_batch_tokens", "logprob_chunk_size", "max_num_steps", "val_period", "val_at_start",
                      "val_at_end", "dynamic_sampling", "oversample_factor",
                      "max_generation_batches", "dynamic_sampling_metric")))
 # What validation reads: a --workdir evaluation names the ones that differ from the run's.

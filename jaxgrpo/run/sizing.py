@@ -58,7 +58,7 @@ from jaxgrpo.rollout import sampling
 
 GIB = 2**30
 AUTO = "auto"
-KEYS = ("micro_batch_size", "val_batch_size")  # grpo.<key> that may be 'auto'
+KEYS = ("micro_batch_size", "val_batch_size", "micro_batch_tokens")  # may be 'auto'
 
 
 class FitError(ValueError):
@@ -109,8 +109,9 @@ class Choice:
     """The start-up line: `micro_batch_size=auto -> 256 (update step 11.1 GiB of 16.0 GiB
     per chip; 4 compiles, 41 s)`."""
     if self.limit is None:
-      return (f"{self.key}=auto -> {self.size} (the whole "
-              f"{'batch' if self.key == 'micro_batch_size' else 'validation set'}: no memory "
+      whole = {"micro_batch_size": "the whole batch", "val_batch_size": "the whole "
+               "validation set", "micro_batch_tokens": "the largest candidate"}
+      return (f"{self.key}=auto -> {self.size} ({whole[self.key]}: no memory "
               "limit to plan against; set mesh.memory_limit_gib to choose)")
     m = self.tried[self.size]
     state = " with the train state" if m.resident else ""
@@ -151,6 +152,32 @@ def micro_batch_sizes(config, mesh) -> list[int]:
   return microbatch.valid_sizes(g.num_generations_per_prompt,
                                 sharding_lib.batch_size_multiple(mesh),
                                 g.num_prompts_per_step * g.num_generations_per_prompt)
+
+
+# The most tokens a chip's packed micro-batch holds under 'auto' (unless the longest
+# sequence is longer), with a flash kernel (splash, cuDNN): verl's default
+# ppo_max_token_len_per_gpu. Past it the matmuls gain nothing, and causal attention over a
+# packed row costs more per token as the row grows. With "xla" attention, which holds a
+# packed row's [S, S] scores, 'auto' packs one longest sequence's worth: no row's attention
+# then costs more than a padded row's (measured on CPU, cpu,long: 10,240 tokens took 150 s
+# an update and 22 GiB).
+AUTO_MAX_TOKENS = 16384
+
+
+def micro_batch_token_sizes(config, mesh) -> list[int]:
+  """The grpo.micro_batch_tokens to choose from, smallest first: room for 1, 2, 4, ...
+  longest sequences, up to a chip's rollouts at full length and to AUTO_MAX_TOKENS (xla
+  attention: one longest sequence). Doubling, as for val_batch_sizes: the packed update's memory is
+  close to affine in the budget, and a finer grid costs compiles for little."""
+  g = config.grpo
+  width = microbatch.sequence_width(config)
+  rows = (g.num_prompts_per_step * g.num_generations_per_prompt
+          // sharding_lib.batch_size_multiple(mesh))
+  cap = AUTO_MAX_TOKENS if build.attention(config, mesh) != "xla" else width
+  counts = [1]
+  while counts[-1] * 2 <= rows and width * counts[-1] * 2 <= cap:
+    counts.append(counts[-1] * 2)
+  return [width * k for k in counts]
 
 
 def val_batch_sizes(mesh, num_val_prompts: int) -> list[int]:
@@ -213,6 +240,7 @@ def choose(sizes: Sequence[int], measure: Callable[[int], Memory], limit: int,
 
 # grpo.<key> -> (the program it sizes, the name fit.programs builds it by).
 PROGRAMS = {"micro_batch_size": ("update step", "update"),
+            "micro_batch_tokens": ("update step", "update"),
             "val_batch_size": ("val sampler", "val")}
 
 
@@ -257,7 +285,11 @@ def resolve(config, model_cfg, tokenizer, mesh, num_val_prompts: int, limit=None
   which of KEYS to choose (evaluate chooses only the validation batch)."""
   g = config.grpo
   choices = []
-  if AUTO in (g.micro_batch_size, g.val_batch_size) and limit is None:
+  if g.micro_batch_tokens and g.micro_batch_size == AUTO:
+    # Packed micro-batches replace micro-batches of rows: nothing to choose for the latter.
+    config = _with(config, micro_batch_size=0)
+    g = config.grpo
+  if AUTO in (g.micro_batch_size, g.val_batch_size, g.micro_batch_tokens) and limit is None:
     limit = memory_limit(config, mesh)
   if g.val_batch_size == AUTO and "val_batch_size" in keys:
     choices.append(choose_size("val_batch_size", val_batch_sizes(mesh, num_val_prompts),
@@ -265,6 +297,9 @@ def resolve(config, model_cfg, tokenizer, mesh, num_val_prompts: int, limit=None
   if g.micro_batch_size == AUTO and "micro_batch_size" in keys:
     choices.append(choose_size("micro_batch_size", micro_batch_sizes(config, mesh), config,
                                model_cfg, tokenizer, mesh, limit, report))
+  if g.micro_batch_tokens == AUTO and "micro_batch_tokens" in keys:
+    choices.append(choose_size("micro_batch_tokens", micro_batch_token_sizes(config, mesh),
+                               config, model_cfg, tokenizer, mesh, limit, report))
   for choice in choices:
     if choice.size is None:
       raise FitError(choice.failure())

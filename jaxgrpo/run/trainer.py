@@ -326,7 +326,7 @@ def _fit(setup, mesh=None):
   from jaxgrpo import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.run import sizing
   g = setup.config.grpo
-  if sizing.AUTO not in (g.micro_batch_size, g.val_batch_size):
+  if sizing.AUTO not in (g.micro_batch_size, g.val_batch_size, g.micro_batch_tokens):
     return setup, []
   if mesh is None:  # (a test passes a TPU topology's devices, as the compile check has)
     mesh = sharding_lib.make_mesh(setup.config.mesh.to_dict())
