@@ -14,7 +14,7 @@ import pytest
 from jaxgrpo.algo import grpo, packing
 from jaxgrpo.rollout import sampling
 from numpy_params import assert_close_at_scale, random_params  # tests/numpy_params.py
-from test_microbatch import CFG, G, T, _mesh, _update
+from test_microbatch import CFG, G, T, _batch, _mesh, _update
 
 
 def test_first_fit_decreasing_by_hand():
@@ -87,5 +87,15 @@ def test_packed_update_equals_whole_batch_update(name):
   assert abs(float(whole_aux[0]["grad_norm"])) > 1e-3
   for got, want in zip(jax.tree.leaves(packed_state), jax.tree.leaves(whole_state)):
     assert_close_at_scale(got, want, rtol=1e-5, scale_tol=1e-5)
-  # The layout packs: 16 sequences of 3-10 tokens leave less padding packed than padded.
-  assert packed_aux[0]["padding_fraction_packed"] < packed_aux[0]["padding_fraction_padded"]
+  # The padding fractions: of the packed rows the loop ran (micro-batches x devices x the
+  # budget), and of the padded layout (each prompt's 4 columns once a group, 6 a completion).
+  b = _batch()
+  real_padded = b["prompt_mask_BxL"].sum() + b["completion_mask_NxT"].sum()
+  real_packed = G * b["prompt_mask_BxL"].sum() + b["completion_mask_NxT"].sum()
+  shards = int(np.prod([v for k, v in mesh.shape.items() if k in ("data", "fsdp")]))
+  aux = packed_aux[0]
+  computed = aux["packed_micro_batches"] * shards * overrides["micro_batch_tokens"]
+  np.testing.assert_allclose(aux["padding_fraction_packed"], 1 - real_packed / computed,
+                             rtol=1e-5)
+  np.testing.assert_allclose(aux["padding_fraction_padded"],
+                             1 - real_padded / (8 * 4 + 16 * T), rtol=1e-5)
