@@ -61,8 +61,9 @@ def get_config(arg=None):
       # the frozen base, on all-linear or a list of q,k,v,o,gate,up,down.
       lora_rank=0, lora_alpha=32.0, lora_targets="all-linear"))
 
-  # dcn_data: TPU slices (multi-slice); data/fsdp/tensor are sizes inside one slice.
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, dcn_data=1,
+  # dcn_data: TPU slices (multi-slice); data/fsdp/context/tensor are sizes inside one slice.
+  # context > 1 splits the update's packed rows along their sequence (grpo.micro_batch_tokens).
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, context=1, tensor=1, dcn_data=1,
                                              memory_limit_gib=config_dict.placeholder(float)))
 
   c.data = ml_collections.ConfigDict(dict(

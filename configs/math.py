@@ -47,8 +47,9 @@ def get_config(arg=None):
       lora_rank=0, lora_alpha=32.0, lora_targets="all-linear"))
 
   # dcn_data: TPU slices joined by the data-centre network, each a data-parallel replica;
-  # data/fsdp/tensor are sizes inside one slice.
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, dcn_data=1,
+  # data/fsdp/context/tensor are sizes inside one slice; context > 1 splits the update's
+  # packed rows along their sequence (grpo.micro_batch_tokens; docs/scaling.md).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1, dcn_data=1,
                                              memory_limit_gib=config_dict.placeholder(float)))
 
   c.data = ml_collections.ConfigDict(dict(

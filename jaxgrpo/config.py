@@ -142,7 +142,8 @@ SCHEMA: dict[str, Any] = {
         "lora_rank": _int(0), "lora_alpha": _num(0, lo_open=True), "lora_targets": _str},
     # memory_limit_gib: bytes per chip that 'auto' batch sizes plan against (run/sizing.py); None:
     # the device's own limit (none on CPU).
-    "mesh": {"data": _int(-1), "fsdp": _int(-1), "tensor": _int(-1), "dcn_data": _int(1),
+    "mesh": {"data": _int(-1), "fsdp": _int(-1), "context": _int(-1), "tensor": _int(-1),
+             "dcn_data": _int(1),
              "memory_limit_gib": _optional(_num(0, lo_open=True))},
     "data": {
         "source": _choice("arithmetic", "jsonl"), "train_path": _str, "val_path": _str,

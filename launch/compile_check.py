@@ -115,7 +115,7 @@ def main(argv=None) -> int:
   from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
   chips = len(devices)
-  sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+  sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items() if k != "context" or v > 1)
   if _NUM_SLICES.value > 1:  # the data axis spans the slices (mesh.dcn_data)
     slices = _NUM_SLICES.value
     sizes = sizes.replace(f"data={mesh.shape['data']}",
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
   known = {}  # program name -> Memory already measured (a search's winning program)
   autos = ["grpo.micro_batch_size"] if _SUGGEST.value else []
   config = setup.apply_auto(config, autos)
-  if sizing.AUTO in (config.grpo.micro_batch_size, config.grpo.val_batch_size):
+  if sizing.AUTO in (config.grpo.micro_batch_size, config.grpo.val_batch_size,
+                     config.grpo.micro_batch_tokens):
     # The trainer's own choice (jaxgrpo/run/sizing.py), against this topology's HBM per chip.
     num_val = 0
     if config.grpo.val_batch_size == sizing.AUTO:
@@ -147,8 +148,11 @@ def main(argv=None) -> int:
   g = config.grpo
   rollouts = g.num_prompts_per_step * g.num_generations_per_prompt
   micro = g.micro_batch_size or rollouts
-  print(f"update: {rollouts} rollouts in micro-batches of {micro} ({rollouts // micro} per "
-        f"step; grpo.micro_batch_size={g.micro_batch_size}), logprob_chunk_size="
+  layout = (f"packed micro-batches of {g.micro_batch_tokens} tokens a chip "
+            f"(grpo.micro_batch_tokens)" if g.micro_batch_tokens else
+            f"micro-batches of {micro} ({rollouts // micro} per step; "
+            f"grpo.micro_batch_size={g.micro_batch_size})")
+  print(f"update: {rollouts} rollouts in {layout}, logprob_chunk_size="
         f"{g.logprob_chunk_size}, remat={config.model.remat}, scan_layers="
         f"{_build().scan_layers(config, mesh)}, attention={_build().attention(config, mesh)}",
         flush=True)

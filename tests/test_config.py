@@ -120,6 +120,23 @@ def test_a_token_budget_beside_a_micro_batch_of_rows_is_refused():
   assert config_lib.validate(c, num_devices=8).grpo.micro_batch_tokens == 128
 
 
+def test_context_parallelism_splits_packed_rows_only():
+  # mesh.context > 1 splits the update's packed rows (issue 51): without a token budget it
+  # would split nothing; with one, each chip of a context pair holds half a packed row.
+  c = math_config()
+  c.mesh.context = 2
+  with pytest.raises(config_lib.ConfigError, match=r"config.mesh.context=2: allowed: 1 unless "
+                     r"grpo.micro_batch_tokens is set"):
+    config_lib.validate(c, num_devices=8)
+  c.grpo.micro_batch_tokens = 15
+  with pytest.raises(config_lib.ConfigError, match=r"micro_batch_tokens=15: allowed: a multiple "
+                     r"of mesh.context=2"):
+    config_lib.validate(c, num_devices=8)
+  c.grpo.micro_batch_tokens = 16
+  resolved = config_lib.validate(c, num_devices=8)
+  assert (resolved.mesh.data, resolved.mesh.context) == (4, 2)
+
+
 def test_wrong_type_is_named():
   # ConfigDict refuses type changes on override, but a user's own config file can hold any
   # type, so the validator checks types itself.

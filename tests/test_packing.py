@@ -58,6 +58,11 @@ CASES = {
     "mesh222_token_mean_beta": (
         {"data": 2, "fsdp": 2, "tensor": 2}, dict(micro_batch_tokens=12, beta=0.05),
         sampling.SamplingParams(1.0, 1.0, 0), 1),
+    # Context parallelism: each packed row's 14 positions split over a context pair.
+    "context2_seq_mean": (
+        {"data": 2, "context": 2, "tensor": 2},
+        dict(micro_batch_tokens=14, loss_agg="seq_mean_token_mean", beta=0.05),
+        sampling.SamplingParams(1.0, 1.0, 0), 1),
 }
 
 

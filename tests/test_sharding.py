@@ -20,11 +20,11 @@ INIT_CFG = dataclasses.replace(CFG, num_layers=1, tie_embeddings=False)
 
 
 def test_resolve_mesh_shape_minus_one_fills_the_rest():
-  assert sharding.resolve_mesh_shape({"data": -1}, 8) == (8, 1, 1)
-  assert sharding.resolve_mesh_shape({"data": -1, "tensor": 2}, 8) == (4, 1, 2)
-  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == (2, 2, 2)
-  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": 2, "tensor": 2}, 8) == (2, 2, 2)
-  assert sharding.resolve_mesh_shape({}, 1) == (1, 1, 1)
+  assert sharding.resolve_mesh_shape({"data": -1}, 8) == (8, 1, 1, 1)
+  assert sharding.resolve_mesh_shape({"data": -1, "tensor": 2}, 8) == (4, 1, 1, 2)
+  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == (2, 2, 1, 2)
+  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": 2, "tensor": 2}, 8) == (2, 2, 1, 2)
+  assert sharding.resolve_mesh_shape({}, 1) == (1, 1, 1, 1)
 
 
 def test_resolve_mesh_shape_rejects_two_minus_ones():
@@ -57,19 +57,23 @@ def test_resolve_mesh_shape_rejects_zero_or_negative_size():
 def test_make_mesh_axes_and_auto_types():
   mesh = sharding.make_mesh({"data": 2, "fsdp": -1, "tensor": 2})
   assert mesh.axis_names == sharding.MESH_AXES
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   assert sharding.batch_size_multiple(mesh) == 4
   one = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-  assert dict(one.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+  assert dict(one.shape) == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
+  # Context parallelism (issue 51): its own axis, between the data axes and tensor.
+  cp = sharding.make_mesh({"data": 2, "context": 2, "tensor": 2})
+  assert dict(cp.shape) == {"data": 2, "fsdp": 1, "context": 2, "tensor": 2}
+  assert sharding.batch_size_multiple(cp) == 2  # a context group's chips share their rows
 
 
 def test_resolve_mesh_shape_multi_slice_sizes_are_per_slice():
   # 2 slices of 4 devices: the sizes given apply inside a slice; data spans the slices.
-  assert sharding.resolve_mesh_shape({"data": -1, "dcn_data": 2}, 8) == (8, 1, 1)
-  assert sharding.resolve_mesh_shape({"data": 1, "fsdp": -1, "dcn_data": 2}, 8) == (2, 4, 1)
+  assert sharding.resolve_mesh_shape({"data": -1, "dcn_data": 2}, 8) == (8, 1, 1, 1)
+  assert sharding.resolve_mesh_shape({"data": 1, "fsdp": -1, "dcn_data": 2}, 8) == (2, 4, 1, 1)
   assert sharding.resolve_mesh_shape({"data": 1, "fsdp": 2, "tensor": 2, "dcn_data": 2},
-                                     8) == (2, 2, 2)
+                                     8) == (2, 2, 1, 2)
   with pytest.raises(ValueError, match=r"mesh\.dcn_data=3"):
     sharding.resolve_mesh_shape({"data": -1, "dcn_data": 3}, 8)
   with pytest.raises(ValueError, match="a slice has 4"):
@@ -89,7 +93,7 @@ class _SliceDevice:
 def test_make_mesh_multi_slice_keeps_fsdp_and_tensor_inside_a_slice():
   devices = [_SliceDevice(i, slice_index=i // 4) for i in range(8)]
   mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 2, "dcn_data": 2}, devices)
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
   # Each index of the data axis is one slice: its fsdp x tensor block never crosses DCN.
   for d in range(2):
     assert {dev.slice_index for dev in mesh.devices[d].ravel()} == {d}

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgrpo.algo import microbatch, packing
 from jaxgrpo.runtime import compile_options
@@ -493,9 +494,9 @@ def packed_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, mesh=No
 
   def micro_batch(k):
     m = jax.vmap(gather)(index_PxKxS[:, k], local)
-    if mesh is not None:  # one packed row a device
-      m = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-          x, sharding_lib.batch_sharding(mesh, x.ndim)), m)
+    if mesh is not None:  # one packed row a data shard, its positions over `context`
+      split = NamedSharding(mesh, P(sharding_lib.BATCH_AXES, "context"))
+      m = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, split), m)
     return m
 
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)

@@ -134,8 +134,11 @@ def _check_micro_batch(g, rows: int):
 
 def _check_micro_batch_tokens(c):
   """Packed micro-batches (algo/packing.py): a budget that holds the longest sequence,
-  instead of (not beside) micro-batches of rows."""
-  g = c.grpo
+  instead of (not beside) micro-batches of rows; context parallelism splits packed rows."""
+  g, context = c.grpo, c.mesh.context
+  if context > 1 and not g.micro_batch_tokens:
+    config_checks.fail("mesh.context", context, "1 unless grpo.micro_batch_tokens is set "
+                       "(context parallelism splits the update's packed rows; docs/scaling.md)")
   if not g.micro_batch_tokens:
     return
   if g.micro_batch_size not in (0, "auto"):
@@ -149,6 +152,10 @@ def _check_micro_batch_tokens(c):
     config_checks.fail("grpo.micro_batch_tokens", g.micro_batch_tokens,
                        f"0, 'auto' or at least {width}, the longest sequence (a prompt of "
                        "data.max_prompt_length and its completion; a sequence is never split)")
+  if g.micro_batch_tokens % context:
+    config_checks.fail("grpo.micro_batch_tokens", g.micro_batch_tokens,
+                       f"a multiple of mesh.context={context} (each chip of a context group "
+                       "holds an equal share of a packed row)")
 
 
 def sequence_width(c) -> int:

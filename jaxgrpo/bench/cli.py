@@ -12,6 +12,7 @@ from jaxgrpo.bench import early_stop
 from jaxgrpo.bench import episodes
 from jaxgrpo.bench import lora
 from jaxgrpo.bench import memory
+from jaxgrpo.bench import packing
 from jaxgrpo.bench import prefill
 from jaxgrpo.bench import rewards
 from jaxgrpo.bench import rollout
@@ -21,7 +22,7 @@ from jaxgrpo.bench import truncation
 from jaxgrpo.bench import validation
 
 SUBCOMMANDS = (sampler, rollout, truncation, validation, step, memory, early_stop, backends,
-               prefill, rewards, lora, episodes)
+               prefill, rewards, lora, episodes, packing)
 
 
 def run_all(args) -> list[dict]:

@@ -78,15 +78,26 @@ def _splash_kernel(heads: int, t: int, s: int, offset: int, interpret: bool):
 
 
 def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offset: int,
-           mesh=None):
+           mesh=None, split_queries: bool = False):
   """softmax(q k^T / sqrt(D)) v through splash attention: query i sees key j when j <= i +
   offset and their segment ids are equal (module doc). mesh: the activations' mesh, whose
   data axes split the N rows (and `tensor` the heads, where both counts divide it); None:
-  one device. out [N, T, H, D]."""
+  one device. out [N, T, H, D].
+
+  split_queries (context parallelism, packed rows: self-attention, T == S): the queries
+  are split over the mesh's `context` axis and every chip of a context group sees all the
+  keys (shard_map gathers K and V: a GQA model's K/V are a fraction of its queries, and one
+  gather a layer is simpler than a ring, at the cost of holding the whole row's K/V). Chip
+  c's queries start at c * T / C, so its kernel's causal mask is offset by that: one kernel
+  per chip position, picked by `lax.switch` on the axis index."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
   n, t, h, d = q_NxTxHxD.shape
   s, hk = k_NxSxKxD.shape[1], k_NxSxKxD.shape[2]
-  tp, sp = -(-t // SPLASH_BLOCK) * SPLASH_BLOCK, -(-s // SPLASH_BLOCK) * SPLASH_BLOCK
+  context = mesh.shape["context"] if mesh is not None and split_queries else 1
+  # Each chip's queries a whole number of blocks (and the keys, which equal the queries
+  # when split: then padded alike).
+  tp = -(-t // (SPLASH_BLOCK * context)) * SPLASH_BLOCK * context
+  sp = tp if context > 1 else -(-s // SPLASH_BLOCK) * SPLASH_BLOCK
   # The kernel does not scale: q is, in float32 then back to the compute dtype.
   q = (q_NxTxHxD.astype(jnp.float32) * d ** -0.5).astype(q_NxTxHxD.dtype)
   # [N, heads, length, D], padded to whole blocks: a padded query is a real one (it sees
@@ -104,10 +115,18 @@ def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offse
   tensor = mesh.shape["tensor"] if mesh is not None else 1
   heads_split = tensor > 1 and h % tensor == 0 and hk % tensor == 0
 
+  def one_kernel(chip):
+    fn = _splash_kernel(q.shape[1] // (tensor if heads_split else 1), tp // context, sp,
+                        offset + chip * (tp // context), interpret)
+    return lambda q, k, v, q_seg, kv_seg: jax.vmap(
+        lambda q, k, v, qs, ks: fn(q, k, v, segment_ids=kernel.SegmentIds(qs, ks)))(
+            q, k, v, q_seg, kv_seg)
+
   def local(q, k, v, q_seg, kv_seg):
-    fn = _splash_kernel(q.shape[1], tp, sp, offset, interpret)
-    return jax.vmap(lambda q, k, v, qs, ks: fn(q, k, v, segment_ids=kernel.SegmentIds(qs, ks)))(
-        q, k, v, q_seg, kv_seg)
+    if context == 1:
+      return one_kernel(0)(q, k, v, q_seg, kv_seg)
+    return jax.lax.switch(jax.lax.axis_index("context"),
+                          [one_kernel(c) for c in range(context)], q, k, v, q_seg, kv_seg)
 
   if mesh is None:
     o = local(q, k, v, q_seg, kv_seg)
@@ -115,10 +134,11 @@ def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offse
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
     rows = ("data", "fsdp")
     heads = "tensor" if heads_split else None
+    ctx = "context" if context > 1 else None
     o = jax.shard_map(local, mesh=mesh,
-                      in_specs=(P(rows, heads), P(rows, heads), P(rows, heads), P(rows),
-                                P(rows)),
-                      out_specs=P(rows, heads), check_vma=False)(q, k, v, q_seg, kv_seg)
+                      in_specs=(P(rows, heads, ctx), P(rows, heads), P(rows, heads),
+                                P(rows, ctx), P(rows)),
+                      out_specs=P(rows, heads, ctx), check_vma=False)(q, k, v, q_seg, kv_seg)
   return o.transpose(0, 2, 1, 3)[:, :t]
 
 

@@ -63,9 +63,24 @@ def constrain(x, *logical_axes):
   return nn.with_logical_constraint(x, logical_axes, mesh=mesh)
 
 
+# Set while the packed forward is traced (Decoder.score_packed): its [R, S, ...] activations
+# also split their positions S over the mesh's `context` axis (context parallelism).
+SEQUENCE_SPLIT: contextvars.ContextVar = contextvars.ContextVar("sequence_split",
+                                                                default=False)
+
+
+def _middle(ndim: int) -> tuple:
+  """Logical names of an activation's axes between the rows and the last: the positions of
+  a packed row split over `context` while SEQUENCE_SPLIT is set, else whole."""
+  if SEQUENCE_SPLIT.get() and ndim == 3:
+    return ("act_length",)
+  return (None,) * (ndim - 2)
+
+
 def constrain_rows(x):
-  """`constrain` for a [rows..., D] activation: split by its first (batch) axis only."""
-  return constrain(x, "batch", *([None] * (x.ndim - 1)))
+  """`constrain` for a [rows..., D] activation: split by its first (batch) axis (and a
+  packed row's positions over `context`, under SEQUENCE_SPLIT)."""
+  return constrain(x, "batch", *_middle(x.ndim), None)
 
 
 # --- The layers as one stack. --------------------------------------------------------------
@@ -288,7 +303,8 @@ class Attention(nn.Module):
     t = x_BxTxD.shape[1]
     q, k, v = self._qkv(x_BxTxD, positions_BxT)
     if self.attention == "splash":  # causal, real tokens segment 1 and pads 0: no [B, T, S]
-      o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, ACTIVATION_MESH.get())
+      o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, ACTIVATION_MESH.get(),
+                               split_queries=SEQUENCE_SPLIT.get())
       return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
     causal_TxT = jnp.tril(jnp.ones((t, t), bool))
     if mask_BxT.dtype == jnp.bool_:
@@ -330,7 +346,7 @@ class MLP(nn.Module):
     up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
     down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), c)
     h = jax.nn.silu(dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
-    h = constrain(h, "batch", *([None] * (h.ndim - 2)), "act_mlp")
+    h = constrain(h, "batch", *_middle(h.ndim), "act_mlp")
     return dense(h, down.astype(dt))
 
 
@@ -488,13 +504,17 @@ class Decoder(nn.Module):
     several sequences end to end in each row, each attending causally to itself only
     (segment ids; 0 marks padding) with its own positions. Position s predicts the token
     at s + 1 of its sequence."""
-    x = constrain_rows(self._embed(tokens_RxS))
-    body = _packed_layer
-    if self.remat != "none":  # as in _score_hidden
-      body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
-    layers = over_layers(body, self.cfg.num_layers, self._scan(), 2)
-    x, _ = layers(self.layers, x, positions_RxS, segments_RxS)
-    return self.final_norm(x), self._head()
+    token = SEQUENCE_SPLIT.set(True)  # positions over `context` (a no-op where it is 1)
+    try:
+      x = constrain_rows(self._embed(tokens_RxS))
+      body = _packed_layer
+      if self.remat != "none":  # as in _score_hidden
+        body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
+      layers = over_layers(body, self.cfg.num_layers, self._scan(), 2)
+      x, _ = layers(self.layers, x, positions_RxS, segments_RxS)
+      return constrain_rows(self.final_norm(x)), self._head()
+    finally:
+      SEQUENCE_SPLIT.reset(token)
 
   def _scan(self) -> bool:
     return resolve_scan_layers(self.scan_layers, jax.default_backend())

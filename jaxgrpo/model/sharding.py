@@ -1,8 +1,10 @@
 """Device mesh and logical-axis sharding.
 
-The mesh has three named axes: `data` (pure data parallelism), `fsdp` (data parallelism whose
-parameters and optimizer state are also split over it) and `tensor` (heads, MLP and vocab
-split over it). Batch rows are split over `data` x `fsdp`.
+The mesh has four named axes: `data` (pure data parallelism), `fsdp` (data parallelism whose
+parameters and optimizer state are also split over it), `context` (context parallelism: the
+update's packed rows split along their sequence, algo/packing.py; 1 unless set) and `tensor`
+(heads, MLP and vocab split over it). Batch rows are split over `data` x `fsdp`; the chips of
+one `context` group hold the same rows.
 
 Multi-slice (several TPU slices joined by the data-centre network, DCN): `dcn_data` slices
 each hold a copy of the model and a share of the batch, so the `data` axis is `dcn_data`
@@ -37,7 +39,7 @@ from jaxgrpo.model import decode
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.runtime import config_checks
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")  # tensor innermost: the fastest links
 BATCH_AXES = ("data", "fsdp")
 
 # Logical name -> mesh axis (or axes, or None for replicated).
@@ -54,6 +56,7 @@ RULES: tuple[tuple[str, Any], ...] = (
     # Activations and caches. The model dimension of an activation has no name (whole on
     # every chip): under FSDP each chip gathers a layer's weights and computes its own rows.
     ("batch", BATCH_AXES),
+    ("act_length", "context"),  # a packed row's positions (decoder.constrain_rows)
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
@@ -70,7 +73,8 @@ PLAN_KEYS = ("memory_limit_gib",)
 
 
 def resolve_mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
-  """Sizes for (data, fsdp, tensor); one axis may be -1, meaning "the remaining devices".
+  """Sizes for (data, fsdp, context, tensor); one axis may be -1, meaning "the remaining
+  devices".
 
   With `dcn_data` = S > 1 slices, the sizes apply inside one slice (num_devices / S devices)
   and the returned data size is S times the per-slice one.
@@ -105,7 +109,7 @@ def resolve_mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tupl
 
 
 def make_mesh(mesh_config: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh. Auto axis types: jax 0.10 defaults to Explicit.
+  """A (data, fsdp, context, tensor) mesh. Auto axis types: jax 0.10 defaults to Explicit.
 
   mesh_config may hold resolved sizes (config.json's) or -1s; `dcn_data` > 1 splits the
   data axis over slices first (see the module docstring).
@@ -113,12 +117,13 @@ def make_mesh(mesh_config: Mapping[str, int], devices: Sequence[Any] | None = No
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_config, len(devices))
   slices = int(mesh_config.get("dcn_data", 1))
-  auto = (AxisType.Auto,) * 3
+  auto = (AxisType.Auto,) * len(MESH_AXES)
   if slices > 1:
     ici = (shape[0] // slices,) + shape[1:]
     # CPU devices have no slice index: each process is one "slice" in a rehearsal.
     granule = getattr(devices[0], "slice_index", None) is None
-    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices,
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices,) + (1,) * (len(MESH_AXES) - 1),
+                                                devices,
                                                 process_is_granule=granule)
     return Mesh(grid, MESH_AXES, axis_types=auto)
   if len(devices) == len(jax.devices()):

@@ -177,7 +177,8 @@ def micro_batch_token_sizes(config, mesh) -> list[int]:
   counts = [1]
   while counts[-1] * 2 <= rows and width * counts[-1] * 2 <= cap:
     counts.append(counts[-1] * 2)
-  return [width * k for k in counts]
+  context = mesh.shape["context"]  # each chip of a group an equal share of the row
+  return [-(-width * k // context) * context for k in counts]
 
 
 def val_batch_sizes(mesh, num_val_prompts: int) -> list[int]:

@@ -1,0 +1,150 @@
+"""`python -m jaxgrpo.bench packing`: the update with packed micro-batches against the padded
+one, on a long-tailed length distribution (issue 51).
+
+One batch of rollouts is made once: B prompts of random real lengths (left-padded to
+--prompt_len) and G completions each whose lengths are drawn from a named shape or read
+from a file (one integer a line, cycled). The same update (grpo.compile_update, one device,
+the trainer's loss settings) then runs on it as
+  * padded: the whole batch (micro_batch_size 0) and, with --micro_batch_size, micro-batches
+    of rows, each row padded to the batch's width;
+  * packed: grpo.micro_batch_tokens for each of --budgets (multiples of the longest
+    sequence, prompt width + completion width),
+side by side in one process, each timed after a warm-up call. Each line: the median update
+time, its ratio to the padded whole batch, the padding fraction the update logged, the
+micro-batches run, and the loss (the same for every layout, to float rounding).
+
+Shapes (lengths of completions, capped at --new_tokens):
+  longtail: log-normal, median new_tokens / 8, sigma 1 (reasoning-like: most rows short, a
+    few at the cap);
+  uniform: uniform in [1, new_tokens].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+
+from jaxgrpo.algo import grpo
+from jaxgrpo.bench import common
+from jaxgrpo.bench import step as bench_step
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import sampling
+
+SP = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+
+
+def completion_lengths(shape: str, n: int, new_tokens: int, seed: int) -> np.ndarray:
+  """n completion lengths in [1, new_tokens]: a named shape, or a file of integers."""
+  rng = np.random.default_rng(seed)
+  if shape == "longtail":
+    drawn = rng.lognormal(np.log(new_tokens / 8), 1.0, n)
+  elif shape == "uniform":
+    drawn = rng.uniform(1, new_tokens, n)
+  else:
+    with open(shape) as f:
+      values = [int(line) for line in f if line.strip()]
+    if not values:
+      raise SystemExit(f"--lengths {shape}: no lengths in the file")
+    drawn = np.resize(np.asarray(values), n)
+  return np.clip(np.round(drawn), 1, new_tokens).astype(np.int32)
+
+
+def make_batch(cfg, prompts: int, generations: int, prompt_len: int, new_tokens: int,
+               lengths_N: np.ndarray, seed: int) -> dict:
+  """The update's batch (grpo.BATCH_RANKS) with these completion lengths."""
+  rng = np.random.default_rng(seed)
+  n = prompts * generations
+  prompt_real = rng.integers(prompt_len // 4, prompt_len + 1, prompts)
+  prompt_mask = np.arange(prompt_len)[None] >= (prompt_len - prompt_real)[:, None]
+  mask = np.arange(new_tokens)[None] < lengths_N[:, None]
+  return {"prompt_tokens_BxL": np.where(prompt_mask, rng.integers(3, cfg.vocab_size,
+                                                                 prompt_mask.shape), 0).astype(np.int32),
+          "prompt_mask_BxL": prompt_mask,
+          "completion_tokens_NxT": np.where(mask, rng.integers(3, cfg.vocab_size, mask.shape),
+                                            0).astype(np.int32),
+          "completion_mask_NxT": mask,
+          "old_logp_NxT": np.where(mask, -np.log(cfg.vocab_size), 0).astype(np.float32),
+          "rewards_N": rng.integers(0, 2, n).astype(np.float32),
+          "truncated_N": lengths_N >= new_tokens, "scored_N": np.ones(n, bool)}
+
+
+def run_packing(args) -> list[dict]:
+  start_load = common.loadavg()
+  cfg = bench_step.preset_config(args.preset)
+  mesh = sharding_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  n = args.prompts * args.generations
+  lengths = completion_lengths(args.lengths, n, args.new_tokens, args.seed)
+  batch = make_batch(cfg, args.prompts, args.generations, args.prompt_len, args.new_tokens,
+                     lengths, args.seed)
+  params = sharding_lib.shard_params(
+      model_lib.init_params(cfg, jax.random.key(args.seed)), cfg, mesh)
+  optimizer = optax.sgd(1e-3)
+  lr = optax.constant_schedule(1e-3)
+  width = args.prompt_len + args.new_tokens
+  layouts = [("padded", dict(micro_batch_size=0))]
+  if args.micro_batch_size:
+    layouts.append(("padded", dict(micro_batch_size=args.micro_batch_size)))
+  layouts += [("packed", dict(micro_batch_tokens=k * width)) for k in args.budgets]
+  base = grpo.LossConfig(num_generations=args.generations, beta=0.0, kl_type="k3",
+                         epsilon=0.2, epsilon_high=0.28, loss_agg="token_mean",
+                         scale_rewards="group", mask_truncated_completions=False,
+                         max_new_tokens=args.new_tokens, remat=args.remat)
+  shape = {"lengths": args.lengths, "completion_median": float(np.median(lengths)),
+           "completion_p90": float(np.percentile(lengths, 90)),
+           "completion_max": int(lengths.max()), "prompt_width": args.prompt_len,
+           "new_tokens": args.new_tokens, "rollouts": n}
+  results, whole_s = [], None
+  for layout, values in layouts:
+    loss = dataclasses.replace(base, **values)
+    state = grpo.init_state(params, optimizer, mesh)
+    update = grpo.compile_update(state, None, cfg=cfg, loss=loss, sp=SP, optimizer=optimizer,
+                                 lr_schedule=lr, mesh=mesh)
+    on_device = sharding_lib.to_global(mesh, batch)
+    # Every call starts from the same state: the update donates it, so a fresh copy each.
+    fresh = lambda: jax.tree.map(lambda x: x.copy(), state)
+    out = {}
+
+    def call():
+      out["aux"] = jax.block_until_ready(update(fresh(), on_device, None)[1])
+
+    first, times = common.timed(call, args.reps)
+    aux = jax.device_get(out["aux"])
+    median = float(np.median(times))
+    whole_s = median if whole_s is None else whole_s
+    real = float(batch["prompt_mask_BxL"].sum() + batch["completion_mask_NxT"].sum())
+    padded = 1 - real / (args.prompts * args.prompt_len + n * args.new_tokens)
+    results.append({
+        "bench": "packing", "preset": args.preset, "layout": layout, **values, **shape,
+        "update_s": median, "first_call_s": first, "ratio_to_padded_whole": median / whole_s,
+        "padding_fraction": float(aux.get("padding_fraction_packed", padded)),
+        "micro_batches": int(aux.get("packed_micro_batches", 1 if not values.get(
+            "micro_batch_size") else n // values["micro_batch_size"])),
+        "loss": float(aux["loss"]), **common.machine(jax.devices(), start_load)})
+  return results
+
+
+def add_parsers(sub) -> None:
+  """Adds the `packing` subcommand to the bench's subparsers (cli.py)."""
+  p = sub.add_parser("packing", help="the update with packed micro-batches against the "
+                     "padded one, on a long-tailed length distribution")
+  p.add_argument("--preset", choices=bench_step.PRESET_NAMES, default="tiny")
+  p.add_argument("--prompts", type=common.at_least(1), default=8)
+  p.add_argument("--generations", type=common.at_least(1), default=8)
+  p.add_argument("--prompt_len", type=common.at_least(1), default=64)
+  p.add_argument("--new_tokens", type=common.at_least(1), default=1024)
+  p.add_argument("--lengths", default="longtail",
+                 help="longtail, uniform, or a file of completion lengths (one a line)")
+  p.add_argument("--budgets", type=lambda s: tuple(int(x) for x in s.split(",")),
+                 default=(1, 2), help="packed budgets, in longest sequences (prompt_len + "
+                 "new_tokens), e.g. 1,2")
+  p.add_argument("--micro_batch_size", type=common.at_least(0), default=0,
+                 help="also the padded update in micro-batches of this many rollouts")
+  p.add_argument("--remat", choices=tuple(model_lib.REMAT_POLICIES), default="none")
+  p.add_argument("--reps", type=common.at_least(1), default=3)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+  p.set_defaults(run=run_packing)
