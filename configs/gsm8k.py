@@ -196,13 +196,16 @@ def get_config(arg=None):
   if "long" in presets:
     # Long reasoning (issue 51): responses of up to 16,384 tokens, as DAPO and DeepScaleR
     # train. On TPU the attention is splash (model.attention None: no [T, S] scores held);
-    # the update's micro-batch stays 'auto' (for Qwen2.5-7B on v5p:2x2x2 a sub-group of 4
-    # rollouts a chip: 65.7 GiB, where a whole group of 8 needs 114.7); validation runs 8
-    # prompts at a time (22.1 GiB; all 1,320 would need 886). Compaction is off: its
-    # copies of a 16k cache do not fit (train sampler 129.5 GiB with 3 stages, 73.3
-    # without; BENCHMARKS.md). Truncated completions leave the loss.
+    # the update packs rollouts into micro-batches by tokens ('auto': for Qwen2.5-7B on
+    # v5p:2x2x2 one longest sequence's 16,784 tokens a chip, 36.4 GiB; rows padded to the
+    # longest in sub-groups of 4 needed 65.7), so short completions cost their own length;
+    # validation runs 8 prompts at a time (22.1 GiB; all 1,320 would need 886). Compaction
+    # is off: its copies of a 16k cache do not fit (train sampler 129.5 GiB with 3 stages,
+    # 73.3 without; BENCHMARKS.md). Truncated completions leave the loss.
     c.generation.max_new_tokens = 16384
     c.generation.compact_stages = 0
+    del c.grpo["micro_batch_tokens"]  # re-typed: the key ships as the number 0
+    c.grpo.micro_batch_tokens = "auto"
     c.grpo.val_batch_size = "8"  # as the command line gives a number: the key ships 'auto'
     c.grpo.mask_truncated_completions = True
   if "cpu" in presets:

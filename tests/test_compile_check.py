@@ -223,8 +223,27 @@ def test_the_long_preset_compiles_splash_and_sub_groups_for_tpu(check, tmp_path)
   of 8 rollouts over 4 chips (a sub-group of 2 of each group of 4), compile for TPU."""
   _without_weights(tmp_path)
   proc = check("--topology=v5e:2x2", f"--config={ROOT}/configs/gsm8k.py:cpu,long",
-               f"--config.model.hf_checkpoint={tmp_path}", "--config.grpo.micro_batch_size=8")
+               f"--config.model.hf_checkpoint={tmp_path}", "--config.grpo.micro_batch_tokens=0",
+               "--config.grpo.micro_batch_size=8")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "micro-batches of 8" in proc.stdout and "attention=splash" in proc.stdout, proc.stdout
   assert sorted(table_rows(proc.stdout)) == sorted(PROGRAMS), proc.stdout
   assert "ok: update step, train sampler, val sampler compile for v5e:2x2" in proc.stdout
+
+
+def test_the_long_preset_packs_and_splits_sequences_for_tpu(check, tmp_path):
+  """Issue 51: the long preset as shipped packs the update's rollouts ('auto' with splash:
+  1, 2, 4, 8 longest sequences of 1,024 + 256 tokens a chip, up to 16,384 tokens; the
+  largest fits 100 GiB at the first compile), here with context parallelism (v5e:2x2 as
+  data 2 x context 2): splash inside shard_map with one kernel per chip position compiles
+  for TPU."""
+  _without_weights(tmp_path)
+  proc = check("--topology=v5e:2x2", f"--config={ROOT}/configs/gsm8k.py:cpu,long",
+               f"--config.model.hf_checkpoint={tmp_path}", "--config.mesh.context=2",
+               "--programs=update", "--config.mesh.memory_limit_gib=100")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "mesh data=2, fsdp=1, context=2, tensor=1" in proc.stdout, proc.stdout
+  assert re.search(r"micro_batch_tokens=auto -> 10240 \(update step .*; 1 compile",
+                   proc.stdout), proc.stdout
+  assert "packed micro-batches of" in proc.stdout and "attention=splash" in proc.stdout
+  assert "ok: update step compile for v5e:2x2" in proc.stdout
