@@ -44,7 +44,7 @@ def test_max_micro_batches_is_the_worst_case_and_refuses_a_too_small_budget():
 
 CASES = {
     # name: (mesh, loss overrides, sampling params, updates on one batch)
-    # token_mean on one device is the mesh case's loss on one device: kept to the mesh.
+    # token_mean: the mesh case below.
     "seq_mean_beta_masked": (
         {"data": 1}, dict(micro_batch_tokens=24, loss_agg="seq_mean_token_mean", beta=0.1,
                           mask_truncated_completions=True),
@@ -54,13 +54,10 @@ CASES = {
                           kl_type="k1", mask_truncated_completions=True,
                           logprob_chunk_size=4, remat="full", scale_rewards="batch"),
         sampling.SamplingParams(1.0, 0.9, 5), 1),
-    "mesh222_token_mean_beta": (
-        {"data": 2, "fsdp": 2, "tensor": 2}, dict(micro_batch_tokens=12, beta=0.05),
-        sampling.SamplingParams(1.0, 1.0, 0), 1),
-    # Context parallelism: each packed row's 14 positions split over a context pair.
-    "context2_seq_mean": (
-        {"data": 2, "context": 2, "tensor": 2},
-        dict(micro_batch_tokens=14, loss_agg="seq_mean_token_mean", beta=0.05),
+    # 8 devices, fsdp 2 x context 2 x tensor 2: each packed row's 14 positions split over a
+    # context pair (context parallelism), the weights over fsdp, heads over tensor.
+    "mesh_fsdp_context_tensor_token_mean_beta": (
+        {"fsdp": 2, "context": 2, "tensor": 2}, dict(micro_batch_tokens=14, beta=0.05),
         sampling.SamplingParams(1.0, 1.0, 0), 1),
 }
 
