@@ -6,15 +6,13 @@ The batch is test_microbatch's: 8 prompts (left-padded to 4, real lengths 2-4) x
 completions of 1-6 tokens, so sequences are 3-10 tokens long.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo.algo import grpo, packing
+from jaxgrpo.algo import packing
 from jaxgrpo.rollout import sampling
-from numpy_params import assert_close_at_scale, random_params  # tests/numpy_params.py
-from test_microbatch import CFG, G, T, _batch, _mesh, _update
+from test_microbatch import G, T, _batch, _mesh, assert_update_equals_whole_batch
 
 
 def test_first_fit_decreasing_by_hand():
@@ -66,35 +64,13 @@ CASES = {
 def test_packed_update_equals_whole_batch_update(name):
   mesh_shape, overrides, sp, iterations = CASES[name]
   mesh = _mesh(mesh_shape)
-  values = dict(num_generations=G, beta=0.0, kl_type="k3", epsilon=0.2, epsilon_high=0.28,
-                loss_agg="token_mean", scale_rewards="group", mask_truncated_completions=False,
-                max_new_tokens=T)
-  values.update(overrides)
-  packed = grpo.LossConfig(**values)
-  whole = grpo.LossConfig(**dict(values, micro_batch_tokens=0))
-  params, ref = random_params(CFG, 0), (random_params(CFG, 1) if values["beta"] else None)
-  results = []
-  for loss in (whole, packed):
-    compiled, state, batch, ref_on_mesh = _update(mesh, loss, sp, params, ref)
-    auxes = []
-    for _ in range(iterations):
-      state, aux = compiled(state, batch, ref_on_mesh)
-      auxes.append(jax.device_get(aux))
-    results.append((jax.device_get(state), auxes))
-  (whole_state, whole_aux), (packed_state, packed_aux) = results
-  for a, b in zip(whole_aux, packed_aux):
-    for key in a:
-      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
-  assert abs(float(whole_aux[0]["grad_norm"])) > 1e-3
-  for got, want in zip(jax.tree.leaves(packed_state), jax.tree.leaves(whole_state)):
-    assert_close_at_scale(got, want, rtol=1e-5, scale_tol=1e-5)
+  aux = assert_update_equals_whole_batch(mesh, overrides, sp, iterations)[0]
   # The padding fractions: of the packed rows the loop ran (micro-batches x devices x the
   # budget), and of the padded layout (each prompt's 4 columns once a group, 6 a completion).
   b = _batch()
   real_padded = b["prompt_mask_BxL"].sum() + b["completion_mask_NxT"].sum()
   real_packed = G * b["prompt_mask_BxL"].sum() + b["completion_mask_NxT"].sum()
   shards = int(np.prod([v for k, v in mesh.shape.items() if k in ("data", "fsdp")]))
-  aux = packed_aux[0]
   computed = aux["packed_micro_batches"] * shards * overrides["micro_batch_tokens"]
   np.testing.assert_allclose(aux["padding_fraction_packed"], 1 - real_packed / computed,
                              rtol=1e-5)
