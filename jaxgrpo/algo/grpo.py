@@ -60,7 +60,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgrpo.algo import microbatch, packing
 from jaxgrpo.runtime import compile_options
@@ -448,70 +447,22 @@ def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, me
 
 def packed_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, mesh=None):
   """((loss, aux), grads) of the whole batch through packed micro-batches of
-  loss.micro_batch_tokens tokens a device (algo/packing.py): each rollout one sequence
-  [prompt | completion] of its real tokens, packed first-fit on its own device, the
-  micro-batches actually used run one after another. Advantages, the mask and the token
-  weights come from the whole batch first, as in micro_batch_loss: the same loss and
-  gradients as the whole-batch update. aux also has the padding fractions of the padded
-  layout (`padding_fraction_padded`: prompt once a group, completions to the batch's
-  width) and of the packed one (`padding_fraction_packed`), and `packed_micro_batches`."""
+  loss.micro_batch_tokens tokens a device (algo/packing.py's layout), the micro-batches
+  actually used run one after another. Advantages, the mask and the token weights come
+  from the whole batch first, as in micro_batch_loss: the same loss and gradients as the
+  whole-batch update. aux also has packing.Packed's padding fractions and micro-batch
+  count."""
   rows, mask, advantages = _prepare_rows(batch, loss)
-  prompt_BxL, prompt_mask_BxL = rows["prompt_tokens_BxL"], rows["prompt_mask_BxL"]
-  completion_NxT = rows["completion_tokens_NxT"]
-  (n, t), l = completion_NxT.shape, prompt_BxL.shape[1]
-  width, budget, g = l + t, loss.micro_batch_tokens, loss.num_generations
   shards = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
-  per_device = n // shards
-  num_bins = packing.max_micro_batches(per_device, width, budget)
-  prompt_len_N = jnp.repeat(prompt_mask_BxL.sum(axis=1).astype(jnp.int32), g)
-  length_N = prompt_len_N + rows["completion_mask_NxT"].sum(axis=1).astype(jnp.int32)
-  # Each rollout as one padded row [its prompt (left-padded) | its completion]; its real
-  # tokens are the columns [l - prompt length, l + completion length).
-  full_NxU = jnp.concatenate([jnp.repeat(prompt_BxL, g, axis=0), completion_NxT], axis=1)
-  by_device = lambda x: x.reshape(shards, per_device, *x.shape[1:])
-  start_PxR = by_device(l - prompt_len_N)
-  index_PxKxS, used_P = jax.vmap(
-      lambda s, n_: packing.index_map(s, n_, width, budget, num_bins))(start_PxR,
-                                                                        by_device(length_N))
-  per_token = {k: by_device(rows[k]) for k in ("old_logp_NxT", "weights_NxT", "mask_NxT")}
-  local = dict(full=by_device(full_NxU), completion=by_device(completion_NxT), start=start_PxR,
-               advantages=by_device(rows["advantages_N"]), **per_token)
-
-  def gather(index_S, d):
-    """One device's packed row from its rows d (algo/packing.py's layout)."""
-    real = index_S >= 0
-    i = jnp.maximum(index_S, 0)
-    r, col = i // width, i % width
-    target = col + 1 - l  # the completion position this position predicts
-    predicts = real & (target >= 0) & (target < t)
-    tc = jnp.clip(target, 0, t - 1)
-    return {"tokens_RxS": d["full"][r, col], "positions_RxS": col - d["start"][r],
-            "segments_RxS": jnp.where(real, r + 1, 0), "targets_RxS": d["completion"][r, tc],
-            "old_logp_RxS": d["old_logp_NxT"][r, tc],
-            "weights_RxS": jnp.where(predicts, d["weights_NxT"][r, tc], 0.0),
-            "mask_RxS": predicts & d["mask_NxT"][r, tc],
-            "advantages_RxS": d["advantages"][r]}
-
-  def micro_batch(k):
-    m = jax.vmap(gather)(index_PxKxS[:, k], local)
-    if mesh is not None:  # one packed row a data shard, its positions over `context`
-      split = NamedSharding(mesh, P(sharding_lib.BATCH_AXES, "context"))
-      m = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, split), m)
-    return m
-
+  packed = packing.pack(rows, loss.num_generations, loss.micro_batch_tokens, shards, mesh)
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
   shardings = None if mesh is None else (
       sharding_lib.adapter_shardings(cfg, mesh, loss.lora_targets) if loss.lora_rank
       else sharding_lib.param_shardings(cfg, mesh))
-  count = jnp.max(used_P)
-  (total, sums), grads = microbatch.accumulate_dynamic(fn, params, micro_batch, count,
-                                                       shardings)
+  (total, sums), grads = microbatch.accumulate_dynamic(fn, params, packed.micro_batch,
+                                                       packed.count, shardings)
   aux = _diagnostics(total, sums, mask, advantages)
-  real = length_N.sum().astype(jnp.float32)
-  real_padded = (prompt_mask_BxL.sum() + rows["completion_mask_NxT"].sum()).astype(jnp.float32)
-  aux["padding_fraction_padded"] = packing.padding_fraction(real_padded, n // g * l + n * t)
-  aux["padding_fraction_packed"] = packing.padding_fraction(real, count * shards * budget)
-  aux["packed_micro_batches"] = count
+  aux.update(packed.metrics)
   return (total, aux), grads
 
 

@@ -20,7 +20,8 @@ micro-batch at a time from the padded batch, so its time follows the real tokens
 every shape stays the configured one.
 
 Each device packs its own rows (the rows the batch sharding gave it): no rollout moves
-between chips; the loop runs as long as the fullest device needs.
+between chips; the loop runs as long as the fullest device needs. `pack` builds the layout
+and the micro-batches from the update's rows; grpo.packed_loss runs the loss over them.
 
 Prompts are computed once per rollout here (once per group in the padded layout): a
 reasoning prompt is short beside its completions.
@@ -28,8 +29,13 @@ reasoning prompt is short beside its completions.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxgrpo.model import sharding as sharding_lib
 
 
 def max_micro_batches(rows_per_device: int, sequence: int, budget: int) -> int:
@@ -87,3 +93,77 @@ def index_map(start_R, lengths_R, width: int, budget: int, num_bins: int):
 def padding_fraction(real_tokens, computed_tokens):
   """1 - real / computed: the share of computed positions that hold no token."""
   return 1.0 - real_tokens / jnp.maximum(computed_tokens, 1)
+
+
+class Packed(NamedTuple):
+  """A batch's packed layout (`pack`): micro_batch(k) builds the k-th packed micro-batch
+  ([P, S] arrays, one packed row a data shard) for k < count; metrics are the update's
+  padding_fraction_padded, padding_fraction_packed and packed_micro_batches."""
+
+  micro_batch: Callable
+  count: jax.Array
+  metrics: dict
+
+
+def pack(rows, group_size: int, budget: int, shards: int, mesh=None) -> Packed:
+  """The packed layout of the update's rows (grpo._prepare_rows': prompt_tokens_BxL,
+  prompt_mask_BxL, completion_tokens_NxT, completion_mask_NxT, and the per-token
+  old_logp_NxT, weights_NxT, mask_NxT and per-row advantages_N), rows split over `shards`
+  data shards in contiguous blocks, each packed on its own.
+
+  A packed micro-batch holds tokens_RxS, positions_RxS (restarting at 0 per sequence),
+  segments_RxS (the row's index + 1 on its device; 0 padding), targets_RxS (the token each
+  position predicts: the next one of its sequence) and, at each position, the loss's
+  values for that target: old_logp_RxS, weights_RxS, mask_RxS (False where a position
+  predicts no completion token) and advantages_RxS. mesh: its packed rows split over the
+  data axes and their positions over `context`.
+  """
+  prompt_BxL, prompt_mask_BxL = rows["prompt_tokens_BxL"], rows["prompt_mask_BxL"]
+  completion_NxT, completion_mask_NxT = rows["completion_tokens_NxT"], rows["completion_mask_NxT"]
+  (n, t), l = completion_NxT.shape, prompt_BxL.shape[1]
+  width, per_device = l + t, n // shards
+  num_bins = max_micro_batches(per_device, width, budget)
+  prompt_len_N = jnp.repeat(prompt_mask_BxL.sum(axis=1).astype(jnp.int32), group_size)
+  length_N = prompt_len_N + completion_mask_NxT.sum(axis=1).astype(jnp.int32)
+  # Each rollout as one padded row [its prompt (left-padded) | its completion]; its real
+  # tokens are the columns [l - prompt length, l + completion length).
+  full_NxU = jnp.concatenate([jnp.repeat(prompt_BxL, group_size, axis=0), completion_NxT],
+                             axis=1)
+  by_device = lambda x: x.reshape(shards, per_device, *x.shape[1:])
+  start_PxR = by_device(l - prompt_len_N)
+  index_PxKxS, used_P = jax.vmap(lambda s, n_: index_map(s, n_, width, budget, num_bins))(
+      start_PxR, by_device(length_N))
+  local = dict(full=by_device(full_NxU), completion=by_device(completion_NxT),
+               start=start_PxR, advantages=by_device(rows["advantages_N"]),
+               **{k: by_device(rows[k]) for k in ("old_logp_NxT", "weights_NxT", "mask_NxT")})
+
+  def gather(index_S, d):
+    """One device's packed row from its rows d."""
+    real = index_S >= 0
+    i = jnp.maximum(index_S, 0)
+    r, col = i // width, i % width
+    target = col + 1 - l  # the completion position this position predicts
+    predicts = real & (target >= 0) & (target < t)
+    tc = jnp.clip(target, 0, t - 1)
+    return {"tokens_RxS": d["full"][r, col], "positions_RxS": col - d["start"][r],
+            "segments_RxS": jnp.where(real, r + 1, 0), "targets_RxS": d["completion"][r, tc],
+            "old_logp_RxS": d["old_logp_NxT"][r, tc],
+            "weights_RxS": jnp.where(predicts, d["weights_NxT"][r, tc], 0.0),
+            "mask_RxS": predicts & d["mask_NxT"][r, tc],
+            "advantages_RxS": d["advantages"][r]}
+
+  def micro_batch(k):
+    m = jax.vmap(gather)(index_PxKxS[:, k], local)
+    if mesh is not None:  # one packed row a data shard, its positions over `context`
+      split = NamedSharding(mesh, P(sharding_lib.BATCH_AXES, "context"))
+      m = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, split), m)
+    return m
+
+  count = jnp.max(used_P)  # the fullest device's: every device runs the same loop
+  real_padded = (prompt_mask_BxL.sum() + completion_mask_NxT.sum()).astype(jnp.float32)
+  metrics = {
+      "padding_fraction_padded": padding_fraction(real_padded, n // group_size * l + n * t),
+      "padding_fraction_packed": padding_fraction(length_N.sum().astype(jnp.float32),
+                                                  count * shards * budget),
+      "packed_micro_batches": count}
+  return Packed(micro_batch, count, metrics)
