@@ -74,7 +74,10 @@ def _update(mesh, loss, sp, params, ref):
   ref = None if ref is None else sharding.shard_params(ref, CFG, mesh)
   step = grpo.compile_update(state, ref, cfg=CFG, loss=loss, sp=sp, optimizer=optimizer,
                              lr_schedule=lr, mesh=mesh)
-  batch = sharding.to_global(mesh, _batch())
+  batch = _batch()
+  if loss.trained_mask:  # an episode's: completion positions 2-3 an observation, not trained
+    batch["trained_NxT"] = ~np.isin(np.arange(T), [2, 3])[None].repeat(B * G, axis=0)
+  batch = sharding.to_global(mesh, batch)
   compiled = step.lower(state, batch, ref).compile(compiler_options=FAST_COMPILE)
   return compiled, state, batch, ref
 

@@ -43,9 +43,10 @@ def test_max_micro_batches_is_the_worst_case_and_refuses_a_too_small_budget():
 CASES = {
     # name: (mesh, loss overrides, sampling params, updates on one batch)
     # token_mean: the mesh case below.
-    "seq_mean_beta_masked": (
+    # With an episode's observation tokens (trained_mask): attended to, out of the loss.
+    "seq_mean_beta_masked_episode": (
         {"data": 1}, dict(micro_batch_tokens=24, loss_agg="seq_mean_token_mean", beta=0.1,
-                          mask_truncated_completions=True),
+                          mask_truncated_completions=True, trained_mask=True),
         sampling.SamplingParams(0.8, 1.0, 0), 2),
     "sum_norm_topk_beta_chunked_remat": (
         {"data": 1}, dict(micro_batch_tokens=10, loss_agg="seq_mean_token_sum_norm", beta=0.1,
