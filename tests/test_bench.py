@@ -327,3 +327,22 @@ def test_lora_decode_bench_weighs_merge_per_step_against_the_adapter_path():
   assert r["adapter_path_s"] == pytest.approx(
       r["rollout_s"] + 4 * r["adapter_extra_per_token_s"], abs=2e-4)
   assert r["faster"] in ("merge per step", "adapter path")
+
+
+def test_packing_bench_runs_padded_and_packed_side_by_side(tmp_path):
+  # Issue 51: 2 prompts x 4 rollouts whose completion lengths come from a file (3, 30, 5,
+  # 1, cycled) of up to 32 new tokens after 8-token prompts: the padded whole batch and
+  # packed rows of one longest sequence (40 tokens) report the same loss, less padding
+  # packed, and the layout each ran.
+  lengths = tmp_path / "lengths.txt"
+  lengths.write_text("3\n30\n5\n1\n")
+  results = bench.main(["packing", "--prompts", "2", "--generations", "4", "--prompt_len",
+                        "8", "--new_tokens", "32", "--lengths", str(lengths), "--budgets", "1",
+                        "--reps", "1"])
+  padded, packed = results
+  assert (padded["layout"], packed["layout"], packed["micro_batch_tokens"]) == (
+      "padded", "packed", 40)
+  assert (padded["completion_max"], padded["completion_median"]) == (30, 4.0)
+  assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5, abs=1e-7)
+  assert packed["padding_fraction"] < padded["padding_fraction"]
+  assert packed["micro_batches"] >= 1 and padded["ratio_to_padded_whole"] == 1.0
