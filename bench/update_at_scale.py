@@ -7,7 +7,8 @@ A random-init Qwen3-1.7B-shaped policy (28 layers, d_model 2048, 16 / 8 heads x 
 6144, vocab 151,936, tied, bfloat16 parameters and compute), G = 8, every completion its
 full length. For each `micro_batch_size:logprob_chunk_size:remat[:scan[:attention]]` in
 --configs (scan: `scan` or `unrolled`, attention: `xla` or `cudnn`; left out, the platform's
-defaults: scanned and, on a GPU with bfloat16, cuDNN) it compiles
+defaults: scanned and, on a GPU with bfloat16, cuDNN; a micro-batch written `t<N>` packs
+the rollouts into micro-batches of N tokens, grpo.micro_batch_tokens) it compiles
 `grpo.compile_update` exactly as the trainer builds it and runs it --reps times on the same
 batch, then prints one JSON line: compile and step seconds, model TFLOP/s (forward and
 backward, 3x the forward's matmul FLOPs; remat's recomputation not counted), that rate as
@@ -61,6 +62,17 @@ def forward_flops(cfg, prompts, g, p, t):
   prompt = prompts * p * (per_token + attn(p / 2))
   completion = prompts * g * t * (per_token + attn(p + t / 2) + head)
   return prompt + completion
+
+
+def packed_forward_flops(cfg, rollouts, p, t):
+  """Matmul FLOPs of the packed layout's forward (algo/packing.py): every rollout's prompt
+  and completion as one sequence, the output projection at every position (the prompt's
+  positions predict no loss token, but the packed forward projects them too)."""
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  per_token = 2 * cfg.num_layers * (cfg.d_model * (q + 2 * kv) + q * cfg.d_model
+                                    + 3 * cfg.d_model * cfg.mlp_dim)
+  attn = 4 * cfg.num_layers * q * (p + t) / 2
+  return rollouts * (p + t) * (per_token + attn + 2 * cfg.d_model * cfg.vocab_size)
 
 
 def matmul_rate(n=8192, reps=10, dtype=jnp.bfloat16):
@@ -129,11 +141,15 @@ def main():
     micro, chunk, remat, *rest = spec.split(":")
     scan = {"scan": True, "unrolled": False, None: None}[rest[0] if rest else None]
     attention = rest[1] if len(rest) > 1 else None
+    tokens = int(micro[1:]) if micro.startswith("t") else 0  # packed micro-batches
+    micro = 0 if tokens else int(micro)
     loss = grpo.LossConfig(num_generations=g, beta=0.0, kl_type="k3", epsilon=0.2,
                            epsilon_high=0.28, loss_agg="token_mean", scale_rewards="group",
                            mask_truncated_completions=False, max_new_tokens=t,
-                           micro_batch_size=int(micro), logprob_chunk_size=int(chunk),
+                           micro_batch_size=micro, micro_batch_tokens=tokens,
+                           logprob_chunk_size=int(chunk),
                            remat=remat, scan_layers=scan, attention=attention)
+    spec_flops = 3 * packed_forward_flops(cfg, b * g, p, t) if tokens else flops
     state = grpo.init_state(jax.tree.map(lambda x: x.copy(), params), optimizer, mesh)
     try:
       t0 = time.perf_counter()
@@ -149,13 +165,13 @@ def main():
         jax.block_until_ready((state, aux))
         times.append(time.perf_counter() - t0)
       s = float(np.median(times))
-      emit(part="update", rollouts=b * g, prompt_len=p, new_tokens=t, micro_batch_size=int(micro),
-           logprob_chunk_size=int(chunk), remat=remat,
+      emit(part="update", rollouts=b * g, prompt_len=p, new_tokens=t, micro_batch_size=micro,
+           micro_batch_tokens=tokens, logprob_chunk_size=int(chunk), remat=remat,
            scan_layers=model_lib.resolve_scan_layers(scan, platform),
            attention=attention_lib.resolve_attention(attention, platform, cfg.dtype),
            compile_s=round(compile_s, 1),
-           step_s=[round(x, 3) for x in times], tflops=round(flops / s / 1e12, 1),
-           fraction_of_matmul_rate=round(flops / s / rate, 3),
+           step_s=[round(x, 3) for x in times], tflops=round(spec_flops / s / 1e12, 1),
+           fraction_of_matmul_rate=round(spec_flops / s / rate, 3),
            temp_gib=round(memory.temp_size_in_bytes / 2**30, 1),
            argument_gib=round(memory.argument_size_in_bytes / 2**30, 1),
            peak_gib_so_far=round(peak_bytes() / 2**30, 1), loss=float(aux["loss"]),

@@ -28,6 +28,9 @@
 #                 256 rows, per mode (top-k, top-p, both) against plain sampling
 #   update        bench/update_at_scale.py: the Qwen3-1.7B update, scanned and unrolled,
 #                 XLA and cuDNN attention
+#   update_8k     the same update at 8,192 new tokens (64 rollouts, 256-token prompts,
+#                 remat full, cuDNN): rows of 8 a micro-batch against packed micro-batches
+#                 of 8,448 tokens (grpo.micro_batch_tokens, issue 51): the MFU of each
 #   lora_decode   python -m jaxgrpo.bench lora-decode: LoRA's merge once per step against
 #                 the adapter path at every token, Qwen2.5-1.5B in bfloat16, 64 x 512 tokens
 set -u
@@ -62,10 +65,14 @@ part() {  # part NAME TIMEOUT_S COMMAND...: runs it, logs how it ended, collects
 
 if [ -n "${SMALL:-}" ]; then  # a dry run: every part, each cut to seconds on a CPU
   STEPS=--config.grpo.max_num_steps=4; UPDATE=(--small --rollouts 16 --configs 8:0:none:scan:xla)
+  UPDATE_8K=(--small --rollouts 16 --prompt_len 32 --new_tokens 64 --reps 1
+             --configs 8:0:full:scan:xla,t96:0:full:scan:xla)
   SAMPLER=(--preset tiny --reps 1); ROLLOUT=(--preset tiny --reps 1); TRUNC=(--rows 8 --reps 1)
   LORA=(--shape tiny --rows 4 --new_tokens 4 --reps 1)
 else
   STEPS=; UPDATE=(--configs 32:128:save_dots:scan:xla,32:128:save_dots:scan:cudnn,32:128:save_dots:unrolled:cudnn --reps 2)
+  UPDATE_8K=(--rollouts 64 --prompt_len 256 --new_tokens 8192 --reps 2
+             --configs 8:128:full:scan:cudnn,t8448:128:full:scan:cudnn)
   SAMPLER=(--preset small --mode all --reps 5); ROLLOUT=(--bandwidth_gbs "${BANDWIDTH_GBS:-4800}" --reps 3)
   TRUNC=(--reps 10)
   LORA=(--shape qwen2.5-1.5b --dtype bfloat16 --rows 64 --new_tokens 512 --reps 3)
@@ -88,6 +95,8 @@ part rollout_compact 240 python3 -m jaxgrpo.bench rollout "${ROLLOUT[@]}" --mode
   --decode_block 128 --compact_stages 3
 part truncation 120 python3 -m jaxgrpo.bench truncation "${TRUNC[@]}"
 part update 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py "${UPDATE[@]}"
+part update_8k 420 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py \
+  "${UPDATE_8K[@]}"
 part lora_decode 240 python3 -m jaxgrpo.bench lora-decode "${LORA[@]}"
 echo "=== done $(date +%T)" >>"$L"
 rm -rf "$W"
