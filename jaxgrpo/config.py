@@ -251,10 +251,20 @@ def _check_keys(prefix: str, section: Any, schema: dict[str, Any]):
         _fail(f"{prefix}{key}", section[key], problem)
 
 
+# grpo.<key> that may be 'auto': chosen at start-up from the compiler's memory figures
+# (run/sizing.py). Every reader of that question asks `any_auto`.
+AUTO_KEYS = ("micro_batch_size", "val_batch_size", "micro_batch_tokens")
+
+
+def any_auto(grpo) -> bool:
+  """Whether any of AUTO_KEYS is 'auto' in this grpo section."""
+  return any(grpo[k] == "auto" for k in AUTO_KEYS)
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
   """Checks and resolves a run config; returns a locked copy. Raises ConfigError."""
   values = config.to_dict()  # a copy: the caller's stays as is
-  for key in ("micro_batch_size", "val_batch_size", "micro_batch_tokens"):
+  for key in AUTO_KEYS:
     # A config that ships 'auto' types the key as a string, so a command-line number
     # arrives as one ("256"): it means the number.
     value = values.get("grpo", {}).get(key)
@@ -365,8 +375,7 @@ def _no_tracker_run(c) -> str | None:
 
 
 def _no_auto(c) -> str | None:
-  g = c.grpo
-  if "auto" not in (g.micro_batch_size, g.val_batch_size, g.micro_batch_tokens):
+  if not any_auto(c.grpo):
     return ("grpo.micro_batch_size, val_batch_size and micro_batch_tokens are numbers (only "
             "'auto' plans against a memory limit)")
   return None

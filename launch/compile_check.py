@@ -126,8 +126,7 @@ def main(argv=None) -> int:
   known = {}  # program name -> Memory already measured (a search's winning program)
   autos = ["grpo.micro_batch_size"] if _SUGGEST.value else []
   config = setup.apply_auto(config, autos)
-  if sizing.AUTO in (config.grpo.micro_batch_size, config.grpo.val_batch_size,
-                     config.grpo.micro_batch_tokens):
+  if config_lib.any_auto(config.grpo):
     # The trainer's own choice (jaxgrpo/run/sizing.py), against this topology's HBM per chip.
     num_val = 0
     if config.grpo.val_batch_size == sizing.AUTO:

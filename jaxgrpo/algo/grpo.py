@@ -420,6 +420,16 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
   return policy, sums
 
 
+def _trained_shardings(cfg, loss: LossConfig, mesh):
+  """Where the trained parameters (LoRA: the adapters) lie, for the gradient's running sum
+  (microbatch.accumulate); None on one device."""
+  if mesh is None:
+    return None
+  if loss.lora_rank:
+    return sharding_lib.adapter_shardings(cfg, mesh, loss.lora_targets)
+  return sharding_lib.param_shardings(cfg, mesh)
+
+
 def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, mesh=None):
   """((loss, aux), grads) of the whole batch, computed micro_batch_size rollouts at a time:
   advantages, the loss mask and every normaliser come from the whole batch first, then
@@ -438,9 +448,7 @@ def micro_batch_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, me
     loss = dataclasses.replace(loss, num_generations=sub)
   micro = microbatch.split(rows, n // loss.micro_batch_size, shards, mesh)
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
-  shardings = None if mesh is None else (
-      sharding_lib.adapter_shardings(cfg, mesh, loss.lora_targets) if loss.lora_rank
-      else sharding_lib.param_shardings(cfg, mesh))
+  shardings = _trained_shardings(cfg, loss, mesh)
   (total, sums), grads = microbatch.accumulate(fn, params, micro, shardings)
   return (total, _diagnostics(total, sums, mask, advantages)), grads
 
@@ -456,9 +464,7 @@ def packed_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, mesh=No
   shards = 1 if mesh is None else sharding_lib.batch_size_multiple(mesh)
   packed = packing.pack(rows, loss.num_generations, loss.micro_batch_tokens, shards, mesh)
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
-  shardings = None if mesh is None else (
-      sharding_lib.adapter_shardings(cfg, mesh, loss.lora_targets) if loss.lora_rank
-      else sharding_lib.param_shardings(cfg, mesh))
+  shardings = _trained_shardings(cfg, loss, mesh)
   (total, sums), grads = microbatch.accumulate_dynamic(fn, params, packed.micro_batch,
                                                        packed.count, shardings)
   aux = _diagnostics(total, sums, mask, advantages)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxgrpo.algo import grpo
+from jaxgrpo.algo import grpo, microbatch
 from jaxgrpo.model import hf
 from jaxgrpo.model import attention as attention_lib
 from jaxgrpo.model import decoder as model_lib
@@ -102,10 +102,9 @@ def loss_config(c, mesh) -> grpo.LossConfig:
 
 def completion_width(c) -> int:
   """T of the update's [N, T] completions: max_new_tokens, or for multi-turn episodes the
-  tokens after the prompt (every turn and observation: episodes.py)."""
-  if c.env.name:
-    return c.generation.max_episode_tokens - c.data.max_prompt_length
-  return c.generation.max_new_tokens
+  tokens after the prompt (every turn and observation: episodes.py); the longest sequence
+  (microbatch.sequence_width) less the prompt."""
+  return microbatch.sequence_width(c) - c.data.max_prompt_length
 
 
 def stop_ids(c, tokenizer) -> tuple[int, ...]:

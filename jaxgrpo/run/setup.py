@@ -142,7 +142,7 @@ def validate(raw, num_devices: int):
   return config_lib.validate(raw, num_devices)
 
 
-AUTO_KEYS = ("grpo.micro_batch_size", "grpo.val_batch_size", "grpo.micro_batch_tokens")  # may be 'auto' (sizing.py)
+AUTO_KEYS = tuple(f"grpo.{k}" for k in config_lib.AUTO_KEYS)  # may be 'auto' (sizing.py)
 
 
 def split_auto(argv):

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo import config as config_lib
 from jaxgrpo.run import build
 from jaxgrpo.algo import grpo
 from jaxgrpo.algo import microbatch
@@ -58,7 +59,7 @@ from jaxgrpo.rollout import sampling
 
 GIB = 2**30
 AUTO = "auto"
-KEYS = ("micro_batch_size", "val_batch_size", "micro_batch_tokens")  # may be 'auto'
+KEYS = config_lib.AUTO_KEYS  # grpo.<key> that may be 'auto'
 
 
 class FitError(ValueError):
@@ -290,7 +291,7 @@ def resolve(config, model_cfg, tokenizer, mesh, num_val_prompts: int, limit=None
     # Packed micro-batches replace micro-batches of rows: nothing to choose for the latter.
     config = _with(config, micro_batch_size=0)
     g = config.grpo
-  if AUTO in (g.micro_batch_size, g.val_batch_size, g.micro_batch_tokens) and limit is None:
+  if config_lib.any_auto(g) and limit is None:
     limit = memory_limit(config, mesh)
   if g.val_batch_size == AUTO and "val_batch_size" in keys:
     choices.append(choose_size("val_batch_size", val_batch_sizes(mesh, num_val_prompts),

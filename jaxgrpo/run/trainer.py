@@ -325,8 +325,7 @@ def _fit(setup, mesh=None):
   sizing.FitError (exit 2) when nothing fits; nothing is compiled but the search."""
   from jaxgrpo import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.run import sizing
-  g = setup.config.grpo
-  if sizing.AUTO not in (g.micro_batch_size, g.val_batch_size, g.micro_batch_tokens):
+  if not config_lib.any_auto(setup.config.grpo):
     return setup, []
   if mesh is None:  # (a test passes a TPU topology's devices, as the compile check has)
     mesh = sharding_lib.make_mesh(setup.config.mesh.to_dict())
