@@ -410,6 +410,10 @@ MODE_KEYS: tuple[tuple[tuple[str, ...], Callable[[Any], str | None], str], ...] 
     (("logging.project", "logging.run_name", "logging.tags"), _no_tracker_run,
      "--config.logging.trackers=tensorboard,wandb (or trackio)"),
     (("mesh.memory_limit_gib",), _no_auto, "--config.grpo.micro_batch_size=auto"),
+    # Packing replaces micro-batches of rows (a number for both is refused by algo/
+    # microbatch.py; an 'auto' one would step aside unseen).
+    (("grpo.micro_batch_size",), _while("grpo.micro_batch_tokens", bool),
+     "--config.grpo.micro_batch_tokens=0 (packing replaces micro-batches of rows)"),
     (("generation.val_temperature", "generation.val_top_p", "generation.val_top_k",
       *(f"grpo.{k}" for k in ("val_num_generations_per_prompt", "val_batch_size",
                               "max_val_samples", "val_pass_threshold", "val_seed"))),

@@ -483,6 +483,7 @@ IDLE_OVERRIDES = [
     ("logging.run_name", "logging.trackers='tensorboard'", {"logging.trackers": "trackio"}),
     ("logging.tags", "logging.trackers='tensorboard'", {"logging.trackers": "tensorboard,wandb"}),
     ("mesh.memory_limit_gib", "only 'auto' plans", {"grpo.micro_batch_size": "auto"}),
+    ("grpo.micro_batch_size", "grpo.micro_batch_tokens=16", {"grpo.micro_batch_tokens": 0}),
     *((key, "no validation runs", {"grpo.val_at_end": True}) for key in (
         "generation.val_temperature", "generation.val_top_p", "generation.val_top_k",
         "grpo.val_num_generations_per_prompt", "grpo.val_batch_size", "grpo.max_val_samples",
@@ -513,6 +514,8 @@ def test_an_override_that_would_do_nothing_is_refused_naming_what_makes_it_act(k
           "reward_workers": 0} if "val" in key or key == "reward_timeout_s" else {}
   if key == "data.num_digits":
     idle = {"data.source": "jsonl", "data.train_path": "x.jsonl"}
+  if key == "grpo.micro_batch_size":  # packed micro-batches (issue 51)
+    idle = {"grpo.micro_batch_tokens": 16}
   if key == "data.train_path":  # given with data.source too, the user asked for both
     with pytest.raises(config_lib.ConfigError, match=re.escape(
         "config.data.train_path: ignored while data.source='arithmetic'; add "
