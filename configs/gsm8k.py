@@ -102,6 +102,10 @@ def get_config(arg=None):
       # rollout either way (tested). Completions here are long-tailed, up to 512 tokens;
       # 1.3-1.5x faster on CPU (BENCHMARKS.md).
       compact_stages=3,
+      # Partial rollouts (run/partial_rollouts.py): > 0 decodes each sampler row at most this many
+      # tokens a round, carries the rows that have not ended into the next step and refills
+      # the freed rows with new prompts; 0: every step decodes until its longest row ends.
+      max_tokens_per_step=0,
       val_temperature=0.6, val_top_p=config_dict.placeholder(float),
       val_top_k=config_dict.placeholder(int),
       # Multi-turn episodes (env.name set): the prompt and every turn and observation
@@ -138,6 +142,10 @@ def get_config(arg=None):
       # Or rollouts packed end to end into micro-batches of this many tokens a chip, for
       # long-tailed lengths (0 = off; 'auto': the most that fit): docs/scaling.md.
       micro_batch_tokens=0,
+      # Partial rollouts only: a group holding a token drawn more than max_staleness
+      # parameter versions ago is dropped; each token's loss is weighted by
+      # min(pi_step / pi_sampler, importance_weight_cap) (docs/loss.md).
+      max_staleness=4, importance_weight_cap=2.0,
       val_period=50, val_at_start=True, val_at_end=True,
       # Prompts (x k=4) per validation batch: 'auto', the most whose val sampler fits beside
       # the train state; the numbers do not depend on the batch size.

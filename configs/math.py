@@ -88,6 +88,10 @@ def get_config(arg=None):
       # rollout either way (tested). Off here: with 5 new tokens there is little to compact,
       # and each stage adds a decode loop to compile.
       compact_stages=0,
+      # Partial rollouts (run/partial_rollouts.py): > 0 decodes each sampler row at most this many
+      # tokens a round, carries the rows that have not ended into the next step and refills
+      # the freed rows with new prompts; 0: every step decodes until its longest row ends.
+      max_tokens_per_step=0,
       val_temperature=config_dict.placeholder(float),
       val_top_p=config_dict.placeholder(float),
       val_top_k=config_dict.placeholder(int),
@@ -123,6 +127,10 @@ def get_config(arg=None):
       # Or rollouts packed end to end into micro-batches of this many tokens a chip, for
       # long-tailed lengths (0 = off; 'auto': the most that fit): docs/scaling.md.
       micro_batch_tokens=0,
+      # Partial rollouts only: a group holding a token drawn more than max_staleness
+      # parameter versions ago is dropped; each token's loss is weighted by
+      # min(pi_step / pi_sampler, importance_weight_cap) (docs/loss.md).
+      max_staleness=4, importance_weight_cap=2.0,
       max_num_steps=500,
       val_period=100, val_at_start=True, val_at_end=True, val_batch_size=128,
       max_val_samples=500,  # prompts; each is sampled val_num_generations_per_prompt times

@@ -156,7 +156,7 @@ SCHEMA: dict[str, Any] = {
         "temperature": _num(0, lo_open=True), "top_p": _num(0, 1, lo_open=True),
         "top_k": _int(0), "max_new_tokens": _int(1), "backend": _choice(*BACKEND_LIMITS),
         "max_concurrent_decodes": _int(0), "decode_block_size": _int(0),
-        "compact_stages": _int(0),
+        "compact_stages": _int(0), "max_tokens_per_step": _int(0),
         # None follows the training value (resolved by `validate`); 0 is greedy.
         "val_temperature": _optional(_num(0)), "val_top_p": _optional(_num(0, 1, lo_open=True)),
         "val_top_k": _optional(_int(0)),
@@ -185,6 +185,8 @@ SCHEMA: dict[str, Any] = {
         "micro_batch_size": _or_auto(_int(0)), "logprob_chunk_size": _optional(_int(1)),
         # Or packed micro-batches of that many tokens a chip (0: off; algo/packing.py).
         "micro_batch_tokens": _or_auto(_int(0)),
+        # Partial rollouts (generation.max_tokens_per_step > 0; run/partial_rollouts.py).
+        "max_staleness": _int(0), "importance_weight_cap": _num(1),
         "max_num_steps": _int(1), "val_period": _int(0),
         "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _or_auto(_int(1)),
         "max_val_samples": _int(0), "val_num_generations_per_prompt": _int(1),

@@ -385,6 +385,7 @@ class PromptBatches:
     self.local_batch_size = batch_size // self.process_count
     offset = self.process_index * self.local_batch_size
     pad_id = tokenizer.pad_id
+    self._records, self._pad_id, self._width = records, pad_id, max_prompt_length
 
     def collate(global_records):
       batch = _collate(global_records[offset:offset + self.local_batch_size], pad_id,
@@ -401,6 +402,11 @@ class PromptBatches:
 
   def __iter__(self) -> PromptBatches:
     return self
+
+  def collate_rows(self, row_ids: Sequence[int]) -> dict[str, Any]:
+    """The batch of the given rows (indices into `rows`), as `next` collates one: partial
+    rollouts (run/partial_rollouts.py) score groups that entered in different batches."""
+    return _collate([self._records[i] for i in row_ids], self._pad_id, self._width)
 
   def __next__(self) -> dict[str, Any]:
     return next(self._iterator)

@@ -304,6 +304,63 @@ def test_clipped_surrogate_asymmetric_upper_bound():
   assert bool(sym_clip[0, 0]) and not bool(asym_clip[0, 0])
 
 
+# decoupled_surrogate: partial rollouts' off-policy correction.
+
+
+def test_decoupled_surrogate_hand_computed_weights_loss_and_gradient():
+  # One group of 2 rows x 2 tokens whose tokens come from two parameter versions: the
+  # current policy's log-probs logp, and the sampler's (behaviour) log-probs per token.
+  #   row 0: token 0 sampled by this step's parameters (behav = logp: w = 1); token 1 by
+  #          the previous version, behav -2.5 against logp -2.0: w = e^0.5 = 1.6487.
+  #   row 1: token 0 behav -1.5 against -0.5: w = e^1 = 2.718, truncated to C = 2;
+  #          token 1 on-policy, w = 1.
+  logp = jnp.array([[-1.0, -2.0], [-0.5, -1.5]])
+  behav = jnp.array([[-1.0, -2.5], [-1.5, -1.5]])
+  adv = jnp.array([0.5, -0.5])  # rewards {1, 0}, scale_rewards='none'
+  loss, clipped, ratio, weight = grpo.decoupled_surrogate(logp, behav, adv, 0.2, 0.28, 2.0)
+  np.testing.assert_allclose(weight, [[1.0, math.exp(0.5)], [math.e, 1.0]], rtol=1e-6)
+  # r = pi_theta / pi_prox = 1 in value (pi_prox = the step's parameters), so the clip never
+  # binds and each token's loss is -min(w, C) * A: [-0.5, -0.8244], [+1.0, +0.5].
+  np.testing.assert_allclose(ratio, 1.0)
+  assert not np.asarray(clipped).any()
+  np.testing.assert_allclose(loss, [[-0.5, -0.5 * math.exp(0.5)], [1.0, 0.5]], rtol=1e-6)
+  # The gradient of the summed loss is -min(w, C) * A per token (the weight is a constant).
+  grad = jax.grad(lambda lp: grpo.decoupled_surrogate(lp, behav, adv, 0.2, 0.28, 2.0)[0].sum())(
+      logp)
+  np.testing.assert_allclose(grad, [[-0.5, -0.5 * math.exp(0.5)], [1.0, 0.5]], rtol=1e-6)
+
+
+def test_the_loss_with_partial_rollouts_weights_each_token_by_its_sampler(params):
+  # loss_fn end to end: this step's log-probs from the model, the behaviour log-probs of the
+  # rows shifted as if rows 0 and 3 were sampled one version earlier (by 0.3 and -1.0 nats
+  # per token). token_mean loss = -sum_t min(w_t, C) A_t / tokens, ratio 1.
+  batch = _on_policy_batch(params)
+  logp = batch["old_logp_NxT"]
+  shift = np.zeros((8, 1), np.float32)
+  shift[0], shift[3] = 0.3, -1.0
+  behav = dict(batch, old_logp_NxT=logp - shift, rewards_N=np.asarray(REWARDS, np.float32))
+  loss_cfg = _loss_config(importance_weight_cap=2.0, scale_rewards="none")
+  total, aux = jax.jit(functools.partial(grpo.loss_fn, cfg=CFG, loss=loss_cfg, sp=SP))(
+      params, None, behav)
+  mask = batch["completion_mask_NxT"]
+  adv = np.asarray(grpo.group_advantages(jnp.asarray(REWARDS, jnp.float32), 2, "none"))
+  w = np.minimum(np.exp(shift), 2.0) * np.ones_like(logp)  # e^0.3 = 1.35, e^-1 = 0.37
+  want = -(w * adv[:, None])[mask].sum() / mask.sum()
+  np.testing.assert_allclose(float(total), want, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(float(aux["importance_weight_mean"]), w[mask].mean(), rtol=1e-5)
+  assert float(aux["importance_weight_clipped_fraction"]) == 0.0
+  # The cap binds where a weight exceeds it: rows 0's e^0.3 under C = 1.2.
+  capped = _loss_config(importance_weight_cap=1.2, scale_rewards="none")
+  _, aux = jax.jit(functools.partial(grpo.loss_fn, cfg=CFG, loss=capped, sp=SP))(
+      params, None, behav)
+  np.testing.assert_allclose(float(aux["importance_weight_clipped_fraction"]),
+                             mask[0].sum() / mask.sum(), rtol=1e-6)
+  # Off (the default, cap 0): no weights, the on-policy loss and diagnostics of before.
+  _, aux = jax.jit(functools.partial(grpo.loss_fn, cfg=CFG, loss=_loss_config(), sp=SP))(
+      params, None, behav)
+  assert "importance_weight_mean" not in aux
+
+
 # kl_penalty.
 
 

@@ -99,6 +99,9 @@ class LossConfig:
   # Multi-turn episodes (episodes.py): the batch carries trained_NxT, the sampled tokens;
   # observation tokens are attended to (completion_mask_NxT) but leave the loss.
   trained_mask: bool = False
+  # Partial rollouts (generation.max_tokens_per_step > 0): the off-policy correction's
+  # truncation C of the behaviour weight (`decoupled_surrogate`); 0 = on-policy (today's).
+  importance_weight_cap: float = 0.0
 
 
 class TrainState(NamedTuple):
@@ -197,6 +200,27 @@ def clipped_surrogate(logp_NxT, old_logp_NxT, advantages_N, epsilon, epsilon_hig
   unclipped = ratio * adv
   clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv
   return -jnp.minimum(unclipped, clipped), (clipped < unclipped), ratio
+
+
+def decoupled_surrogate(logp_NxT, behav_logp_NxT, advantages_N, epsilon, epsilon_high,
+                        cap: float):
+  """The off-policy loss of partial rollouts, per token: AReaL's decoupled objective
+  (Fu et al. 2025, eq. 5) with the behaviour weight truncated at `cap` as truncated
+  importance sampling does (verl's TIS):
+
+      -min(w, C) * min(r Â, clip(r, 1-ε, 1+ε_high) Â),
+      w = π_prox / π_behav,   r = π_θ / π_prox,
+
+  π_behav the sampler's log-probs (each token's own parameter version), π_prox the step's
+  parameters. With one update per rollout batch (num_iterations = 1, required) π_prox is
+  π_θ itself before the step, so π_prox = stop_gradient(π_θ): r is 1 in value (the clip
+  never binds) and the gradient is min(w, C) Â ∇log π_θ, no extra forward pass.
+  Returns (per-token loss, clip active, r, w before truncation)."""
+  prox_NxT = jax.lax.stop_gradient(logp_NxT)
+  weight_NxT = jnp.exp(prox_NxT - behav_logp_NxT)
+  per_token, clipped, ratio = clipped_surrogate(logp_NxT, prox_NxT, advantages_N, epsilon,
+                                                epsilon_high)
+  return jnp.minimum(weight_NxT, cap) * per_token, clipped, ratio, weight_NxT
 
 
 def kl_penalty(logp_NxT, ref_logp_NxT, kl_type: str):
@@ -372,9 +396,13 @@ def _diagnostics(total, sums, mask, advantages) -> dict:
   """The logged diagnostics from `micro_loss`'s sums over the whole batch: per-token means
   over the loss's tokens (clip fraction, ratio, KL), the policy loss, |advantage|."""
   denom = jnp.maximum(mask.astype(jnp.float32).sum(), 1.0)
-  return {"policy_loss": sums["policy_loss"], "clip_fraction": sums["clipped"] / denom,
-          "ratio_mean": sums["ratio"] / denom, "advantage_abs_mean": jnp.abs(advantages).mean(),
-          "kl": sums["kl"] / denom, "loss": total}
+  out = {"policy_loss": sums["policy_loss"], "clip_fraction": sums["clipped"] / denom,
+         "ratio_mean": sums["ratio"] / denom, "advantage_abs_mean": jnp.abs(advantages).mean(),
+         "kl": sums["kl"] / denom, "loss": total}
+  if "importance_weight" in sums:  # partial rollouts: the truncated behaviour weights
+    out["importance_weight_mean"] = sums["importance_weight"] / denom
+    out["importance_weight_clipped_fraction"] = sums["importance_clipped"] / denom
+  return out
 
 
 def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int,
@@ -405,12 +433,20 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
   advantages = micro.get("advantages_RxS", micro.get("advantages_N"))
   policy_params = lora.merge(ref_params, params, loss.lora_scale) if loss.lora_rank else params
   logp, kl_logp = _policy_logprobs(policy_params, cfg, micro, loss, sp)
-  per_token, clipped, ratio = clipped_surrogate(logp, old_logp, advantages, loss.epsilon,
-                                                loss.epsilon_high)
   total = lambda x: jnp.where(mask, x, 0.0).sum()  # where, not *: see aggregate
+  if loss.importance_weight_cap:  # partial rollouts: old_logp is each token's sampler's
+    per_token, clipped, ratio, weight = decoupled_surrogate(
+        logp, old_logp, advantages, loss.epsilon, loss.epsilon_high, loss.importance_weight_cap)
+    extra = {"importance_weight": total(jnp.minimum(weight, loss.importance_weight_cap)),
+             "importance_clipped": total((weight > loss.importance_weight_cap).astype(
+                 jnp.float32))}
+  else:
+    per_token, clipped, ratio = clipped_surrogate(logp, old_logp, advantages, loss.epsilon,
+                                                  loss.epsilon_high)
+    extra = {}
   policy = total(per_token * weights)
   sums = {"policy_loss": policy, "clipped": total(clipped.astype(jnp.float32)),
-          "ratio": total(ratio)}
+          "ratio": total(ratio), **extra}
   if loss.beta > 0:
     ref_logp = _reference_logprobs(ref_params, cfg, micro, loss, sp)
     kl = kl_penalty(kl_logp, ref_logp, loss.kl_type)

@@ -7,6 +7,8 @@ so a benchmark measures the very engine and update a run uses.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jaxgrpo.algo import grpo, microbatch
@@ -97,7 +99,8 @@ def loss_config(c, mesh) -> grpo.LossConfig:
       lora_rank=c.model.lora_rank,
       lora_scale=c.model.lora_alpha / c.model.lora_rank if c.model.lora_rank else 0.0,
       lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else (),
-      trained_mask=bool(c.env.name))
+      trained_mask=bool(c.env.name),
+      importance_weight_cap=g.importance_weight_cap if c.generation.max_tokens_per_step else 0.0)
 
 
 def completion_width(c) -> int:
@@ -214,6 +217,13 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                                max_append_tokens=c.env.max_observation_tokens + 1,
                                compact_stages=gen.compact_stages,
                                attention=attention(c, mesh), **common)
+  if gen.max_tokens_per_step:  # partial rollouts: training rows decode in rounds
+    from jaxgrpo.rollout import partial  # pylint: disable=g-import-not-at-top
+    profiles["train"] = dataclasses.replace(profiles["train"], num_samples=1)
+    return partial.PartialEngine(
+        model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
+        rows=g.num_prompts_per_step * g.num_generations_per_prompt // jax.process_count(),
+        attention=attention(c, mesh), **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
                                 decode_block=gen.decode_block_size,
                                 compact_stages=gen.compact_stages,

@@ -112,14 +112,17 @@ class Checkpoints:
       self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, step: int, state: Any, meta: dict[str, Any],
-           metrics: dict[str, float] | None = None) -> str:
+           metrics: dict[str, float] | None = None, carry: Any = None) -> str:
     """Starts writing checkpoint `step`; returns its path. `metrics` (validation values)
-    rank it for the best-checkpoint rule."""
+    rank it for the best-checkpoint rule. carry: the rollouts a run carries between steps
+    (partial rollouts: run/partial_rollouts.py), saved as a third item."""
     if self.best_metric and not (metrics and self.best_metric in metrics):
       metrics = None  # without the metric it competes only as one of the latest
-    self._manager.save(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
-        metrics=metrics, force=True)
+    items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta)))
+    if carry is not None:
+      items["carry"] = ocp.args.StandardSave(carry)
+    self._manager.save(int(step), args=ocp.args.Composite(**items), metrics=metrics,
+                       force=True)
     return self.path(step)
 
   def path(self, step: int) -> str:
@@ -128,13 +131,20 @@ class Checkpoints:
   def steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
-  def restore(self, step: int, like: Any = None) -> tuple[Any, dict[str, Any]]:
+  def restore(self, step: int, like: Any = None,
+              carry_like: Any = None) -> tuple[Any, dict[str, Any]]:
     """Checkpoint `step` as (state shaped and sharded like `like`, meta). Without `like`,
-    the state comes back as orbax stored it (nested dicts of arrays on one device)."""
+    the state comes back as orbax stored it (nested dicts of arrays on one device).
+    carry_like: also restore the carried rollouts (`save`'s carry), into meta["carry"]."""
     abstract = None if like is None else jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    return restored.state, restored.meta
+    items = dict(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+    if carry_like is not None:
+      items["carry"] = ocp.args.StandardRestore(carry_like)
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(**items))
+    meta = restored.meta
+    if carry_like is not None:
+      meta = dict(meta, carry=restored.carry)
+    return restored.state, meta
 
   def restore_params(self, step: int, like: Any) -> Any:
     """Only the parameters of checkpoint `step`, shaped and sharded like `like` (abstract
@@ -145,7 +155,7 @@ class Checkpoints:
             restore_args={"params": ocp.checkpoint_utils.construct_restore_args(like)})))
     return restored.state["params"]
 
-  def restore_latest(self, like: Any, at_most: int | None = None):
+  def restore_latest(self, like: Any, at_most: int | None = None, carry_like: Any = None):
     """(step, state, meta) of the newest checkpoint that restores, newest first, or None.
 
     A checkpoint that fails to restore (a truncated folder, a torn file) is skipped with a
@@ -155,7 +165,7 @@ class Checkpoints:
     broken = []
     for step in steps:
       try:
-        state, meta = self.restore(step, like)
+        state, meta = self.restore(step, like, carry_like)
       except Exception as e:  # pylint: disable=broad-except
         broken.append((step, e))
         continue

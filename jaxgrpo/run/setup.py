@@ -121,6 +121,7 @@ CHECKING_MODULES = (
     "jaxgrpo.model.attention",    # cuDNN attention: a GPU and bfloat16
     "jaxgrpo.algo.microbatch",    # micro-batches of whole groups
     "jaxgrpo.algo.dynamic",       # dynamic sampling's metric and sampler
+    "jaxgrpo.run.partial_rollouts",  # what partial rollouts compose with
     "jaxgrpo.eval.validation",    # the stop rule and the best checkpoint's metric
     "jaxgrpo.run.build",          # the rollout backend
 )

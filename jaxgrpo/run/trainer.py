@@ -20,7 +20,7 @@ import warnings
 import jax
 import numpy as np
 
-from jaxgrpo.run import build, checkpoint, loading, rollouts
+from jaxgrpo.run import build, checkpoint, loading, partial_rollouts, rollouts
 from jaxgrpo.algo import grpo
 from jaxgrpo.eval import plots
 from jaxgrpo.runtime import distributed, faults, metrics, trackers
@@ -162,6 +162,11 @@ class _Run:
     self.engine, self.state, self.ref_params, self.update = build.training(setup)
     self.runner = build.make_runner(c, self.engine, setup.tokenizer,
                                     setup.data.template if setup.data else None)
+    if getattr(self.engine, "partial", False):  # rows carried between steps (run/partial_rollouts.py)
+      self.source = partial_rollouts.PartialRollouts(c, self.engine, setup.scorer, setup.train_batches)
+    else:
+      self.source = rollouts.for_training(c, self.engine, setup.scorer, self.runner,
+                                          lambda: next(setup.train_batches))
     self.primary = primary = jax.process_index() == 0
     ck = c.checkpoint
     self.checkpoints = checkpoint.Checkpoints(
@@ -169,7 +174,8 @@ class _Run:
         best_metric=ck.best_metric, best_to_keep=ck.best_to_keep)
     self.start, self.resumed_from = 0, None
     if setup.resume:
-      self.start, self.state, self.resumed_from = _resume(setup, self.checkpoints, self.state)
+      self.start, self.state, self.resumed_from = _resume(setup, self.checkpoints, self.state,
+                                                          self.source)
     self.prompts_log = os.path.join(setup.workdir, PROMPTS_LOG)
     if not self.resumed_from and primary:
       # A fresh start in a workdir that an interrupted start (stopped before its first
@@ -189,8 +195,6 @@ class _Run:
         c, self.engine, setup.scorer, self.runner, setup.val_batches, self.engine.mesh,
         setup.val_sources,
         samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None)
-    self.source = rollouts.for_training(c, self.engine, setup.scorer, self.runner,
-                                        lambda: next(setup.train_batches))
     self.val_history, self.saved, self.stop, self.fault = {}, {}, None, None
     self.step, self.preempted, self.kept = self.start, False, []
     self.previous_summary = (metrics.read_summary(setup.workdir) if self.resumed_from
@@ -219,7 +223,8 @@ class _Run:
             "model": dataclasses.asdict(setup.model_cfg), "layout": model_lib.PARAM_LAYOUT,
             "lora": loading.lora_meta(self.c)}
     with preemption.busy(f"saving checkpoint {step}"):
-      self.saved[step] = self.checkpoints.save(step, self.state, meta, result)
+      carry = self.source.carry() if hasattr(self.source, "carry") else None
+      self.saved[step] = self.checkpoints.save(step, self.state, meta, result, carry)
 
   def loop(self, preemption) -> None:
     """Steps until the last, a stop rule, a signal or a fault; then the last save."""
@@ -235,12 +240,16 @@ class _Run:
     while (self.stop is None and self.step < g.max_num_steps
            and not (preempted := distributed.any_process(preemption.requested))):
       self.step = step = self.step + 1
-      batch, consumed = next(setup.train_batches), []
+      # A source that pulls its own prompts (partial rollouts) gets none from here.
+      batch = None if getattr(self.source, "pulls_batches", False) else next(
+          setup.train_batches)
+      consumed = []
       self.state, step_metrics = train_step(setup, self.engine, self.state, self.ref_params,
                                             self.update, batch, step, consumed, self.source)
       if self.primary:  # the global rows of every batch the step sampled, in order
         _append_jsonl(self.prompts_log,
-                      {"step": step, "row_ids": np.concatenate(consumed).tolist()})
+                      {"step": step, "row_ids": np.concatenate(
+                          consumed).tolist() if consumed else []})
       faults.maybe_inject_sigterm(step)  # test hook (faults.py): a preemption at step N
       self.writer.write(step, "train", step_metrics)
       try:
@@ -358,17 +367,22 @@ def _validation_images(workdir: str, result, sources) -> dict[str, str]:
 PROMPTS_LOG = "train_prompts.jsonl"  # per step: the training rows it sampled (resume checks)
 
 
-def _resume(setup, checkpoints, state):
-  """Restores the newest intact checkpoint (falling back past broken ones) and the data
-  iterator; sets aside newer checkpoints and trims the logs the resumed run will redo."""
+def _resume(setup, checkpoints, state, rollout_source=None):
+  """Restores the newest intact checkpoint (falling back past broken ones), the data
+  iterator and the rollouts a partial-rollout run carries; sets aside newer checkpoints
+  and trims the logs the resumed run will redo."""
   directory, at_most = setup.resume
   source = checkpoints if directory == checkpoints.directory else checkpoint.Checkpoints(
       directory, read_only=True)
-  found = source.restore_latest(state, at_most=at_most)
+  carries = hasattr(rollout_source, "carry_like")
+  found = source.restore_latest(state, at_most=at_most,
+                                carry_like=rollout_source.carry_like() if carries else None)
   if found is None:
     raise RuntimeError(f"no checkpoint under {directory} to resume from")
   start, state, meta = found
   setup.train_batches.set_state(meta["data"])
+  if carries:
+    rollout_source.restore(meta.pop("carry"))
   path = source.path(start)
   if source is not checkpoints:
     source.close()

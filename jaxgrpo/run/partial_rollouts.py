@@ -1,0 +1,295 @@
+"""Partial rollouts (generation.max_tokens_per_step > 0): the host's side of the rounds.
+
+A training step collects from `PartialRollouts` as from any rollout source (rollouts.py),
+but its rollouts outlive the step. This process keeps a pool of groups in flight (the G
+rollouts of a prompt; each member pending, live in a sampler row, or done) and runs rounds
+(rollout/partial.py) until every process holds at least B/P complete groups:
+
+  pull     a prompt batch enters the pool (all its G x B/P rollouts pending) while every
+           process has room for one and some process has more free sampler rows than
+           pending rollouts; the processes pull together, so the data order stays global;
+  refill   pending rollouts take the free sampler rows, oldest group first;
+  round    each live row draws at most max_tokens_per_step tokens (one compiled program);
+  harvest  the rows that ended free up; each drawn token is stamped with the parameter
+           version that drew it (the step's, minus one: updates so far);
+  drop     a group with a token older than grpo.max_staleness versions is dropped whole
+           (its live rows freed), counted in dropped_stale_fraction.
+
+The step's update trains the B/P complete groups that entered first (a fixed number: the
+update's shapes never change); complete groups beyond them wait for the next step (the
+carry-over queue), as do the rows still decoding (rollout/carried_rows). Rollout ids (the
+draws' keys) are global: group id = batches pulled x B + the prompt's global index, id =
+group id x G + g, so a resumed run and every process agree on them.
+
+Everything here is fixed-size numpy (`arrays`), so a checkpoint holds it exactly beside
+the device State (the sampler rows' caches): a resume continues every carried row.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.run.rollouts import Collected
+from jaxgrpo.runtime import config_checks, distributed
+
+PENDING, LIVE, DONE = 0, 1, 2
+# The pool holds this many prompt batches' groups: the one decoding, the complete ones
+# waiting, one more that entered to keep freed rows busy.
+POOL_BATCHES = 3
+
+
+def _min_all(x: int) -> int:
+  return int(distributed.gather_rows(np.array([x]))[0].min())
+
+
+def _max_all(x: int) -> int:
+  return int(distributed.gather_rows(np.array([x]))[0].max())
+
+
+def _sum_all(x: float) -> float:
+  return float(distributed.gather_rows(np.array([x], np.float64))[0].sum())
+
+
+def empty_arrays(groups: int, g: int, t: int, rows: int) -> dict[str, np.ndarray]:
+  """An empty pool of `groups` groups of g rollouts of up to t tokens, and `rows` free
+  sampler rows (this process's). The checkpointed form of the host state."""
+  return {"group_id_S": np.full(groups, -1, np.int32), "row_id_S": np.zeros(groups, np.int32),
+          "status_SxG": np.zeros((groups, g), np.int8),
+          "tokens_SxGxT": np.zeros((groups, g, t), np.int32),
+          "logp_SxGxT": np.zeros((groups, g, t), np.float32),
+          "version_SxGxT": np.zeros((groups, g, t), np.int32),
+          "length_SxG": np.zeros((groups, g), np.int32),
+          "stopped_SxG": np.zeros((groups, g), bool),
+          # member index s * G + g each sampler row decodes, -1 free
+          "holder_N": np.full(rows, -1, np.int32),
+          # how many prompt batches were pulled (the same on every process)
+          "pulled_1": np.zeros(1, np.int64)}
+
+
+class PartialRollouts:
+  """The training rollout source of partial rollouts (module docstring)."""
+
+  pulls_batches = True  # the trainer hands it no batch: it pulls its own
+
+  def __init__(self, config, engine, scorer, batches):
+    gen, g = config.generation, config.grpo
+    self.engine, self.scorer, self.batches = engine, scorer, batches
+    self.budget = gen.max_tokens_per_step
+    self.max_staleness = g.max_staleness
+    self.g = g.num_generations_per_prompt
+    self.b_global = g.num_prompts_per_step
+    self.b = batches.local_batch_size
+    self.t = gen.max_new_tokens
+    self.a = empty_arrays(POOL_BATCHES * self.b, self.g, self.t, engine.rows)
+    self.state = None  # the device State, made at the first round (or restored)
+
+  # -- checkpoints ---------------------------------------------------------------------
+  def carry(self):
+    """What a checkpoint holds: the device State and this process's pool as global arrays
+    (rows over the data axes, each process its own)."""
+    mesh = self.engine.mesh
+    state = self.state if self.state is not None else self.engine.init_state()
+    self.state = state
+    return {"state": state, "pool": _pool_to_global(mesh, self.a)}
+
+  def carry_like(self):
+    mesh = self.engine.mesh
+    return {"state": self.engine.state_like(),
+            "pool": jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                (x.shape[0] * jax.process_count(),) + x.shape[1:], x.dtype,
+                sharding=sharding_lib.batch_sharding(mesh, x.ndim)), _per_device(mesh, self.a))}
+
+  def restore(self, carry) -> None:
+    self.state = carry["state"]
+    pool = sharding_lib.to_local(carry["pool"])
+    self.a = _pool_from_local(self.a, pool, self.engine.mesh)
+
+  # -- one step ------------------------------------------------------------------------
+  def collect(self, name: str, params, batch=None, *, samples: int, step: int,
+              label: str = "", **unused) -> Collected:
+    del batch, unused, label
+    if name != "train" or samples != self.g:
+      raise ValueError("partial rollouts collect training batches only")
+    a, version = self.a, step - 1
+    if self.state is None:
+      self.state = self.engine.init_state()
+    t0 = time.perf_counter()
+    pulled, generated, live_sum, slots, rounds, dropped = [], 0, 0.0, 0.0, 0, 0
+    while True:
+      pulled += self._pull()
+      refill_N = self._assign()
+      active_N = a["holder_N"] >= 0
+      if not distributed.any_process(bool(active_N.any())):
+        raise RuntimeError("partial rollouts: no sampler row has a rollout to decode, but "
+                           "fewer than grpo.num_prompts_per_step groups are complete")
+      drawn, live, steps = self._round(params, refill_N, active_N, version)
+      generated += drawn
+      live_sum, slots, rounds = live_sum + live, slots + steps * len(a["holder_N"]), rounds + 1
+      dropped += self._drop_stale(version)
+      if _min_all(int(self._complete().size)) >= self.b:
+        break
+    rollout_s = time.perf_counter() - t0
+    chosen = self._complete()[:self.b]
+    got = self._take(chosen, version)
+    t1 = time.perf_counter()
+    scores = self.scorer(got["tokens_NxT"], got["length_N"], got["batch"], self.g,
+                         label=f"step {step}")
+    reward_s = time.perf_counter() - t1
+    trained, stale = got["mask_NxT"].sum(), got["staleness_NxT"][got["mask_NxT"]]
+    dropped_all, trained_rows = _sum_all(dropped), _sum_all(len(got["length_N"]))
+    metrics = {
+        "rollout/live_fraction": _sum_all(live_sum) / max(_sum_all(slots), 1.0),
+        "rollout/carried_rows": int(_sum_all(int((a["holder_N"] >= 0).sum()))),
+        "rollout/rounds": rounds,
+        "staleness_mean": _sum_all(float(stale.sum())) / max(_sum_all(float(trained)), 1.0),
+        "staleness_max": int(_max_all(int(stale.max()) if stale.size else 0)),
+        "dropped_stale_fraction": dropped_all / max(dropped_all + trained_rows, 1.0)}
+    completion = (got["tokens_NxT"], got["mask_NxT"], got["logp_NxT"], ~got["stopped_N"] &
+                  (got["length_N"] >= self.t))
+    return Collected(got["batch"]["prompt_tokens_BxL"], got["batch"]["prompt_mask_BxL"],
+                     completion, got["length_N"], completion[3], scores, pulled, rollout_s,
+                     reward_s, generated=int(_sum_all(generated)), metrics=metrics)
+
+  def _pull(self) -> list[dict]:
+    """Prompt batches entering the pool this round (together on every process)."""
+    a, out = self.a, []
+    while True:
+      free_groups = int((a["group_id_S"] < 0).sum())
+      idle = int((a["holder_N"] < 0).sum()) - int(
+          ((a["status_SxG"] == PENDING) & (a["group_id_S"] >= 0)[:, None]).sum())
+      if _min_all(free_groups) < self.b or _max_all(idle) <= 0:
+        return out
+      batch = next(self.batches)
+      slots = np.flatnonzero(a["group_id_S"] < 0)[:self.b]
+      first = int(a["pulled_1"][0]) * self.b_global + int(batch.get("batch_offset", 0))
+      a["group_id_S"][slots] = first + np.arange(self.b)
+      a["row_id_S"][slots] = batch["row_ids_B"]
+      a["status_SxG"][slots] = PENDING
+      a["length_SxG"][slots], a["stopped_SxG"][slots] = 0, False
+      a["pulled_1"][0] += 1
+      out.append(batch)
+
+  def _assign(self) -> np.ndarray:
+    """Pending rollouts (oldest group first) into free sampler rows; the rows to refill."""
+    a = self.a
+    pending = (a["status_SxG"] == PENDING) & (a["group_id_S"] >= 0)[:, None]
+    order = np.argsort(a["group_id_S"], kind="stable")
+    members = [s * self.g + j for s in order for j in np.flatnonzero(pending[s])]
+    free = np.flatnonzero(a["holder_N"] < 0)
+    refill = np.zeros(len(a["holder_N"]), bool)
+    for row, m in zip(free, members):
+      a["holder_N"][row] = m
+      a["status_SxG"].reshape(-1)[m] = LIVE
+      refill[row] = True
+    return refill
+
+  def _round(self, params, refill_N, active_N, version):
+    """One device round; harvests what it drew. Returns (tokens drawn, live-row steps,
+    decode steps)."""
+    a = self.a
+    holder = a["holder_N"]
+    s_N, g_N = np.maximum(holder, 0) // self.g, np.maximum(holder, 0) % self.g
+    rows = self.batches.collate_rows(a["row_id_S"][s_N])
+    ids = a["group_id_S"][s_N] * self.g + g_N
+    before = np.where(refill_N, 0, a["length_SxG"][s_N, g_N])
+    self.state, r = self.engine.round(params, self.state, refill_N, rows["prompt_tokens_BxL"],
+                                      rows["prompt_mask_BxL"], ids, active_N, self.budget)
+    tokens, logp, count, ended, stopped = sharding_lib.to_local(
+        (self.state.tokens_NxT, self.state.logp_NxT, self.state.count_N, r.ended_N,
+         r.stopped_N))
+    for row in np.flatnonzero(active_N):
+      s, j, c = s_N[row], g_N[row], int(count[row])
+      a["tokens_SxGxT"][s, j], a["logp_SxGxT"][s, j] = tokens[row], logp[row]
+      a["version_SxGxT"][s, j, before[row]:c] = version
+      a["length_SxG"][s, j] = c
+      if ended[row]:
+        a["status_SxG"][s, j], a["stopped_SxG"][s, j] = DONE, stopped[row]
+        holder[row] = -1
+    return int((count - np.where(active_N, before, count)).sum()), float(r.live_sum), float(
+        r.steps)
+
+  def _drop_stale(self, version: int) -> int:
+    """Drops every group holding a token drawn more than max_staleness versions ago (its
+    tokens can only grow older); returns the rollouts dropped."""
+    a = self.a
+    used = a["group_id_S"] >= 0
+    started = np.arange(self.t)[None, None] < a["length_SxG"][..., None]
+    oldest = np.where(started, a["version_SxGxT"], version).min(axis=(1, 2))
+    stale = np.flatnonzero(used & (version - oldest > self.max_staleness))
+    for s in stale:
+      a["holder_N"][np.isin(a["holder_N"], s * self.g + np.arange(self.g))] = -1
+      a["group_id_S"][s] = -1
+    return len(stale) * self.g
+
+  def _complete(self) -> np.ndarray:
+    a = self.a
+    done = (a["group_id_S"] >= 0) & (a["status_SxG"] == DONE).all(axis=1)
+    s = np.flatnonzero(done)
+    return s[np.argsort(a["group_id_S"][s], kind="stable")]
+
+  def _take(self, chosen, version: int) -> dict:
+    """The chosen groups' rows (prompt-major) for the update, and their slots freed."""
+    a = self.a
+    length_N = a["length_SxG"][chosen].reshape(-1)
+    mask_NxT = np.arange(self.t)[None] < length_N[:, None]
+    out = {"tokens_NxT": np.where(mask_NxT, a["tokens_SxGxT"][chosen].reshape(-1, self.t),
+                                  self.engine.pad_id),
+           "logp_NxT": np.where(mask_NxT, a["logp_SxGxT"][chosen].reshape(-1, self.t), 0.0
+                                ).astype(np.float32),
+           "mask_NxT": mask_NxT, "length_N": length_N,
+           "stopped_N": a["stopped_SxG"][chosen].reshape(-1),
+           "staleness_NxT": version - a["version_SxGxT"][chosen].reshape(-1, self.t),
+           "batch": self.batches.collate_rows(a["row_id_S"][chosen])}
+    a["group_id_S"][chosen] = -1
+    return out
+
+
+def _per_device(mesh, arrays: dict) -> dict:
+  """The pool padded so its rows split over this process's data-parallel devices."""
+  local = max(sharding_lib.batch_size_multiple(mesh) // jax.process_count(), 1)
+  return {k: v if v.shape[0] % local == 0 else np.concatenate(
+      [v, np.zeros((local - v.shape[0] % local,) + v.shape[1:], v.dtype)])
+          for k, v in arrays.items()}
+
+
+def _pool_to_global(mesh, arrays: dict) -> dict:
+  return sharding_lib.to_global(mesh, _per_device(mesh, arrays))
+
+
+def _pool_from_local(template: dict, local: dict, mesh) -> dict:
+  del mesh
+  return {k: np.array(local[k][:v.shape[0]], v.dtype) for k, v in template.items()}
+
+
+@config_checks.register(order=50)
+def _check_partial(c, num_devices: int) -> None:
+  """What partial rollouts compose with; each refusal says why."""
+  del num_devices
+  gen, g = c.generation, c.grpo
+  budget = gen.max_tokens_per_step
+  if not budget:
+    return
+  key = "generation.max_tokens_per_step"
+  why = {
+      "env.name": (c.env.name, "'' (episodes keep their own cache between turns; partial "
+                   "rollouts of episodes are not built)"),
+      "grpo.dynamic_sampling": (g.dynamic_sampling, "'off' (it chooses among groups sampled "
+                                "together; partial rollouts finish groups at different steps)"),
+      "generation.backend": (gen.backend, "'native' (the round program is the native "
+                             "sampler's)"),
+      "grpo.num_iterations": (g.num_iterations, "1 (the decoupled objective's proximal policy "
+                              "is then the step's parameters, with no extra forward pass)"),
+      "generation.compact_stages": (gen.compact_stages, "0 (rows that end are refilled, not "
+                                    "compacted)"),
+      "generation.decode_block_size": (gen.decode_block_size, "0 (each row reads its own "
+                                       "slots)")}
+  ok = {"env.name": "", "grpo.dynamic_sampling": "off", "generation.backend": "native",
+        "grpo.num_iterations": 1, "generation.compact_stages": 0,
+        "generation.decode_block_size": 0}
+  for name, (value, allowed) in why.items():
+    if value != ok[name]:
+      config_checks.fail(name, value, f"{allowed} with {key}={budget}; or {key}=0")
