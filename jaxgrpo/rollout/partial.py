@@ -260,8 +260,10 @@ class PartialEngine(sampling.RolloutEngine):
     shapes = jax.eval_shape(functools.partial(
         init_state, self.cfg, rows, self.max_prompt_length,
         self.profiles["train"].max_new_tokens, self.stacked))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, state_shardings(self.mesh, self.stacked))
+    # The shardings are a tree prefix (one per cache field: every layer's array).
+    return jax.tree.map(lambda sh, sub: jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), sub),
+        state_shardings(self.mesh, self.stacked), shapes)
 
   def round(self, params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL,
             rollout_ids_N, active_N, budget: int):

@@ -135,9 +135,12 @@ class Checkpoints:
               carry_like: Any = None) -> tuple[Any, dict[str, Any]]:
     """Checkpoint `step` as (state shaped and sharded like `like`, meta). Without `like`,
     the state comes back as orbax stored it (nested dicts of arrays on one device).
-    carry_like: also restore the carried rollouts (`save`'s carry), into meta["carry"]."""
+    carry_like: also restore the carried rollouts (`save`'s carry), if it holds them, into
+    meta["carry"]."""
     abstract = None if like is None else jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     items = dict(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+    if not os.path.isdir(os.path.join(self.path(step), "carry")):
+      carry_like = None  # a synchronous run's checkpoint: nothing carried
     if carry_like is not None:
       items["carry"] = ocp.args.StandardRestore(carry_like)
     restored = self._manager.restore(int(step), args=ocp.args.Composite(**items))

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import string
 import sys
+import warnings
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
@@ -262,6 +263,35 @@ def lora_meta(config) -> dict:
           "base": m.hf_checkpoint or m.checkpoint or "random_init"}
 
 
+def carried_meta(config) -> dict:
+  """What a checkpoint's carried rollouts (partial rollouts) were laid out for: a resume
+  continues them only with the same layout."""
+  import jax  # pylint: disable=g-import-not-at-top
+  g = config.grpo
+  return {"processes": jax.process_count(), "max_new_tokens": config.generation.max_new_tokens,
+          "rows": g.num_prompts_per_step * g.num_generations_per_prompt,
+          "max_prompt_length": config.data.max_prompt_length}
+
+
+def _check_carried(config, meta, where: str) -> None:
+  """A checkpoint with carried rollouts resumes with partial rollouts on the same layout
+  (each process's rows are its own); without partial rollouts they are left behind, said."""
+  saved = meta.get("partial_rollouts")
+  if saved is None:
+    return  # a synchronous checkpoint: partial rollouts start with no row carried
+  if not config.generation.max_tokens_per_step:
+    warnings.warn(f"{where} carries {saved['rows']} partial rollouts that this synchronous "
+                  "run (generation.max_tokens_per_step=0) leaves behind", stacklevel=2)
+    return
+  want = carried_meta(config)
+  for key, value in saved.items():
+    if want.get(key) != value:
+      raise config_lib.ConfigError(
+          f"config.checkpoint.resume: {where} carries partial rollouts laid out for {key}="
+          f"{value} ({'jax processes' if key == 'processes' else 'the config'}), this run has "
+          f"{want.get(key)}; allowed: the same, or generation.max_tokens_per_step=0")
+
+
 def resume_point(config, workdir: str, model_cfg, train_batches):
   """Where the run resumes from, checked on the host: (folder, step or None) or None."""
   from jaxgrpo.run import checkpoint  # pylint: disable=g-import-not-at-top
@@ -322,6 +352,7 @@ def resume_point(config, workdir: str, model_cfg, train_batches):
           "(written before jaxgrpo stacked its layers) and cannot be resumed; allowed: "
           f"export it (python -m jaxgrpo.export {os.path.dirname(directory)} --out=DIR) and "
           "start a run from it with --config.model.hf_checkpoint=DIR, or a newer checkpoint")
+    _check_carried(config, meta, f"{directory}/{candidate}")
     try:  # same data, seed, batch size and hosts, or the resumed data order would differ
       train_batches.set_state(meta["data"])
     except data_lib.DataError as e:

@@ -257,7 +257,10 @@ def _per_device(mesh, arrays: dict) -> dict:
 
 
 def _pool_to_global(mesh, arrays: dict) -> dict:
-  return sharding_lib.to_global(mesh, _per_device(mesh, arrays))
+  # Copies: on CPU a device array may alias the numpy buffer it was made from, and the pool
+  # changes in place while the asynchronous checkpoint is still writing.
+  return sharding_lib.to_global(mesh, {k: np.array(v, copy=True)
+                                       for k, v in _per_device(mesh, arrays).items()})
 
 
 def _pool_from_local(template: dict, local: dict, mesh) -> dict:

@@ -224,6 +224,8 @@ class _Run:
             "lora": loading.lora_meta(self.c)}
     with preemption.busy(f"saving checkpoint {step}"):
       carry = self.source.carry() if hasattr(self.source, "carry") else None
+      if carry is not None:
+        meta["partial_rollouts"] = loading.carried_meta(self.c)
       self.saved[step] = self.checkpoints.save(step, self.state, meta, result, carry)
 
   def loop(self, preemption) -> None:
@@ -381,7 +383,7 @@ def _resume(setup, checkpoints, state, rollout_source=None):
     raise RuntimeError(f"no checkpoint under {directory} to resume from")
   start, state, meta = found
   setup.train_batches.set_state(meta["data"])
-  if carries:
+  if carries and "carry" in meta:  # (a synchronous run's checkpoint carries nothing)
     rollout_source.restore(meta.pop("carry"))
   path = source.path(start)
   if source is not checkpoints:

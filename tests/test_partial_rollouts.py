@@ -1,0 +1,137 @@
+"""run/partial_rollouts.py: the pool of groups in flight (staleness drops exactly what it
+should), and runs with partial rollouts through the CLI: rows carried between steps, the
+metrics, an exact resume after kill -9 with rows carried on 1 and 8 devices and on 2
+processes, and the refusals."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+import cli  # tests/cli.py
+from jaxgrpo.run import partial_rollouts
+from test_faults import assert_same_run, prompt_ids, rows  # tests/test_faults.py
+
+# The embedded default at temperature 2.5 with room for 8 tokens: lengths 1-8 (it writes 5
+# at temperature 1), so rounds of 2 tokens carry rows into later steps, and max_staleness 1
+# drops some groups.
+ARGS = (f"--config={cli.MATH}:smoke", "--config.generation.max_tokens_per_step=2",
+        "--config.generation.max_new_tokens=8", "--config.generation.temperature=2.5",
+        "--config.grpo.max_num_steps=4", "--config.checkpoint.save_period=1",
+        "--config.grpo.val_period=0", "--config.grpo.val_at_start=False",
+        "--config.grpo.max_staleness=1")
+
+
+class _Batches:
+  local_batch_size = 2
+
+
+def _pool():
+  """A pool of 4 groups of G=2 rollouts of up to 4 tokens, 3 sampler rows."""
+  a = partial_rollouts.empty_arrays(4, 2, 4, 3)
+  a["group_id_S"][:] = [10, 11, 12, -1]
+  a["status_SxG"][:3] = [[2, 1], [1, 1], [2, 0]]
+  a["length_SxG"][:3] = [[4, 2], [3, 1], [2, 0]]
+  # Token versions: group 10's first row started at version 3, group 11's rows at 4 and 5,
+  # group 12's done row at 2 (its pending row has no token yet). Tokens past a row's length
+  # carry stale numbers that must not count.
+  a["version_SxGxT"][:] = 0
+  a["version_SxGxT"][0] = [[3, 3, 4, 5], [5, 5, 0, 0]]
+  a["version_SxGxT"][1] = [[4, 5, 5, 0], [5, 0, 0, 0]]
+  a["version_SxGxT"][2] = [[2, 3, 0, 0], [0, 0, 0, 0]]
+  a["holder_N"][:] = [1, 2, 3]  # rows hold members (10, g1), (11, g0), (11, g1)
+  return a
+
+
+def test_max_staleness_drops_exactly_the_groups_with_an_older_token():
+  source = object.__new__(partial_rollouts.PartialRollouts)
+  source.a, source.g, source.t, source.max_staleness = _pool(), 2, 4, 2
+  # At version 6 with max_staleness 2: group 10's oldest token is version 3 (staleness 3 >
+  # 2: dropped, and its live row 0 freed), group 11's oldest is 4 (2: kept), group 12's is 2
+  # (4: dropped). 2 groups x G = 4 rollouts dropped.
+  assert source._drop_stale(6) == 4
+  assert source.a["group_id_S"].tolist() == [-1, 11, -1, -1]
+  assert source.a["holder_N"].tolist() == [-1, 2, 3]
+  # At version 5 nothing is older than 2 versions but group 12's token 0 (staleness 3).
+  source.a = _pool()
+  assert source._drop_stale(5) == 2 and source.a["group_id_S"].tolist() == [10, 11, -1, -1]
+
+
+def _cut_and_resume(straight, cut, *, two_processes=False, **env):
+  """The straight run as kill -9 during step 3 leaves it (checkpoints 3 and 4 never written,
+  their rows logged), resumed: the same rows, prompts and parameters as the straight run."""
+  shutil.copytree(straight, cut)
+  for step in (3, 4):
+    shutil.rmtree(cut / "checkpoints" / str(step))
+  if two_processes:
+    _two_processes(cut)
+    # (The parameters of a 2-process checkpoint restore only on 2 processes: compared by
+    # the rows, whose losses and gradient norms come from them.)
+    assert rows(cut) == rows(straight)
+    assert prompt_ids(cut) == prompt_ids(straight)
+    return
+  proc = cli.run_train(*ARGS, workdir=cut, **env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "at step 2" in proc.stdout
+  assert_same_run(cut, straight)
+
+
+def _two_processes(workdir, *args):
+  from test_multihost import _free_port  # pylint: disable=g-import-not-at-top
+  port = _free_port()
+  procs = [subprocess.Popen(
+      cli.command(*ARGS, *args, f"--coordinator_address=127.0.0.1:{port}",
+                  "--num_processes=2", f"--process_id={i}", workdir=workdir),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cli.ROOT,
+      env=cli.env(XLA_FLAGS=cli.xla_flags(2))) for i in range(2)]
+  for p in procs:
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+
+
+def test_a_run_carries_rows_reports_them_and_resumes_exactly(tmp_path):
+  straight = tmp_path / "straight"
+  proc = cli.run_train(*ARGS, workdir=straight)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = rows(straight)
+  train = [got[("train", s)] for s in range(1, 5)]
+  for key in ("rollout/live_fraction", "rollout/carried_rows", "rollout/rounds",
+              "staleness_mean", "staleness_max", "dropped_stale_fraction",
+              "importance_weight_mean", "importance_weight_clipped_fraction"):
+    assert all(key in r for r in train), key
+  assert all(0 < r["rollout/live_fraction"] <= 1 for r in train)
+  assert max(r["rollout/carried_rows"] for r in train) > 0     # rows outlive their step
+  assert max(r["staleness_max"] for r in train) == 1           # and train a version later
+  assert max(r["dropped_stale_fraction"] for r in train) > 0   # or are dropped past 1
+  assert ("val", 4) in got  # validation: synchronous, with the val profile
+  summary = json.loads((straight / "summary.json").read_text())
+  assert summary["compilations"] == {"update": 1, "train_sampler": 1, "val_sampler": 1}
+  _cut_and_resume(straight, tmp_path / "cut")
+
+
+def test_on_8_devices_a_resume_with_rows_carried_is_exact(tmp_path):
+  straight = tmp_path / "straight"
+  proc = cli.run_train(*ARGS, workdir=straight, XLA_FLAGS=cli.xla_flags(8))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert max(r["rollout/carried_rows"] for k, r in rows(straight).items() if k[0] == "train")
+  _cut_and_resume(straight, tmp_path / "cut", XLA_FLAGS=cli.xla_flags(8))
+
+
+def test_on_2_processes_each_carries_its_own_rows_and_resumes_exactly(tmp_path):
+  straight = tmp_path / "straight"
+  _two_processes(straight)
+  assert max(r["rollout/carried_rows"] for k, r in rows(straight).items() if k[0] == "train")
+  _cut_and_resume(straight, tmp_path / "cut", two_processes=True)
+  # One process cannot continue the rows two processes carried: said in one line, exit 2.
+  proc = cli.run_train(*ARGS, "--config.grpo.max_num_steps=5", workdir=tmp_path / "cut",
+                       XLA_FLAGS=cli.xla_flags(4))
+  cli.assert_clean_error(proc, "config.checkpoint.resume", "processes=2")
+
+
+@pytest.mark.parametrize("key,value", [("env.name", "tools --config.generation.max_episode_tokens=64"),
+                                       ("grpo.dynamic_sampling", "filter"),
+                                       ("grpo.num_iterations", "2")])
+def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(tmp_path, key, value):
+  proc = cli.run_train(*ARGS, *f"--config.{key}={value}".split(), workdir=tmp_path / "w")
+  cli.assert_clean_error(proc, f"config.{key}", "generation.max_tokens_per_step=2")
