@@ -10,6 +10,7 @@ from jaxgrpo.bench import backends
 from jaxgrpo.bench import common
 from jaxgrpo.bench import early_stop
 from jaxgrpo.bench import episodes
+from jaxgrpo.bench import long_tail
 from jaxgrpo.bench import lora
 from jaxgrpo.bench import memory
 from jaxgrpo.bench import packing
@@ -22,7 +23,7 @@ from jaxgrpo.bench import truncation
 from jaxgrpo.bench import validation
 
 SUBCOMMANDS = (sampler, rollout, truncation, validation, step, memory, early_stop, backends,
-               prefill, rewards, lora, episodes, packing)
+               prefill, rewards, lora, episodes, packing, long_tail)
 
 
 def run_all(args) -> list[dict]:

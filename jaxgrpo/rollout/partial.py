@@ -96,12 +96,13 @@ def init_state(cfg: model_lib.ModelConfig, rows: int, max_prompt_length: int,
 
 
 def round_(params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL, rollout_ids_N,
-           active_N, budget, key, *, cfg: model_lib.ModelConfig, profile: sampling.Profile,
+           active_N, limit_N, budget, key, *, cfg: model_lib.ModelConfig, profile: sampling.Profile,
            eos_id, pad_id: int, mesh=None, scan_layers: bool | None = None,
            attention: str | None = None) -> tuple[State, Round]:
   """One round (module docstring). refill_N: rows that start the rollout rollout_ids_N[n]
   from prompt n; active_N: rows that hold a rollout (a refilled one, or one carried on);
-  budget: the most tokens a row draws this round."""
+  limit_N: the most tokens row n's rollout may have (max_new_tokens; a benchmark's scripted
+  policy ends each row at a drawn length); budget: the most tokens a row draws this round."""
   sp, t = profile.sampling, profile.max_new_tokens
   n = refill_N.shape[0]
   stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
@@ -137,7 +138,7 @@ def round_(params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL, r
     last = tokens[rows, jnp.maximum(count - 1, 0)]
     stopped = (count > 0) & (jnp.any(last[:, None] == stops, axis=-1) if stops is not None
                              else False)
-    return stopped | (count >= t), stopped
+    return stopped | (count >= limit_N), stopped
 
   drawn0 = refill_N.astype(jnp.int32)
   weights = decode.prepare(params, cfg, stacked)
@@ -190,10 +191,10 @@ def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_
   """jit(round_) with explicit shardings; the state is donated (updated in place)."""
   stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
 
-  def traced(params, state, refill, tokens, mask, ids, active, budget, key):
+  def traced(params, state, refill, tokens, mask, ids, active, limit, budget, key):
     if on_trace is not None:
       on_trace()  # once per trace, i.e. once per compilation
-    return round_(params, state, refill, tokens, mask, ids, active, budget, key, cfg=cfg,
+    return round_(params, state, refill, tokens, mask, ids, active, limit, budget, key, cfg=cfg,
                   profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
                   scan_layers=scan_layers, attention=attention)
 
@@ -203,7 +204,7 @@ def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_
   return jax.jit(
       traced,
       in_shardings=(sharding_lib.param_shardings(cfg, mesh), states, rows1, rows2, rows2,
-                    rows1, rows1, rep, rep),
+                    rows1, rows1, rows1, rep, rep),
       out_shardings=(states, Round(rows1, rows1, rows1, rep, rep)),
       donate_argnums=(1,), compiler_options=compile_options.compiler_options(mesh))
 
@@ -266,13 +267,15 @@ class PartialEngine(sampling.RolloutEngine):
         state_shardings(self.mesh, self.stacked), shapes)
 
   def round(self, params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL,
-            rollout_ids_N, active_N, budget: int):
+            rollout_ids_N, active_N, budget: int, limit_N=None):
     """One round over this process's rows (numpy inputs); the state passed in is consumed.
-    Returns (State, Round)."""
+    limit_N: each row's most tokens (default max_new_tokens). Returns (State, Round)."""
     tokens, mask = sampling.left_pad(prompt_tokens_NxL, prompt_mask_NxL,
                                      self.max_prompt_length, self.pad_id)
+    t = self.profiles["train"].max_new_tokens
+    limit_N = np.full(len(refill_N), t, np.int32) if limit_N is None else np.minimum(limit_N, t)
     args = sharding_lib.to_global(self.mesh, (
         np.asarray(refill_N, bool), tokens, mask, np.asarray(rollout_ids_N, np.int32),
-        np.asarray(active_N, bool)))
+        np.asarray(active_N, bool), np.asarray(limit_N, np.int32)))
     return self._round(params, state, *args, np.int32(budget),
                        sharding_lib.replicate_key(self.mesh, self.round_key()))

@@ -86,6 +86,7 @@ class PartialRollouts:
     self.t = gen.max_new_tokens
     self.a = empty_arrays(POOL_BATCHES * self.b, self.g, self.t, engine.rows)
     self.state = None  # the device State, made at the first round (or restored)
+    self.limit_of = None  # a benchmark's scripted lengths: rollout ids -> most tokens
 
   # -- checkpoints ---------------------------------------------------------------------
   def carry(self):
@@ -114,6 +115,21 @@ class PartialRollouts:
     del batch, unused, label
     if name != "train" or samples != self.g:
       raise ValueError("partial rollouts collect training batches only")
+    got, pulled, rollout_s, generated, metrics = self.gather(params, step)
+    t1 = time.perf_counter()
+    scores = self.scorer(got["tokens_NxT"], got["length_N"], got["batch"], self.g,
+                         label=f"step {step}")
+    reward_s = time.perf_counter() - t1
+    completion = (got["tokens_NxT"], got["mask_NxT"], got["logp_NxT"], ~got["stopped_N"] &
+                  (got["length_N"] >= self.t))
+    return Collected(got["batch"]["prompt_tokens_BxL"], got["batch"]["prompt_mask_BxL"],
+                     completion, got["length_N"], completion[3], scores, pulled, rollout_s,
+                     reward_s, generated=generated, metrics=metrics)
+
+  def gather(self, params, step: int):
+    """The rounds of one step, until every process holds B/P complete groups: (the groups
+    taken, as `_take` gives them; the batches pulled; seconds; tokens drawn in every
+    process; the step's metrics). params: version step - 1."""
     a, version = self.a, step - 1
     if self.state is None:
       self.state = self.engine.init_state()
@@ -135,10 +151,6 @@ class PartialRollouts:
     rollout_s = time.perf_counter() - t0
     chosen = self._complete()[:self.b]
     got = self._take(chosen, version)
-    t1 = time.perf_counter()
-    scores = self.scorer(got["tokens_NxT"], got["length_N"], got["batch"], self.g,
-                         label=f"step {step}")
-    reward_s = time.perf_counter() - t1
     trained, stale = got["mask_NxT"].sum(), got["staleness_NxT"][got["mask_NxT"]]
     dropped_all, trained_rows = _sum_all(dropped), _sum_all(len(got["length_N"]))
     metrics = {
@@ -147,12 +159,10 @@ class PartialRollouts:
         "rollout/rounds": rounds,
         "staleness_mean": _sum_all(float(stale.sum())) / max(_sum_all(float(trained)), 1.0),
         "staleness_max": int(_max_all(int(stale.max()) if stale.size else 0)),
-        "dropped_stale_fraction": dropped_all / max(dropped_all + trained_rows, 1.0)}
-    completion = (got["tokens_NxT"], got["mask_NxT"], got["logp_NxT"], ~got["stopped_N"] &
-                  (got["length_N"] >= self.t))
-    return Collected(got["batch"]["prompt_tokens_BxL"], got["batch"]["prompt_mask_BxL"],
-                     completion, got["length_N"], completion[3], scores, pulled, rollout_s,
-                     reward_s, generated=int(_sum_all(generated)), metrics=metrics)
+        "dropped_stale_fraction": dropped_all / max(dropped_all + trained_rows, 1.0),
+        # decode steps this step ran (every process runs the same rounds)
+        "rollout/decode_steps": int(slots // max(len(a["holder_N"]), 1))}
+    return got, pulled, rollout_s, int(_sum_all(generated)), metrics
 
   def _pull(self) -> list[dict]:
     """Prompt batches entering the pool this round (together on every process)."""
@@ -196,8 +206,10 @@ class PartialRollouts:
     rows = self.batches.collate_rows(a["row_id_S"][s_N])
     ids = a["group_id_S"][s_N] * self.g + g_N
     before = np.where(refill_N, 0, a["length_SxG"][s_N, g_N])
+    limit = None if self.limit_of is None else self.limit_of(ids)
     self.state, r = self.engine.round(params, self.state, refill_N, rows["prompt_tokens_BxL"],
-                                      rows["prompt_mask_BxL"], ids, active_N, self.budget)
+                                      rows["prompt_mask_BxL"], ids, active_N, self.budget,
+                                      limit)
     tokens, logp, count, ended, stopped = sharding_lib.to_local(
         (self.state.tokens_NxT, self.state.logp_NxT, self.state.count_N, r.ended_N,
          r.stopped_N))
