@@ -31,6 +31,10 @@
 #   update_8k     the same update at 8,192 new tokens (64 rollouts, 256-token prompts,
 #                 remat full, cuDNN): rows of 8 a micro-batch against packed micro-batches
 #                 of 8,448 tokens (grpo.micro_batch_tokens, issue 51): the MFU of each
+#   long_tail     python -m jaxgrpo.bench long-tail: partial rollouts (rounds of 512 tokens)
+#                 against synchronous ones on a reasoning-like length distribution (log-normal,
+#                 median 512, cap 4,096), the small preset, 16 x 8 rollouts: wall time and
+#                 decode steps per trained token (issue 52)
 #   lora_decode   python -m jaxgrpo.bench lora-decode: LoRA's merge once per step against
 #                 the adapter path at every token, Qwen2.5-1.5B in bfloat16, 64 x 512 tokens
 set -u
@@ -69,6 +73,7 @@ if [ -n "${SMALL:-}" ]; then  # a dry run: every part, each cut to seconds on a 
              --configs 8:0:full:scan:xla,t96:0:full:scan:xla)
   SAMPLER=(--preset tiny --reps 1); ROLLOUT=(--preset tiny --reps 1); TRUNC=(--rows 8 --reps 1)
   LORA=(--shape tiny --rows 4 --new_tokens 4 --reps 1)
+  LONG_TAIL=(--preset tiny --prompts 2 --generations 4 --new_tokens 64 --steps 1)
 else
   STEPS=; UPDATE=(--configs 32:128:save_dots:scan:xla,32:128:save_dots:scan:cudnn,32:128:save_dots:unrolled:cudnn --reps 2)
   UPDATE_8K=(--rollouts 64 --prompt_len 256 --new_tokens 8192 --reps 2
@@ -76,6 +81,7 @@ else
   SAMPLER=(--preset small --mode all --reps 5); ROLLOUT=(--bandwidth_gbs "${BANDWIDTH_GBS:-4800}" --reps 3)
   TRUNC=(--reps 10)
   LORA=(--shape qwen2.5-1.5b --dtype bfloat16 --rows 64 --new_tokens 512 --reps 3)
+  LONG_TAIL=(--preset small --prompts 16 --generations 8 --new_tokens 4096 --steps 4)
 fi
 
 part versions 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1; python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"'
@@ -97,6 +103,7 @@ part truncation 120 python3 -m jaxgrpo.bench truncation "${TRUNC[@]}"
 part update 300 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py "${UPDATE[@]}"
 part update_8k 420 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/update_at_scale.py \
   "${UPDATE_8K[@]}"
+part long_tail 300 python3 -m jaxgrpo.bench long-tail "${LONG_TAIL[@]}"
 part lora_decode 240 python3 -m jaxgrpo.bench lora-decode "${LORA[@]}"
 echo "=== done $(date +%T)" >>"$L"
 rm -rf "$W"

@@ -203,24 +203,37 @@ class PartialRollouts:
     a = self.a
     holder = a["holder_N"]
     s_N, g_N = np.maximum(holder, 0) // self.g, np.maximum(holder, 0) % self.g
-    rows = self.batches.collate_rows(a["row_id_S"][s_N])
+    # Only the refilled rows' prompts are read (the others keep theirs on device): the rest
+    # get one pad token, real, so no row of the prefill is all padding.
+    width = self.engine.max_prompt_length
+    prompts_NxL = np.full((len(holder), width), self.engine.pad_id, np.int32)
+    mask_NxL = np.zeros((len(holder), width), bool)
+    mask_NxL[:, -1] = True
+    if refill_N.any():
+      rows = self.batches.collate_rows(a["row_id_S"][s_N[refill_N]])
+      fresh = np.asarray(rows["prompt_tokens_BxL"])
+      prompts_NxL[refill_N, width - fresh.shape[1]:] = fresh
+      mask_NxL[refill_N] = False
+      mask_NxL[refill_N, width - fresh.shape[1]:] = rows["prompt_mask_BxL"]
     ids = a["group_id_S"][s_N] * self.g + g_N
     before = np.where(refill_N, 0, a["length_SxG"][s_N, g_N])
     limit = None if self.limit_of is None else self.limit_of(ids)
-    self.state, r = self.engine.round(params, self.state, refill_N, rows["prompt_tokens_BxL"],
-                                      rows["prompt_mask_BxL"], ids, active_N, self.budget,
-                                      limit)
+    self.state, r = self.engine.round(params, self.state, refill_N, prompts_NxL, mask_NxL, ids,
+                                      active_N, self.budget, limit)
     tokens, logp, count, ended, stopped = sharding_lib.to_local(
         (self.state.tokens_NxT, self.state.logp_NxT, self.state.count_N, r.ended_N,
          r.stopped_N))
-    for row in np.flatnonzero(active_N):
-      s, j, c = s_N[row], g_N[row], int(count[row])
-      a["tokens_SxGxT"][s, j], a["logp_SxGxT"][s, j] = tokens[row], logp[row]
-      a["version_SxGxT"][s, j, before[row]:c] = version
-      a["length_SxG"][s, j] = c
-      if ended[row]:
-        a["status_SxG"][s, j], a["stopped_SxG"][s, j] = DONE, stopped[row]
-        holder[row] = -1
+    act = np.flatnonzero(active_N)
+    s, j = s_N[act], g_N[act]
+    a["tokens_SxGxT"][s, j], a["logp_SxGxT"][s, j] = tokens[act], logp[act]
+    steps_T = np.arange(self.t)[None]
+    drawn_now = (steps_T >= before[act, None]) & (steps_T < count[act, None])
+    a["version_SxGxT"][s, j] = np.where(drawn_now, version, a["version_SxGxT"][s, j])
+    a["length_SxG"][s, j] = count[act]
+    end = act[ended[act]]
+    a["status_SxG"][s_N[end], g_N[end]] = DONE
+    a["stopped_SxG"][s_N[end], g_N[end]] = stopped[end]
+    holder[end] = -1
     return int((count - np.where(active_N, before, count)).sum()), float(r.live_sum), float(
         r.steps)
 
