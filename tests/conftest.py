@@ -76,7 +76,8 @@ def registry(monkeypatch):
 SLOWEST_FILES = {
     "test_train.py": 220, "test_faults.py": 185, "test_compile_check.py": 170,
     "test_bench.py": 82, "test_episodes.py": 82, "test_evaluate.py": 75,
-    "test_trainer.py": 69, "test_microbatch.py": 47, "test_multihost.py": 47,
+    "test_trainer.py": 69, "test_partial_rollouts.py": 55, "test_microbatch.py": 47,
+    "test_multihost.py": 47,
     "test_grpo.py": 46, "test_model.py": 41, "test_sharding.py": 34, "test_decode.py": 29,
     "test_sizing.py": 28, "test_lora.py": 27, "test_compile_options.py": 27,
     "test_compaction.py": 26, "test_sampling.py": 22, "test_checkpoint.py": 21,

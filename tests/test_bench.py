@@ -346,3 +346,24 @@ def test_packing_bench_runs_padded_and_packed_side_by_side(tmp_path):
   assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5, abs=1e-7)
   assert packed["padding_fraction"] < padded["padding_fraction"]
   assert packed["micro_batches"] >= 1 and padded["ratio_to_padded_whole"] == 1.0
+
+
+def test_long_tail_bench_runs_synchronous_and_partial_side_by_side(tmp_path):
+  # Issue 52: lengths from a file (2, 30, cycled by rollout id), so each group of G = 2 has
+  # one row of 2 tokens and one of 30. Synchronous: a step of 2 groups decodes 29 steps
+  # after the prefill's first token, for 2 x (2 + 30) = 64 trained tokens: 29/64 decode
+  # steps a token; live rows 2 x 1 + 2 x 29 of 4 x 29 slots = 0.517. Partial rounds of 4
+  # tokens refill the short rows at once: fewer decode steps a trained token.
+  lengths = tmp_path / "lengths.txt"
+  lengths.write_text("2\n30\n")
+  sync, part = bench.main(["long-tail", "--prompts", "2", "--generations", "2", "--prompt_len",
+                           "4", "--new_tokens", "32", "--lengths", str(lengths),
+                           "--max_tokens_per_step", "4", "--steps", "2"])
+  assert (sync["mode"], part["mode"], part["max_tokens_per_step"]) == ("synchronous", "partial", 4)
+  assert sync["decode_steps"] == 58 and sync["trained_tokens"] == 128
+  assert sync["live_fraction"] == pytest.approx(60 / 116)
+  assert sync["staleness_mean"] == 0 and sync["rounds"] == 2
+  assert part["decode_steps_per_trained_token"] < sync["decode_steps_per_trained_token"]
+  assert part["live_fraction"] > sync["live_fraction"]
+  assert part["decode_steps_ratio_to_synchronous"] < 1
+  assert sync["compilations"] == part["compilations"] == 1
