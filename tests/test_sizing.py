@@ -151,6 +151,32 @@ def test_an_environments_samplers_are_its_turn_and_start_programs():
     assert 0 < start.outputs < turn.arguments and turn.alias > 0.99 * start.outputs
 
 
+def test_partial_rollouts_train_sampler_is_the_round_program_with_the_rows_caches():
+  # Issue 52: with generation.max_tokens_per_step the train sampler the compile check and
+  # 'auto' measure is the round program (rollout/partial.py), whose state argument (every
+  # sampler row's KV cache, tokens and draws) is donated: aliased to its output.
+  from jaxgrpo.rollout import partial  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("math_cfg", os.path.join(ROOT, "configs",
+                                                                         "math.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("smoke")
+  c.generation.max_tokens_per_step = 2
+  config = config_lib.validate(c, jax.device_count())
+  model_cfg, _, tokenizer = loading.load_policy(config)
+  mesh = sharding_lib.make_mesh(config.mesh.to_dict())
+  (name, lowered, resident), = sizing.programs(config, model_cfg, tokenizer, mesh, ["train"])
+  got = sizing.compile_memory(lowered, resident)
+  # The state of the smoke preset's 8 x 4 rows: each layer's K and V over 9 prompt + 5
+  # generated slots, the tokens, log-probs and draws [32, 5], the counts.
+  state = jax.eval_shape(lambda: partial.init_state(model_cfg, 32, 9, 5, False))
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  # Per device: the rows split over the 8 data-parallel devices (mesh data=-1).
+  per_device = state_bytes / jax.device_count()
+  assert name == "train sampler" and got.arguments > per_device
+  assert got.alias == pytest.approx(per_device, rel=0.01)
+
+
 def test_auto_token_budget_packs_one_longest_sequence_with_xla_and_searches_with_a_limit():
   # Issue 51's packing: sequences of 64 + 64 = 128 tokens, 32 rollouts a device. With xla
   # attention (CPU), whose packed row holds [S, S] scores, the only candidate is one longest

@@ -268,7 +268,8 @@ class PartialRollouts:
            "mask_NxT": mask_NxT, "length_N": length_N,
            "stopped_N": a["stopped_SxG"][chosen].reshape(-1),
            "staleness_NxT": version - a["version_SxGxT"][chosen].reshape(-1, self.t),
-           "batch": self.batches.collate_rows(a["row_id_S"][chosen])}
+           "batch": self.batches.collate_rows(a["row_id_S"][chosen]),
+           "group_id_B": a["group_id_S"][chosen].copy()}
     a["group_id_S"][chosen] = -1
     return out
 

@@ -376,6 +376,9 @@ def programs(c, model_cfg, tokenizer, mesh, which):
   for name, rows in (("train", b), ("val", g.val_batch_size)):
     if name not in which:
       continue
+    if name == "train" and getattr(engine, "partial", False):  # rounds (rollout/partial.py)
+      yield "train sampler", _partial_round(engine, params, key), resident
+      continue
     if engine.episodes:  # a turn on the episodes' KV cache, and the start that makes it
       turn, start = _episode_programs(c, engine, name, rows, params, key)
       yield f"{name} sampler", turn, resident
@@ -392,6 +395,21 @@ def programs(c, model_cfg, tokenizer, mesh, which):
     lowered = sampler.lower(params, sds((rows, p), jnp.int32), sds((rows, p), bool),
                             key, sds((rows,), jnp.int32))
     yield f"{name} sampler", lowered, resident
+
+
+def _partial_round(engine, params, key):
+  """The lowered round program of partial rollouts over the run's sampler rows: its state
+  (the rows' KV caches, kept on the chips between rounds) is an argument, donated."""
+  from jaxgrpo.rollout import partial  # pylint: disable=g-import-not-at-top
+  sds = jax.ShapeDtypeStruct
+  n, width = engine.rows * jax.process_count(), engine.max_prompt_length
+  program = partial.compile_round(engine.cfg, engine.profile("train"), eos_id=engine.eos_id,
+                                  pad_id=engine.pad_id, mesh=engine.mesh,
+                                  scan_layers=engine.scan_layers, attention=engine.attention)
+  rows1 = lambda dtype: sds((n,), dtype)
+  return program.lower(params, engine.state_like(), rows1(bool), sds((n, width), jnp.int32),
+                       sds((n, width), bool), rows1(jnp.int32), rows1(bool), rows1(jnp.int32),
+                       sds((), jnp.int32), key)
 
 
 def _episode_programs(c, engine, name: str, prompts: int, params, key):
