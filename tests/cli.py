@@ -228,3 +228,32 @@ def _leveldb_records(path):
     pos += 7 + length
     if kind in (1, 4):
       yield b"".join(parts)
+
+
+def free_port() -> int:
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_two_processes(*args, workdir, devices: int):
+  """Both processes of a 2-process run on localhost (gloo collectives), `devices` CPU
+  devices each, started together; asserts both exit 0 and returns their (stdout, stderr)."""
+  port = free_port()
+  procs = [subprocess.Popen(
+      command(*args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+              f"--process_id={i}", workdir=workdir),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+      env=env(XLA_FLAGS=xla_flags(devices))) for i in range(2)]
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=600))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return outs

@@ -61,6 +61,26 @@ def test_sharded_state_round_trips(tmp_path):
     assert got.sharding == target.sharding
 
 
+def test_a_carry_round_trips_beside_the_state_and_a_checkpoint_without_one_restores(tmp_path):
+  # Partial rollouts save the rows they carry as a third item; a restore that asks for it
+  # gets it in meta["carry"], and a synchronous run's checkpoint (no carry) restores with
+  # none, so partial rollouts can start from it with nothing carried.
+  state = small_state(3)
+  carry = {"pool": np.arange(6, dtype=np.int32).reshape(2, 3), "count": np.array([4, 0])}
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), carry)
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "checkpoints"))
+  ckpts.save(3, state, {"reason": "period"}, carry=carry)
+  ckpts.save(4, small_state(4), {"reason": "end"})
+  ckpts.close()
+  reopened = checkpoint.Checkpoints(str(tmp_path / "checkpoints"), read_only=True)
+  _, meta = reopened.restore(3, state, carry_like=like)
+  for key, value in carry.items():
+    np.testing.assert_array_equal(np.asarray(meta["carry"][key]), value)
+  restored, meta = reopened.restore(4, state, carry_like=like)
+  reopened.close()
+  assert int(restored.step) == 4 and "carry" not in meta
+
+
 def test_keeps_the_latest_and_the_best(tmp_path):
   # Ten saves; validations at 2, 4, 6, 8 with pass@4 0.5, 0.9, 0.3, 0.4. max_to_keep=2
   # keeps 9 and 10, best_to_keep=1 keeps 4 (0.9): everything else goes.

@@ -8,7 +8,6 @@ runs share the session's compilation cache (conftest.py), so each compiles littl
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -34,10 +33,7 @@ VAL_KEYS = ("accuracy", "accuracy_stderr", "pass@1", "pass@2", "pass_k", "avg_le
             "num_prompts", "reward/fixture_columns/aligned", "reward_errors/fixture_columns")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+_free_port = cli.free_port  # (test_episodes.py imports it from here)
 
 
 def _one_process(workdir, *args):
@@ -49,23 +45,7 @@ def _one_process(workdir, *args):
 
 def _two_processes(workdir, *args):
   """Both processes of a 2 x 2-device run, started together; returns process 0's output."""
-  port = _free_port()
-  procs = [subprocess.Popen(
-      cli.command(*ARGS, *args, f"--coordinator_address=127.0.0.1:{port}",
-                  "--num_processes=2", f"--process_id={i}", workdir=workdir),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cli.ROOT,
-      env=cli.env(XLA_FLAGS=cli.xla_flags(2))) for i in range(2)]
-  outs = []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=600))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
-  return outs[0]
+  return cli.run_two_processes(*ARGS, *args, workdir=workdir, devices=2)[0]
 
 
 def _rows(workdir):

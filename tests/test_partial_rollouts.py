@@ -5,7 +5,6 @@ devices (8 in all), and the refusals; rollouts carried over steps equal uninterr
 
 import json
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -78,17 +77,8 @@ def _cut_and_resume(straight, cut, *, two_processes=False, **env):
   assert_same_run(cut, straight)
 
 
-def _two_processes(workdir, *args):
-  from test_multihost import _free_port  # pylint: disable=g-import-not-at-top
-  port = _free_port()
-  procs = [subprocess.Popen(
-      cli.command(*ARGS, *args, f"--coordinator_address=127.0.0.1:{port}",
-                  "--num_processes=2", f"--process_id={i}", workdir=workdir),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cli.ROOT,
-      env=cli.env(XLA_FLAGS=cli.xla_flags(4))) for i in range(2)]
-  for p in procs:
-    _, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err[-3000:]
+def _two_processes(workdir):
+  cli.run_two_processes(*ARGS, workdir=workdir, devices=4)
 
 
 def test_a_run_carries_rows_reports_them_and_resumes_exactly(tmp_path):
