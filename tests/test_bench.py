@@ -356,9 +356,10 @@ def test_long_tail_bench_runs_synchronous_and_partial_side_by_side(tmp_path):
   # tokens refill the short rows at once: fewer decode steps a trained token.
   lengths = tmp_path / "lengths.txt"
   lengths.write_text("2\n30\n")
-  sync, part = bench.main(["long-tail", "--prompts", "2", "--generations", "2", "--prompt_len",
-                           "4", "--new_tokens", "32", "--lengths", str(lengths),
-                           "--max_tokens_per_step", "4", "--steps", "2"])
+  sync, part, reprefill = bench.main([
+      "long-tail", "--prompts", "2", "--generations", "2", "--prompt_len", "4", "--new_tokens",
+      "32", "--lengths", str(lengths), "--max_tokens_per_step", "4", "--steps", "2",
+      "--reprefill", "8"])
   assert (sync["mode"], part["mode"], part["max_tokens_per_step"]) == ("synchronous", "partial", 4)
   assert sync["decode_steps"] == 58 and sync["trained_tokens"] == 128
   assert sync["live_fraction"] == pytest.approx(60 / 116)
@@ -367,3 +368,6 @@ def test_long_tail_bench_runs_synchronous_and_partial_side_by_side(tmp_path):
   assert part["live_fraction"] > sync["live_fraction"]
   assert part["decode_steps_ratio_to_synchronous"] < 1
   assert sync["compilations"] == part["compilations"] == 1
+  # What re-prefilling the carried rows would cost: 4 rows of 4 + 8 tokens, timed.
+  assert (reprefill["mode"], reprefill["rows"], reprefill["tokens"]) == ("re-prefill", 4, 12)
+  assert reprefill["prefill_s"] > 0 and reprefill["partial_round_s"] > 0

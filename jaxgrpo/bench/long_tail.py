@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -126,7 +127,23 @@ def run_long_tail(args) -> list[dict]:
                                                    / sync["decode_steps_per_trained_token"], 4),
         "wall_ratio_to_synchronous": round(got["wall_s"] / sync["wall_s"], 4),
         **common.machine(jax.devices(), start)})
+  if args.reprefill:
+    results.append(_reprefill(cfg, params, args, part, start))
   return results
+
+
+def _reprefill(cfg, params, args, part: dict, start) -> dict:
+  """What re-prefilling the carried rows would cost each round instead of keeping their
+  caches: one prefill of every sampler row over its prompt and --reprefill written tokens,
+  timed (best of 3 after a warm-up) beside the partial mode's mean round."""
+  rows, width = args.prompts * args.generations, args.prompt_len + args.reprefill
+  tokens, mask = jnp.ones((rows, width), jnp.int32), jnp.ones((rows, width), bool)
+  prefill = jax.jit(lambda p, t, m: sampling.prefill(p, cfg, t, m)[0])
+  seconds = min(common.timed(lambda: prefill(params, tokens, mask).block_until_ready(), 3)[1])
+  round_s = part["wall_s"] / part["rounds"]
+  return {"bench": "long-tail", "mode": "re-prefill", "preset": args.preset, "rows": rows,
+          "tokens": width, "prefill_s": round(seconds, 3), "partial_round_s": round(round_s, 3),
+          "ratio_to_round": round(seconds / round_s, 3), **common.machine(jax.devices(), start)}
 
 
 def add_parsers(sub) -> None:
@@ -143,6 +160,9 @@ def add_parsers(sub) -> None:
   p.add_argument("--max_staleness", type=common.at_least(0), default=1000,
                  help="the partial mode's (default: none dropped, to count every rollout)")
   p.add_argument("--steps", type=common.at_least(1), default=6)
+  p.add_argument("--reprefill", type=common.at_least(0), default=0,
+                 help="also time a prefill of every row over its prompt and this many "
+                      "written tokens: what a round would pay to re-prefill carried rows")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None, help="also append the JSON lines to this file")
   p.set_defaults(run=run_long_tail)
