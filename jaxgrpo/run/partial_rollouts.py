@@ -28,6 +28,7 @@ the device State (the sampler rows' caches): a resume continues every carried ro
 from __future__ import annotations
 
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -322,3 +323,14 @@ def _check_partial(c, num_devices: int) -> None:
   for name, (value, allowed) in why.items():
     if value != ok[name]:
       config_checks.fail(name, value, f"{allowed} with {key}={budget}; or {key}=0")
+  # A step runs at least one round, so a rollout at the length cap spans up to this many
+  # steps: a smaller max_staleness can drop it, a bias against long answers that no error
+  # would show (dropped_stale_fraction counts it).
+  rounds = -(-gen.max_new_tokens // budget)
+  if g.max_staleness < rounds - 1:
+    warnings.warn(
+        f"grpo.max_staleness={g.max_staleness} with {key}={budget}: a rollout of "
+        f"max_new_tokens={gen.max_new_tokens} may take {rounds} rounds and so span {rounds} "
+        f"steps, and one older than {g.max_staleness + 1} steps is dropped: long answers may "
+        f"be dropped more often than short ones (dropped_stale_fraction); "
+        f"grpo.max_staleness={rounds - 1} keeps every length", stacklevel=2)
