@@ -108,11 +108,15 @@ def test_on_2_processes_of_4_devices_each_carries_its_own_rows_and_resumes_exact
   # 8 devices in all (mesh data=8): each process's rows split over its 4.
   straight = tmp_path / "straight"
   _two_processes(straight)
-  assert max(r["rollout/carried_rows"] for k, r in rows(straight).items() if k[0] == "train")
+  train = [r for k, r in rows(straight).items() if k[0] == "train"]
+  assert max(r["rollout/carried_rows"] for r in train) > 0
+  # Over both processes' rows (the round program's sum covers them all), not twice over.
+  assert all(0 < r["rollout/live_fraction"] <= 1 for r in train)
   _cut_and_resume(straight, tmp_path / "cut", two_processes=True)
   # One process cannot continue the rows two processes carried: said in one line, exit 2.
-  proc = cli.run_train(*ARGS, "--config.grpo.max_num_steps=5", workdir=tmp_path / "cut",
-                       XLA_FLAGS=cli.xla_flags(4))
+  # (max_staleness 3: the startup warning of a smaller one would be a second line.)
+  proc = cli.run_train(*ARGS, "--config.grpo.max_num_steps=5", "--config.grpo.max_staleness=3",
+                       workdir=tmp_path / "cut", XLA_FLAGS=cli.xla_flags(4))
   cli.assert_clean_error(proc, "config.checkpoint.resume", "processes=2")
 
 

@@ -135,7 +135,7 @@ class PartialRollouts:
     if self.state is None:
       self.state = self.engine.init_state()
     t0 = time.perf_counter()
-    pulled, generated, live_sum, slots, rounds, dropped = [], 0, 0.0, 0.0, 0, 0
+    pulled, generated, live_sum, decode_steps, rounds, dropped = [], 0, 0.0, 0, 0, 0
     while True:
       pulled += self._pull()
       refill_N = self._assign()
@@ -145,7 +145,7 @@ class PartialRollouts:
                            "fewer than grpo.num_prompts_per_step groups are complete")
       drawn, live, steps = self._round(params, refill_N, active_N, version)
       generated += drawn
-      live_sum, slots, rounds = live_sum + live, slots + steps * len(a["holder_N"]), rounds + 1
+      live_sum, decode_steps, rounds = live_sum + live, decode_steps + steps, rounds + 1
       dropped += self._drop_stale(version)
       if _min_all(int(self._complete().size)) >= self.b:
         break
@@ -154,15 +154,17 @@ class PartialRollouts:
     got = self._take(chosen, version)
     trained, stale = got["mask_NxT"].sum(), got["staleness_NxT"][got["mask_NxT"]]
     dropped_all, trained_rows = _sum_all(dropped), _sum_all(len(got["length_N"]))
+    # live_sum counts every process's rows already (the round program's global sum).
+    rows = len(a["holder_N"]) * jax.process_count()
     metrics = {
-        "rollout/live_fraction": _sum_all(live_sum) / max(_sum_all(slots), 1.0),
+        "rollout/live_fraction": live_sum / max(decode_steps * rows, 1),
         "rollout/carried_rows": int(_sum_all(int((a["holder_N"] >= 0).sum()))),
         "rollout/rounds": rounds,
         "staleness_mean": _sum_all(float(stale.sum())) / max(_sum_all(float(trained)), 1.0),
         "staleness_max": int(_max_all(int(stale.max()) if stale.size else 0)),
         "dropped_stale_fraction": dropped_all / max(dropped_all + trained_rows, 1.0),
         # decode steps this step ran (every process runs the same rounds)
-        "rollout/decode_steps": int(slots // max(len(a["holder_N"]), 1))}
+        "rollout/decode_steps": int(decode_steps)}
     return got, pulled, rollout_s, int(_sum_all(generated)), metrics
 
   def _pull(self) -> list[dict]:
@@ -235,7 +237,7 @@ class PartialRollouts:
     a["status_SxG"][s_N[end], g_N[end]] = DONE
     a["stopped_SxG"][s_N[end], g_N[end]] = stopped[end]
     holder[end] = -1
-    return int((count - np.where(active_N, before, count)).sum()), float(r.live_sum), float(
+    return int((count - np.where(active_N, before, count)).sum()), float(r.live_sum), int(
         r.steps)
 
   def _drop_stale(self, version: int) -> int:
