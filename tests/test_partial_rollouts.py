@@ -172,3 +172,28 @@ def test_rollouts_carried_over_steps_equal_uninterrupted_ones_with_frozen_parame
   for group in common:
     for got, want in zip(rounds[group], whole[group]):
       np.testing.assert_array_equal(got, want)
+
+
+def test_a_resume_checks_the_carried_layout_and_a_synchronous_one_leaves_the_rows_behind():
+  # loading._check_carried, the host check before any compile: the saved layout against
+  # this run's (processes, rows, lengths); a synchronous run warns that the rows stay behind.
+  import warnings  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  c = ml_collections.ConfigDict({
+      "generation": {"max_tokens_per_step": 2, "max_new_tokens": 8},
+      "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4},
+      "data": {"max_prompt_length": 9}})
+  saved = loading.carried_meta(c)
+  assert saved == {"processes": 1, "max_new_tokens": 8, "rows": 32, "max_prompt_length": 9}
+  loading._check_carried(c, {"partial_rollouts": saved}, "ckpt/2")  # the same: fine
+  loading._check_carried(c, {}, "ckpt/2")  # a synchronous checkpoint: nothing carried
+  with pytest.raises(config_lib.ConfigError, match="rows=32 .* this run has 64"):
+    c.grpo.num_prompts_per_step = 16
+    loading._check_carried(c, {"partial_rollouts": saved}, "ckpt/2")
+  c.generation.max_tokens_per_step = 0
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loading._check_carried(c, {"partial_rollouts": saved}, "ckpt/2")
+  assert any("leaves behind" in str(w.message) for w in caught)
