@@ -412,6 +412,9 @@ MODE_KEYS: tuple[tuple[tuple[str, ...], Callable[[Any], str | None], str], ...] 
     (("logging.project", "logging.run_name", "logging.tags"), _no_tracker_run,
      "--config.logging.trackers=tensorboard,wandb (or trackio)"),
     (("mesh.memory_limit_gib",), _no_auto, "--config.grpo.micro_batch_size=auto"),
+    (("grpo.max_staleness", "grpo.importance_weight_cap"),
+     _while("generation.max_tokens_per_step", lambda v: not v),
+     "--config.generation.max_tokens_per_step=512 (partial rollouts)"),
     # Packing replaces micro-batches of rows (a number for both is refused by algo/
     # microbatch.py; an 'auto' one would step aside unseen).
     (("grpo.micro_batch_size",), _while("grpo.micro_batch_tokens", bool),

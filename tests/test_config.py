@@ -484,6 +484,10 @@ IDLE_OVERRIDES = [
     ("logging.tags", "logging.trackers='tensorboard'", {"logging.trackers": "tensorboard,wandb"}),
     ("mesh.memory_limit_gib", "only 'auto' plans", {"grpo.micro_batch_size": "auto"}),
     ("grpo.micro_batch_size", "grpo.micro_batch_tokens=16", {"grpo.micro_batch_tokens": 0}),
+    ("grpo.max_staleness", "generation.max_tokens_per_step=0",
+     {"generation.max_tokens_per_step": 2}),
+    ("grpo.importance_weight_cap", "generation.max_tokens_per_step=0",
+     {"generation.max_tokens_per_step": 2}),
     *((key, "no validation runs", {"grpo.val_at_end": True}) for key in (
         "generation.val_temperature", "generation.val_top_p", "generation.val_top_k",
         "grpo.val_num_generations_per_prompt", "grpo.val_batch_size", "grpo.max_val_samples",
