@@ -51,10 +51,6 @@ def _max_all(x: int) -> int:
   return int(distributed.gather_rows(np.array([x]))[0].max())
 
 
-def _sum_all(x: float) -> float:
-  return float(distributed.gather_rows(np.array([x], np.float64))[0].sum())
-
-
 def empty_arrays(groups: int, g: int, t: int, rows: int) -> dict[str, np.ndarray]:
   """An empty pool of `groups` groups of g rollouts of up to t tokens, and `rows` free
   sampler rows (this process's). The checkpointed form of the host state."""
@@ -108,7 +104,7 @@ class PartialRollouts:
   def restore(self, carry) -> None:
     self.state = carry["state"]
     pool = sharding_lib.to_local(carry["pool"])
-    self.a = _pool_from_local(self.a, pool, self.engine.mesh)
+    self.a = _pool_from_local(self.a, pool)
 
   # -- one step ------------------------------------------------------------------------
   def collect(self, name: str, params, batch=None, *, samples: int, step: int,
@@ -152,20 +148,24 @@ class PartialRollouts:
     rollout_s = time.perf_counter() - t0
     chosen = self._complete()[:self.b]
     got = self._take(chosen, version)
-    trained, stale = got["mask_NxT"].sum(), got["staleness_NxT"][got["mask_NxT"]]
-    dropped_all, trained_rows = _sum_all(dropped), _sum_all(len(got["length_N"]))
+    stale = got["staleness_NxT"][got["mask_NxT"]]
+    # This process's counts, summed over every process in one gather (staleness_max apart).
+    counts = distributed.gather_rows(np.array([[
+        dropped, len(got["length_N"]), stale.size, stale.sum(), generated,
+        (a["holder_N"] >= 0).sum(), stale.max() if stale.size else 0]], np.float64))[0]
+    dropped, trained_rows, tokens, stale_sum, generated, carried = counts[:, :6].sum(axis=0)
     # live_sum counts every process's rows already (the round program's global sum).
     rows = len(a["holder_N"]) * jax.process_count()
     metrics = {
         "rollout/live_fraction": live_sum / max(decode_steps * rows, 1),
-        "rollout/carried_rows": int(_sum_all(int((a["holder_N"] >= 0).sum()))),
+        "rollout/carried_rows": int(carried),
         "rollout/rounds": rounds,
-        "staleness_mean": _sum_all(float(stale.sum())) / max(_sum_all(float(trained)), 1.0),
-        "staleness_max": int(_max_all(int(stale.max()) if stale.size else 0)),
-        "dropped_stale_fraction": dropped_all / max(dropped_all + trained_rows, 1.0),
+        "staleness_mean": float(stale_sum / max(tokens, 1.0)),
+        "staleness_max": int(counts[:, 6].max()),
+        "dropped_stale_fraction": float(dropped / max(dropped + trained_rows, 1.0)),
         # decode steps this step ran (every process runs the same rounds)
         "rollout/decode_steps": int(decode_steps)}
-    return got, pulled, rollout_s, int(_sum_all(generated)), metrics
+    return got, pulled, rollout_s, int(generated), metrics
 
   def _pull(self) -> list[dict]:
     """Prompt batches entering the pool this round (together on every process)."""
@@ -292,9 +292,23 @@ def _pool_to_global(mesh, arrays: dict) -> dict:
                                        for k, v in _per_device(mesh, arrays).items()})
 
 
-def _pool_from_local(template: dict, local: dict, mesh) -> dict:
-  del mesh
+def _pool_from_local(template: dict, local: dict) -> dict:
+  """This process's restored pool, cut back to `template`'s sizes (`_per_device` padded it)."""
   return {k: np.array(local[k][:v.shape[0]], v.dtype) for k, v in template.items()}
+
+
+# What partial rollouts need of other keys: key -> (the value, why).
+_NEEDS = {
+    "env.name": ("", "episodes keep their own cache between turns; partial rollouts of "
+                 "episodes are not built"),
+    "grpo.dynamic_sampling": ("off", "it chooses among groups sampled together; partial "
+                              "rollouts finish groups at different steps"),
+    "generation.backend": ("native", "the round program is the native sampler's"),
+    "grpo.num_iterations": (1, "the decoupled objective's proximal policy is then the step's "
+                            "parameters, with no extra forward pass"),
+    "generation.compact_stages": (0, "rows that end are refilled, not compacted"),
+    "generation.decode_block_size": (0, "each row reads its own slots"),
+}
 
 
 @config_checks.register(order=50)
@@ -306,25 +320,11 @@ def _check_partial(c, num_devices: int) -> None:
   if not budget:
     return
   key = "generation.max_tokens_per_step"
-  why = {
-      "env.name": (c.env.name, "'' (episodes keep their own cache between turns; partial "
-                   "rollouts of episodes are not built)"),
-      "grpo.dynamic_sampling": (g.dynamic_sampling, "'off' (it chooses among groups sampled "
-                                "together; partial rollouts finish groups at different steps)"),
-      "generation.backend": (gen.backend, "'native' (the round program is the native "
-                             "sampler's)"),
-      "grpo.num_iterations": (g.num_iterations, "1 (the decoupled objective's proximal policy "
-                              "is then the step's parameters, with no extra forward pass)"),
-      "generation.compact_stages": (gen.compact_stages, "0 (rows that end are refilled, not "
-                                    "compacted)"),
-      "generation.decode_block_size": (gen.decode_block_size, "0 (each row reads its own "
-                                       "slots)")}
-  ok = {"env.name": "", "grpo.dynamic_sampling": "off", "generation.backend": "native",
-        "grpo.num_iterations": 1, "generation.compact_stages": 0,
-        "generation.decode_block_size": 0}
-  for name, (value, allowed) in why.items():
-    if value != ok[name]:
-      config_checks.fail(name, value, f"{allowed} with {key}={budget}; or {key}=0")
+  for name, (needed, why) in _NEEDS.items():
+    section, field = name.split(".")
+    if c[section][field] != needed:
+      config_checks.fail(name, c[section][field],
+                         f"{needed!r} ({why}) with {key}={budget}; or {key}=0")
   # A step runs at least one round, so a rollout at the length cap spans up to this many
   # steps: a smaller max_staleness can drop it, a bias against long answers that no error
   # would show (dropped_stale_fraction counts it).
