@@ -48,7 +48,11 @@ def get_config(arg=None):
       rope_theta=unset(float), norm_eps=unset(float), tie_embeddings=unset(bool),
       qk_norm=unset(bool), qkv_bias=unset(bool), rope_scaling_factor=unset(float),
       rope_low_freq_factor=unset(float), rope_high_freq_factor=unset(float),
-      rope_original_max_positions=unset(int), param_dtype="float32", dtype="bfloat16",
+      rope_original_max_positions=unset(int), num_experts=unset(int),
+      num_experts_per_tok=unset(int), moe_mlp_dim=unset(int), norm_topk_prob=unset(bool),
+      # A mixture's experts: auto = grouped matmuls (ragged_dot) on TPU/GPU, dense on CPU.
+      moe_matmul="auto",
+      param_dtype="float32", dtype="bfloat16",
       # Each layer keeps only its input for the backward pass and recomputes the rest: at
       # 512 rollouts of ~900 tokens the activations, not the weights, fill the chips.
       remat="full",
@@ -63,7 +67,7 @@ def get_config(arg=None):
 
   # dcn_data: TPU slices (multi-slice); data/fsdp/context/tensor are sizes inside one slice.
   # context > 1 splits the update's packed rows along their sequence (grpo.micro_batch_tokens).
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, context=1, tensor=1, dcn_data=1,
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, context=1, tensor=1, dcn_data=1,
                                              memory_limit_gib=config_dict.placeholder(float)))
 
   c.data = ml_collections.ConfigDict(dict(

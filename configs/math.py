@@ -33,6 +33,10 @@ def get_config(arg=None):
       mlp_dim=512, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=False,
       qkv_bias=False, rope_scaling_factor=0.0, rope_low_freq_factor=1.0,
       rope_high_freq_factor=4.0, rope_original_max_positions=8192,
+      # A mixture of experts (Qwen3-MoE) when num_experts > 0; moe_matmul: how the experts
+      # are computed (auto: a dense reference on CPU, grouped ragged_dot elsewhere).
+      num_experts=0, num_experts_per_tok=0, moe_mlp_dim=0, norm_topk_prob=True,
+      moe_matmul="auto",
       param_dtype="float32", dtype="float32",
       remat="none",  # what each layer keeps for the backward: none, full, save_dots
       # The layers as one compiled loop body (True) or unrolled (False); None: unrolled on
@@ -49,7 +53,7 @@ def get_config(arg=None):
   # dcn_data: TPU slices joined by the data-centre network, each a data-parallel replica;
   # data/fsdp/context/tensor are sizes inside one slice; context > 1 splits the update's
   # packed rows along their sequence (grpo.micro_batch_tokens; docs/scaling.md).
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1, dcn_data=1,
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, context=1, tensor=1, dcn_data=1,
                                              memory_limit_gib=config_dict.placeholder(float)))
 
   c.data = ml_collections.ConfigDict(dict(

@@ -130,6 +130,11 @@ SCHEMA: dict[str, Any] = {
         "rope_scaling_factor": _optional(_num(0)), "rope_low_freq_factor": _optional(_num(0)),
         "rope_high_freq_factor": _optional(_num(0)),
         "rope_original_max_positions": _optional(_int(1)),
+        # Mixture of experts (Qwen3-MoE): 0 experts = a dense MLP.
+        "num_experts": _optional(_int(0)), "num_experts_per_tok": _optional(_int(0)),
+        "moe_mlp_dim": _optional(_int(0)), "norm_topk_prob": _optional(_bool),
+        # Not architecture: the experts' matmuls (model/moe.py; auto: dense on CPU, else ragged).
+        "moe_matmul": _choice("auto", "ragged", "dense"),
         "param_dtype": _dtype, "dtype": _dtype,
         # Not architecture: what each layer keeps for the update's backward pass.
         "remat": _choice("none", "full", "save_dots"),
@@ -142,7 +147,8 @@ SCHEMA: dict[str, Any] = {
         "lora_rank": _int(0), "lora_alpha": _num(0, lo_open=True), "lora_targets": _str},
     # memory_limit_gib: bytes per chip that 'auto' batch sizes plan against (run/sizing.py); None:
     # the device's own limit (none on CPU).
-    "mesh": {"data": _int(-1), "fsdp": _int(-1), "context": _int(-1), "tensor": _int(-1),
+    "mesh": {"data": _int(-1), "fsdp": _int(-1), "expert": _int(-1), "context": _int(-1),
+             "tensor": _int(-1),
              "dcn_data": _int(1),
              "memory_limit_gib": _optional(_num(0, lo_open=True))},
     "data": {

@@ -262,7 +262,7 @@ def _architecture(config):
   m = config.model
   if m.hf_checkpoint:  # config.json and the tokenizer: a fit is checked before a download
     cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype, need_weights=False)
-    cfg = dataclasses.replace(cfg, dtype=m.dtype)
+    cfg = dataclasses.replace(cfg, dtype=m.dtype, moe_matmul=m.moe_matmul)
     loading.check_architecture(config, cfg)
     return cfg, tokenizer
   if not m.checkpoint:  # random init
@@ -270,7 +270,8 @@ def _architecture(config):
     return model_cfg, tokenizer
   # A jaxgrpo checkpoint: its model.json and tokenizer only.
   cfg, tokenizer = hf.inspect_pretrained(m.checkpoint, need_weights=False)
-  cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype)
+  cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype,
+                            moe_matmul=m.moe_matmul)
   loading.check_architecture(config, cfg)
   return cfg, tokenizer
 

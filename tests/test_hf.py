@@ -80,9 +80,11 @@ def test_errors_name_the_file(saved, tmp_path):
 
 from numpy_params import random_params  # noqa: E402  tests/numpy_params.py
 
-FAMILIES = {  # the three architectures' structural switches
+FAMILIES = {  # the architectures' structural switches
     "Qwen2ForCausalLM": dict(qkv_bias=True),
     "Qwen3ForCausalLM": dict(qk_norm=True),
+    "Qwen3MoeForCausalLM": dict(qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                                moe_mlp_dim=16, norm_topk_prob=False),
     "LlamaForCausalLM": dict(tie_embeddings=False, rope_scaling_factor=8.0,
                              rope_original_max_positions=64),
 }
@@ -183,7 +185,7 @@ def reference(name):
           json.load(open(os.path.join(folder, "reference.json"))))
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3_moe", "llama"])
 def pretrained(request):
   from jaxgrpo.rollout import policy
   folder, arrays, facts = reference(request.param)

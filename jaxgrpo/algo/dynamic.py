@@ -29,12 +29,13 @@ from typing import Sequence
 import numpy as np
 
 from jaxgrpo.algo import grpo
+from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.runtime import config_checks
 
 
 def generation_prompts(num_prompts: int, oversample_factor: float, multiple: int) -> int:
   """Prompts per generation batch: ceil(oversample_factor x B), rounded up to `multiple`
-  (mesh data x fsdp: the prompts split evenly over the data-parallel devices)."""
+  (mesh data x fsdp x expert: the prompts split evenly over the data-parallel devices)."""
   wanted = math.ceil(oversample_factor * num_prompts - 1e-9)
   return max(multiple, math.ceil(wanted / multiple) * multiple)
 
@@ -46,7 +47,7 @@ def batch_prompts(config) -> int:
   if g.dynamic_sampling == "off":
     return g.num_prompts_per_step
   return generation_prompts(g.num_prompts_per_step, g.oversample_factor,
-                            m.data * m.dcn_data * m.fsdp)
+                            sharding_lib.data_parallel_rows(m))
 
 
 def informative(values_N, scored_N, group_size: int) -> np.ndarray:

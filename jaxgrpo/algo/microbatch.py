@@ -127,7 +127,7 @@ def _check_micro_batch(g, rows: int):
   batch = g.num_prompts_per_step * gen
   sizes = valid_sizes(gen, rows, batch)
   if m not in sizes:
-    config_checks.fail("grpo.micro_batch_size", m, f"one of {sizes} (mesh data x fsdp={rows} "
+    config_checks.fail("grpo.micro_batch_size", m, f"one of {sizes} (mesh data x fsdp x expert={rows} "
           f"devices each holding whole groups of num_generations_per_prompt={gen}, or one "
           f"sub-group of a divisor of {gen}; dividing the batch's {batch} rollouts), or 0")
 
@@ -169,5 +169,5 @@ def sequence_width(c) -> int:
 def _check_config(c, num_devices: int) -> None:
   del num_devices
   m = c.mesh  # resolved by the mesh check (model/sharding.py)
-  _check_micro_batch(c.grpo, m.data * m.dcn_data * m.fsdp)
+  _check_micro_batch(c.grpo, sharding_lib.data_parallel_rows(m))
   _check_micro_batch_tokens(c)

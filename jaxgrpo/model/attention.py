@@ -132,7 +132,7 @@ def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offse
     o = local(q, k, v, q_seg, kv_seg)
   else:
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-    rows = ("data", "fsdp")
+    rows = ("data", "fsdp", "expert")  # sharding.BATCH_AXES (not imported: sharding imports us)
     heads = "tensor" if heads_split else None
     ctx = "context" if context > 1 else None
     o = jax.shard_map(local, mesh=mesh,

@@ -59,9 +59,10 @@ class Layer(NamedTuple):
   qk_norm: jax.Array | None   # [r + 1, D, 1, 1]: q_norm for the r query rows, k_norm for the key
   out: jax.Array         # [d_model, H_kv * r * D]
   mlp_norm: jax.Array    # [d_model, 1]
-  gate: jax.Array        # [mlp, d_model]
-  up: jax.Array          # [mlp, d_model]
-  down: jax.Array        # [d_model, mlp]
+  gate: jax.Array        # [mlp, d_model]; a mixture's: [E, d_model, F] as stored
+  up: jax.Array          # [mlp, d_model]; a mixture's: [E, d_model, F]
+  down: jax.Array        # [d_model, mlp]; a mixture's: [E, F, d_model]
+  router: jax.Array | None = None  # a mixture's router [d_model, E] (moe.py), else None
 
 
 class Weights(NamedTuple):
@@ -98,11 +99,15 @@ def _prepare_layer(p, cfg: model_lib.ModelConfig) -> Layer:
   if cfg.qk_norm:
     norm = jnp.concatenate([jnp.broadcast_to(a["q_norm"]["scale"], (r, d)),
                             a["k_norm"]["scale"][None]], axis=0)[..., None, None]
+  if cfg.num_experts:  # the experts as the training forward holds them (moe.py)
+    mlp = dict(gate=m["gate"].astype(dt), up=m["up"].astype(dt), down=m["down"].astype(dt),
+               router=m["router"])
+  else:
+    mlp = dict(gate=m["gate"].T.astype(dt), up=m["up"].T.astype(dt), down=m["down"].T.astype(dt))
   return Layer(
       attn_norm=col(p["attn_norm"]["scale"]), qkv=qkv.transpose(1, 2, 3, 0).astype(dt),
       qkv_bias=bias, qk_norm=norm, out=a["o"].reshape(hk * r * d, cfg.d_model).T.astype(dt),
-      mlp_norm=col(p["mlp_norm"]["scale"]), gate=m["gate"].T.astype(dt),
-      up=m["up"].T.astype(dt), down=m["down"].T.astype(dt))
+      mlp_norm=col(p["mlp_norm"]["scale"]), **mlp)
 
 
 def prepare(params, cfg: model_lib.ModelConfig, stacked: bool = False) -> Weights:
@@ -302,7 +307,11 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, cache.prompt_bias, i, block)
     x = x + layer.out @ o.transpose(1, 3, 4, 0, 2).reshape(hk * r * d, b * g)
     xn = _norm(x, layer.mlp_norm, cfg)
-    x = x + layer.down @ (jax.nn.silu(layer.gate @ xn) * (layer.up @ xn))
+    if layer.router is not None:  # the training forward's own mixture call, rows [N, d]
+      x = x + model_lib.experts_layer(xn.T, layer.router, layer.gate, layer.up, layer.down,
+                                      cfg)[0].T
+    else:
+      x = x + layer.down @ (jax.nn.silu(layer.gate @ xn) * (layer.up @ xn))
     return x, k, v, layer_k, layer_v
 
   if isinstance(w.layers, Layer):  # stacked (prepare(stacked=True)): one compiled block

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo.model import attention as attention_lib
+from jaxgrpo.model import moe as moe_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -108,7 +109,8 @@ def over_layers(body, num_layers: int, scan_layers: bool, num_broadcast: int):
   schedule and fuse across layers at the price of a compile that grows with depth. Both
   read the same parameter tree, so the choice is the compiler's, never the checkpoint's.
   """
-  return nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+  return nn.scan(body, variable_axes={"params": 0, "intermediates": 0},
+                 split_rngs={"params": True},
                  in_axes=(nn.broadcast,) * num_broadcast, length=num_layers,
                  unroll=1 if scan_layers else num_layers,
                  metadata_params={nn.PARTITION_NAME: "layers"})
@@ -157,6 +159,15 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
+  # Mixture-of-experts (Qwen3-MoE; moe.py): 0 experts = a dense SwiGLU MLP of mlp_dim.
+  # Otherwise every layer's MLP is num_experts experts of moe_mlp_dim, each token routed to
+  # num_experts_per_tok of them (weights renormalised to sum 1 when norm_topk_prob).
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_mlp_dim: int = 0
+  norm_topk_prob: bool = True
+  # Not architecture: how the experts are computed (moe.MATMULS; 'auto' by platform).
+  moe_matmul: str = "auto"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -167,6 +178,15 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
                        f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    if self.num_experts:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        raise ValueError(f"model.num_experts_per_tok={self.num_experts_per_tok!r}: must be "
+                         f"1 to model.num_experts={self.num_experts}")
+      if self.moe_mlp_dim <= 0:
+        raise ValueError(f"model.moe_mlp_dim={self.moe_mlp_dim!r}: must be a positive "
+                         "integer with model.num_experts > 0")
+    if self.moe_matmul not in moe_lib.MATMULS:
+      raise ValueError(f"model.moe_matmul={self.moe_matmul!r}: allowed {list(moe_lib.MATMULS)}")
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r}: allowed {sorted(DTYPES)}")
@@ -189,7 +209,8 @@ def initializer(name: str, shape: tuple, stacked: bool = False):
   """The initializer of the parameter called `name` (the last part of its path): the one
   rule the modules and `sharding.init_sharded` share. Kernels are N(0, 1/fan_in) with fan-in
   the input axes (the output kernel `o` [heads, head_dim, d_model] has two), the embedding
-  N(0, 0.02^2), norm scales 1 and biases 0. stacked: `shape` has the layers' leading axis,
+  N(0, 0.02^2), norm scales 1 and biases 0; an expert's kernels [E, in, out] have fan-in
+  `in` (the expert axis is not fan-in). stacked: `shape` has the layers' leading axis,
   which is not fan-in."""
   if stacked:
     shape = shape[1:]
@@ -199,6 +220,8 @@ def initializer(name: str, shape: tuple, stacked: bool = False):
     return nn.initializers.ones
   if name.endswith("_bias"):
     return nn.initializers.zeros
+  if name in ("gate", "up", "down") and len(shape) == 3:  # experts [E, in, out]
+    return nn.initializers.normal(stddev=shape[1] ** -0.5)
   fan_in = math.prod(shape[:2]) if name == "o" else shape[0]
   return nn.initializers.normal(stddev=fan_in ** -0.5)
 
@@ -334,7 +357,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """SwiGLU: down(silu(gate(x)) * up(x)); with cfg.num_experts, a mixture of such experts
+  (moe.py), its router `router` [d_model, E] and the experts' gate, up [E, d_model, F] and
+  down [E, F, d_model] under the same names."""
 
   cfg: ModelConfig
 
@@ -342,12 +367,42 @@ class MLP(nn.Module):
   def __call__(self, x):
     c = self.cfg
     dt = DTYPES[c.dtype]
+    if c.num_experts:
+      return self._experts(x)
     gate = _param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
     up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
     down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), c)
     h = jax.nn.silu(dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
     h = constrain(h, "batch", *_middle(h.ndim), "act_mlp")
     return dense(h, down.astype(dt))
+
+  def _experts(self, x):
+    c = self.cfg
+    dt = DTYPES[c.dtype]
+    e, f = c.num_experts, c.moe_mlp_dim
+    router = _param(self, "router", (c.d_model, e), ("embed", None), c)
+    gate = _param(self, "gate", (e, c.d_model, f), ("expert", "expert_embed", "mlp"), c)
+    up = _param(self, "up", (e, c.d_model, f), ("expert", "expert_embed", "mlp"), c)
+    down = _param(self, "down", (e, f, c.d_model), ("expert", "mlp", "expert_embed"), c)
+    y, probs, chosen = experts_layer(x, router, gate.astype(dt), up.astype(dt),
+                                     down.astype(dt), c)
+    # For the router's load-balancing loss (moe.balance_loss); recorded only when the
+    # caller makes "intermediates" mutable (grpo.router_aux_loss_coef > 0).
+    self.sow("intermediates", "router", (probs, chosen))
+    return y
+
+
+def experts_layer(x, router, gate, up, down, cfg: ModelConfig):
+  """moe.moe with the model's settings, expert-parallel while a mesh is set (`constrain`'s):
+  the one call the training forward and the sampler's decode step share."""
+  mesh = ACTIVATION_MESH.get()
+  row_spec = None
+  if mesh is not None:
+    row_spec = nn.logical_to_mesh_axes(("batch", *_middle(x.ndim), None))
+  return moe_lib.moe(x, router, gate, up, down, k=cfg.num_experts_per_tok,
+                     normalize=cfg.norm_topk_prob,
+                     matmul=moe_lib.resolve_matmul(cfg.moe_matmul, jax.default_backend()),
+                     mesh=mesh, row_spec=row_spec)
 
 
 class Block(nn.Module):

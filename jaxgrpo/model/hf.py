@@ -128,9 +128,12 @@ def _flatten_shapes(abstract) -> dict[str, tuple]:
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
-# architecture -> (qk_norm, qkv_bias): the three families' only structural differences.
-SUPPORTED = {"Qwen2ForCausalLM": (False, True), "Qwen3ForCausalLM": (True, False),
-             "LlamaForCausalLM": (False, False)}
+# architecture -> (qk_norm, qkv_bias, mixture of experts): the families' structural differences.
+SUPPORTED = {"Qwen2ForCausalLM": (False, True, False), "Qwen3ForCausalLM": (True, False, False),
+             "LlamaForCausalLM": (False, False, False),
+             "Qwen3MoeForCausalLM": (True, False, True)}
+HF_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 def is_hf_folder(path: str) -> bool:
@@ -150,7 +153,7 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
   if arch not in SUPPORTED:
     raise PretrainedError(f"{path}: architecture {arch!r} is not supported; allowed: "
                           f"{', '.join(SUPPORTED)}")
-  qk_norm, qkv_bias = SUPPORTED[arch]
+  qk_norm, qkv_bias, experts = SUPPORTED[arch]
   if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
     raise PretrainedError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
   if hf.get("hidden_act", "silu") != "silu":
@@ -173,6 +176,24 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
                    rope_high_freq_factor=float(rs["high_freq_factor"]),
                    rope_original_max_positions=int(rs["original_max_position_embeddings"]))
   heads = hf["num_attention_heads"]
+  moe = {}
+  if experts:
+    # transformers 5 writes num_local_experts beside num_experts; the hub's 4.x files have
+    # num_experts only.
+    num = hf.get("num_experts", hf.get("num_local_experts"))
+    dense_layers = hf.get("mlp_only_layers") or []
+    step = hf.get("decoder_sparse_step", 1)
+    if dense_layers or step != 1:
+      raise PretrainedError(f"{path}: mlp_only_layers={dense_layers}, decoder_sparse_step="
+                            f"{step}; allowed: [] and 1 (every layer a mixture of experts, "
+                            "as every released Qwen3-MoE)")
+    moe = dict(num_experts=num, num_experts_per_tok=hf.get("num_experts_per_tok"),
+               moe_mlp_dim=hf.get("moe_intermediate_size"),
+               norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    missing = [k for k, v in moe.items() if v is None]
+    if missing:
+      raise PretrainedError(f"{path}: missing key {missing[0]!r} (a Qwen3-MoE config names "
+                            "num_experts, num_experts_per_tok and moe_intermediate_size)")
   try:
     return model_lib.ModelConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
@@ -182,7 +203,7 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
         mlp_dim=hf["intermediate_size"], rope_theta=float(theta),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=qk_norm,
-        qkv_bias=qkv_bias, param_dtype=dtype, dtype=dtype, **scaling)
+        qkv_bias=qkv_bias, param_dtype=dtype, dtype=dtype, **scaling, **moe)
   except KeyError as e:
     raise PretrainedError(f"{path}: missing key {e}") from None
   except ValueError as e:
@@ -190,7 +211,11 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
 
 
 def hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
-  """Our tensor name -> (Hugging Face tensor name, how to convert it)."""
+  """Our tensor name -> (Hugging Face tensor name, how to convert it).
+
+  A mixture's experts are one tensor of ours per layer ([E, in, out]) and one per expert in
+  Hugging Face's files: ours is then named with the expert's index, `layer_0/mlp/gate[3]`
+  (`part` reads it)."""
   names = {"embedding": ("model.embed_tokens.weight", "same"),
            "final_norm/scale": ("model.norm.weight", "same")}
   if not cfg.tie_embeddings:
@@ -203,10 +228,15 @@ def hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
         f"{ours}/attn/q": (f"{hf}.self_attn.q_proj.weight", "in_heads"),
         f"{ours}/attn/k": (f"{hf}.self_attn.k_proj.weight", "in_heads"),
         f"{ours}/attn/v": (f"{hf}.self_attn.v_proj.weight", "in_heads"),
-        f"{ours}/attn/o": (f"{hf}.self_attn.o_proj.weight", "heads_out"),
-        f"{ours}/mlp/gate": (f"{hf}.mlp.gate_proj.weight", "T"),
-        f"{ours}/mlp/up": (f"{hf}.mlp.up_proj.weight", "T"),
-        f"{ours}/mlp/down": (f"{hf}.mlp.down_proj.weight", "T")})
+        f"{ours}/attn/o": (f"{hf}.self_attn.o_proj.weight", "heads_out")})
+    if cfg.num_experts:
+      names[f"{ours}/mlp/router"] = (f"{hf}.mlp.gate.weight", "T")
+      for j in range(cfg.num_experts):
+        for p in ("gate", "up", "down"):
+          names[f"{ours}/mlp/{p}[{j}]"] = (f"{hf}.mlp.experts.{j}.{p}_proj.weight", "T")
+    else:
+      for p in ("gate", "up", "down"):
+        names[f"{ours}/mlp/{p}"] = (f"{hf}.mlp.{p}_proj.weight", "T")
     if cfg.qkv_bias:
       for p in "qkv":
         names[f"{ours}/attn/{p}_bias"] = (f"{hf}.self_attn.{p}_proj.bias", "heads")
@@ -214,6 +244,16 @@ def hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
       for p in "qk":
         names[f"{ours}/attn/{p}_norm/scale"] = (f"{hf}.self_attn.{p}_norm.weight", "same")
   return names
+
+
+def part(tree: dict, ours: str):
+  """tree[ours] of a flat {name: array or shape} tree, where `name[j]` is expert j of
+  tree[name] (see hf_names)."""
+  if not ours.endswith("]"):
+    return tree[ours]
+  base, index = ours[:-1].split("[")
+  value = tree[base]
+  return value[1:] if isinstance(value, tuple) else value[int(index)]
 
 
 def _from_hf(x: np.ndarray, how: str, shape: tuple) -> np.ndarray:
@@ -282,9 +322,9 @@ def inspect_hf(path: str, *, dtype: str = "float32", need_weights: bool = True):
     if kind not in _FLOAT_KINDS:
       raise PretrainedError(f"{files[theirs]}: {theirs} is stored as {kind}; allowed: "
                             f"{', '.join(_FLOAT_KINDS)} (quantized weights are not supported)")
-    if _hf_shape(expected[ours], how) != shape:
+    if _hf_shape(part(expected, ours), how) != shape:
       raise PretrainedError(f"{files[theirs]}: {theirs} has shape {shape}; {HF_CONFIG} "
-                            f"implies {_hf_shape(expected[ours], how)}")
+                            f"implies {_hf_shape(part(expected, ours), how)}")
   return cfg, tokenizer
 
 
@@ -313,7 +353,7 @@ def _read_tensor(file: str, name: str) -> np.ndarray:
 
 
 def load_hf(path: str, *, dtype: str = "float32", mesh=None):
-  """Loads a Hugging Face Qwen2/Qwen3/Llama folder: (ModelConfig, params, Tokenizer).
+  """Loads a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Llama folder: (ModelConfig, params, Tokenizer).
 
   Tensors are read one at a time; with a mesh each goes straight onto its sharding, so a
   large model is never whole in one host's memory. Without one, numpy arrays come back.
@@ -330,13 +370,16 @@ def load_hf(path: str, *, dtype: str = "float32", mesh=None):
   names = hf_names(cfg)
 
   def read(ours):
+    if ours not in names:  # a mixture's experts: one Hugging Face tensor each
+      return np.stack([read(f"{ours}[{j}]") for j in range(cfg.num_experts)])
     theirs, how = names[ours]
-    return _from_hf(_read_tensor(files[theirs], theirs), how, expected[ours]).astype(np_dtype)
+    return _from_hf(_read_tensor(files[theirs], theirs), how,
+                    part(expected, ours)).astype(np_dtype)
 
   # One stacked tensor at a time: its L layers are read, stacked on the host, and placed,
   # so the host holds at most one kind of tensor for every layer, never the model.
   flat = {}
-  for ours in names:
+  for ours in dict.fromkeys(n.partition("[")[0] for n in names):
     layer, _, rest = ours.partition("/")
     if layer.startswith(model_lib.LAYER_PREFIX):
       if layer != f"{model_lib.LAYER_PREFIX}0":

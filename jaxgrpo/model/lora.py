@@ -17,7 +17,11 @@ output axes; the rank axis is never split), so FSDP and data parallelism shard t
 shard the base.
 
 Targets: the attention projections q, k, v, o and the MLP's gate, up, down, by those names
-or Hugging Face's (q_proj, ..., down_proj), or `all-linear` for all seven.
+or Hugging Face's (q_proj, ..., down_proj), or `all-linear` for all seven. In a mixture of
+experts gate, up and down are every expert's, each expert its own adapter (A [layers, E,
+in, r], B [layers, E, r, out]: the expert axis is a batch axis like the layers'), as PEFT
+adapts each of the hub's per-expert Linear modules; the router is not a target (a
+[d_model, E] matrix whose rank is at most E anyway, and which PEFT's all-linear skips).
 """
 
 from __future__ import annotations
@@ -69,21 +73,32 @@ def _weight(params, target):
   return node
 
 
+def expert_axes(cfg: model_lib.ModelConfig, target: str) -> bool:
+  """Whether the target's weight has an expert axis after the layers' (a mixture's MLP)."""
+  return bool(cfg.num_experts) and TARGETS[target][0][0] == "mlp"
+
+
+def _lead(cfg: model_lib.ModelConfig, target: str) -> int:
+  """The weight's leading batch axes: layers, and experts where it has them."""
+  return 2 if expert_axes(cfg, target) else 1
+
+
 def shapes(cfg: model_lib.ModelConfig, rank: int, targets) -> dict:
   """{target: (A shape, B shape)} for the stacked layers."""
   base = nn.unbox(model_lib.param_structure(cfg))
   out = {}
   for target in targets:
     shape = _weight(base, target).shape
-    n_in = TARGETS[target][1]
-    out[target] = (shape[:1 + n_in] + (rank,), (shape[0], rank) + shape[1 + n_in:])
+    lead, n_in = _lead(cfg, target), TARGETS[target][1]
+    out[target] = (shape[:lead + n_in] + (rank,), shape[:lead] + (rank,) + shape[lead + n_in:])
   return out
 
 
 def check_rank(cfg: model_lib.ModelConfig, rank: int, targets) -> str | None:
   """Why `rank` is too large for a target (its smaller side), or None."""
   for target, (a, b) in shapes(cfg, rank, targets).items():
-    n_in, n_out = math.prod(a[1:-1]), math.prod(b[2:])
+    lead = _lead(cfg, target)
+    n_in, n_out = math.prod(a[lead:-1]), math.prod(b[lead + 1:])
     if rank > min(n_in, n_out):
       return (f"rank {rank} exceeds the smaller side of target {target!r} "
               f"({min(n_in, n_out)}: {n_in} in, {n_out} out)")
@@ -95,9 +110,10 @@ def logical_axes(cfg: model_lib.ModelConfig, targets) -> dict:
   boxed = model_lib.param_structure(cfg)
   out = {}
   for target in targets:
-    names = tuple(_weight(boxed, target).names)  # ("layers", in..., out...)
-    n_in = TARGETS[target][1]
-    out[target] = {"a": names[:1 + n_in] + (None,), "b": names[:1] + (None,) + names[1 + n_in:]}
+    names = tuple(_weight(boxed, target).names)  # ("layers", [expert,] in..., out...)
+    lead, n_in = _lead(cfg, target), TARGETS[target][1]
+    out[target] = {"a": names[:lead + n_in] + (None,),
+                   "b": names[:lead] + (None,) + names[lead + n_in:]}
   return out
 
 
@@ -105,22 +121,21 @@ def init(cfg: model_lib.ModelConfig, rank: int, targets, key) -> dict:
   """Adapters {target: {"a", "b"}}: A ~ N(0, 1/in), B = 0 (the first forward is the base's)."""
   out = {}
   for i, (target, (a_shape, b_shape)) in enumerate(shapes(cfg, rank, targets).items()):
-    fan_in = 1
-    for d in a_shape[1:-1]:
-      fan_in *= d
+    fan_in = math.prod(a_shape[_lead(cfg, target):-1])
     a = jax.random.normal(jax.random.fold_in(key, i), a_shape, jnp.float32) * fan_in ** -0.5
     out[target] = {"a": a, "b": jnp.zeros(b_shape, jnp.float32)}
   return out
 
 
-def delta(adapter, scale: float):
-  """scale * A @ B in the base weight's shape [num_layers, in..., out...] (float32)."""
+def delta(adapter, scale: float, lead: int = 1):
+  """scale * A @ B in the base weight's shape [num_layers, (E,) in..., out...] (float32);
+  lead: the leading batch axes (2 for experts' adapters, `expert_axes`)."""
   a, b = adapter["a"], adapter["b"]
-  layers, rank = a.shape[0], a.shape[-1]
-  a2 = a.reshape(layers, -1, rank)
-  b2 = b.reshape(layers, rank, -1)
+  batch, rank = a.shape[:lead], a.shape[-1]
+  a2 = a.reshape(math.prod(batch), -1, rank)
+  b2 = b.reshape(math.prod(batch), rank, -1)
   out = jnp.einsum("lir,lro->lio", a2, b2, preferred_element_type=jnp.float32) * scale
-  return out.reshape(a.shape[:-1] + b.shape[2:])
+  return out.reshape(a.shape[:-1] + b.shape[lead + 1:])
 
 
 def merge(base, adapters, scale: float):
@@ -131,7 +146,10 @@ def merge(base, adapters, scale: float):
   for target, adapter in adapters.items():
     (section, name), _ = TARGETS[target]
     w = layers[section][name]
-    merged = (w.astype(jnp.float32) + delta(adapter, scale)).astype(w.dtype)
+    # w [layers, (E,) in..., out...], A [.., in..., r], B [.., r, out...]: the batch axes
+    # are what A and B hold beyond the weight's own.
+    lead = adapter["a"].ndim + adapter["b"].ndim - 2 - w.ndim
+    merged = (w.astype(jnp.float32) + delta(adapter, scale, lead)).astype(w.dtype)
     layers[section] = {**layers[section], name: merged}
   return {**base, "layers": layers}
 

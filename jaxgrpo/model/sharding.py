@@ -1,10 +1,13 @@
 """Device mesh and logical-axis sharding.
 
-The mesh has four named axes: `data` (pure data parallelism), `fsdp` (data parallelism whose
-parameters and optimizer state are also split over it), `context` (context parallelism: the
-update's packed rows split along their sequence, algo/packing.py; 1 unless set) and `tensor`
-(heads, MLP and vocab split over it). Batch rows are split over `data` x `fsdp`; the chips of
-one `context` group hold the same rows.
+The mesh has five named axes: `data` (pure data parallelism), `fsdp` (data parallelism whose
+parameters and optimizer state are also split over it), `expert` (expert parallelism: a
+mixture-of-experts layer's experts split over it, model/moe.py; for everything else one more
+data axis, whose chips also split the dense weights as fsdp does; 1 unless set), `context`
+(context parallelism: the update's packed rows split along their sequence,
+algo/packing.py; 1 unless set) and `tensor` (heads, MLP and vocab split over it). Batch
+rows are split over `data` x `fsdp` x `expert`; the chips of one `context` group hold the
+same rows.
 
 Multi-slice (several TPU slices joined by the data-centre network, DCN): `dcn_data` slices
 each hold a copy of the model and a share of the batch, so the `data` axis is `dcn_data`
@@ -39,14 +42,20 @@ from jaxgrpo.model import decode
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.runtime import config_checks
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")  # tensor innermost: the fastest links
-BATCH_AXES = ("data", "fsdp")
+# tensor innermost: the fastest links. `expert` splits a mixture's experts (model/moe.py)
+# and, for everything else, is one more data axis (MaxText's layout).
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical name -> mesh axis (or axes, or None for replicated).
 RULES: tuple[tuple[str, Any], ...] = (
     # Parameters.
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    # A dense weight's model dimension is split over fsdp and expert (with expert=1 this is
+    # fsdp); an expert's over fsdp only, since its expert axis already takes `expert`.
+    ("embed", ("fsdp", "expert")),
+    ("expert_embed", "fsdp"),
+    ("expert", "expert"),
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -136,7 +145,13 @@ def make_mesh(mesh_config: Mapping[str, int], devices: Sequence[Any] | None = No
 
 def batch_size_multiple(mesh: Mesh) -> int:
   """Rows of a batch must divide evenly over the data axes."""
-  return mesh.shape["data"] * mesh.shape["fsdp"]
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def data_parallel_rows(mesh_config) -> int:
+  """The ways a batch's rows split (data x fsdp x expert, every slice's), from the config's
+  mesh section once `_check_mesh` has resolved it."""
+  return mesh_config.data * mesh_config.dcn_data * mesh_config.fsdp * mesh_config.expert
 
 
 def logical_sharding(mesh: Mesh, *logical_axes: str | None) -> NamedSharding:
@@ -281,20 +296,20 @@ def _check_mesh(c, num_devices: int) -> None:
     raise config_checks.ConfigError(f"config.{e}") from None
   for axis, size in zip(MESH_AXES, sizes):
     c.mesh[axis] = size // c.mesh.dcn_data if axis == "data" else size
-  rows, g = sizes[0] * sizes[1], c.grpo
+  rows, g = sizes[0] * sizes[1] * sizes[2], c.grpo
   if g.num_prompts_per_step % rows:
     config_checks.fail("grpo.num_prompts_per_step", g.num_prompts_per_step,
-                       f"a multiple of {rows} (mesh data x fsdp), so prompts split evenly "
-                       "over devices")
+                       f"a multiple of {rows} (mesh data x fsdp x expert), so prompts split "
+                       "evenly over devices")
 
 
 @config_checks.register(order=23)
 def _check_val_batch(c, num_devices: int) -> None:
   del num_devices
-  rows, g = c.mesh.data * c.mesh.dcn_data * c.mesh.fsdp, c.grpo
+  rows, g = data_parallel_rows(c.mesh), c.grpo
   if g.val_batch_size != "auto" and g.val_batch_size % rows:
     config_checks.fail("grpo.val_batch_size", g.val_batch_size,
-                       f"a multiple of {rows} (mesh data x fsdp)")
+                       f"a multiple of {rows} (mesh data x fsdp x expert)")
 
 
 @config_checks.register(order=31)
@@ -312,6 +327,17 @@ def _check_model_shapes(c, num_devices: int) -> None:
         config_checks.fail(f"model.{key}", m[key], f"a multiple of mesh.tensor={sizes[2]}")
   if sizes[1] > 1 and m.d_model is not None and m.d_model % sizes[1]:
     config_checks.fail("model.d_model", m.d_model, f"a multiple of mesh.fsdp={sizes[1]}")
+  if c.mesh.expert > 1:
+    if m.num_experts is not None and (not m.num_experts or m.num_experts % c.mesh.expert):
+      config_checks.fail("mesh.expert", c.mesh.expert,
+                         "1, or a divisor of model.num_experts="
+                         f"{m.num_experts} (each chip of an expert group holds "
+                         "num_experts / expert experts)")
+    if m.d_model is not None and m.d_model % (c.mesh.fsdp * c.mesh.expert):
+      config_checks.fail("model.d_model", m.d_model, "a multiple of mesh.fsdp x mesh.expert="
+                         f"{c.mesh.fsdp * c.mesh.expert} (dense weights split over both)")
+  if m.num_experts and m.moe_mlp_dim is not None and sizes[2] > 1 and m.moe_mlp_dim % sizes[2]:
+    config_checks.fail("model.moe_mlp_dim", m.moe_mlp_dim, f"a multiple of mesh.tensor={sizes[2]}")
   for key in ("top_k", "val_top_k"):
     if m.vocab_size is not None and c.generation[key] > m.vocab_size:
       config_checks.fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="

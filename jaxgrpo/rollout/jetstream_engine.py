@@ -187,7 +187,7 @@ class Engine(engine_api.Engine):
     multiple = sharding_lib.batch_size_multiple(mesh)
     if max_concurrent_decodes < 1 or max_concurrent_decodes % multiple:
       raise ValueError(f"max_concurrent_decodes={max_concurrent_decodes}: must be a positive "
-                       f"multiple of {multiple} (mesh data x fsdp), so slots split evenly")
+                       f"multiple of {multiple} (mesh data x fsdp x expert), so slots split evenly")
     self.cfg, self._mesh, self.profile = cfg, mesh, profile
     self.tokenizer, self.tokenizer_path = tokenizer, tokenizer_path
     self.pad_id, self._seed, self._params = pad_id, seed, params

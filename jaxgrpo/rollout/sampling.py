@@ -360,7 +360,7 @@ class RolloutEngine:
     multiple = sharding_lib.batch_size_multiple(self.mesh)
     if (rows * jax.process_count()) % multiple:
       raise ValueError(f"{rows * jax.process_count()} prompts do not divide over the "
-                       f"{multiple} data-parallel devices (mesh data x fsdp)")
+                       f"{multiple} data-parallel devices (mesh data x fsdp x expert)")
     return rows
 
   @staticmethod

@@ -24,7 +24,8 @@ from jaxgrpo.model.tokenizer import Tokenizer
 
 
 _ARCH_KEYS = ("qkv_bias", "rope_scaling_factor", "rope_low_freq_factor",
-              "rope_high_freq_factor", "rope_original_max_positions")
+              "rope_high_freq_factor", "rope_original_max_positions", "num_experts",
+              "num_experts_per_tok", "moe_mlp_dim", "norm_topk_prob")
 
 
 class ExportError(ValueError):
@@ -40,8 +41,9 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     values = json.load(f)
   # Keys a run from an older version did not write: absent means "from the checkpoint".
   model = {"checkpoint": "", "hf_checkpoint": "", **{k: None for k in _ARCH_KEYS},
-           **values.get("model", {})}
-  return ml_collections.ConfigDict({**values, "model": model})
+           "moe_matmul": "auto", **values.get("model", {})}
+  mesh = {"expert": 1, **values.get("mesh", {})}
+  return ml_collections.ConfigDict({**values, "model": model, "mesh": mesh})
 
 
 def run_step(workdir: str, step: int | None = None) -> tuple[str, int]:
@@ -132,20 +134,26 @@ def save_peft(out: str, cfg: model_lib.ModelConfig, adapters, *, rank: int, alph
   """Writes adapters {target: {"a": [layers, in..., r], "b": [layers, r, out...]}} as a PEFT
   LoRA folder: per layer and target, lora_A.weight [r, in] and lora_B.weight [out, r] in
   torch's Linear layout, named after the base's Hugging Face tensor (hf_names), so PEFT adds
-  (alpha/r) B A x to the base projection, our x A B (alpha/r) transposed. Float32, as
-  trained. Returns the files written."""
+  (alpha/r) B A x to the base projection, our x A B (alpha/r) transposed. A mixture's
+  experts ([layers, E, in, r]) get one adapter per expert, on that expert's projection, as
+  PEFT targets the hub's per-expert Linear modules. Float32, as trained. Returns the files
+  written."""
   os.makedirs(out, exist_ok=True)
   names = hf.hf_names(cfg)
   tensors, modules = {}, []
   for target, adapter in adapters.items():
     a, b = np.asarray(adapter["a"], np.float32), np.asarray(adapter["b"], np.float32)
     ours = "/".join(lora.TARGETS[target][0])  # "attn/q"
+    per_expert = lora.expert_axes(cfg, target)
     for i in range(cfg.num_layers):
-      theirs = names[f"layer_{i}/{ours}"][0].removesuffix(".weight")
-      tensors[f"base_model.model.{theirs}.lora_A.weight"] = np.ascontiguousarray(
-          a[i].reshape(-1, rank).T)
-      tensors[f"base_model.model.{theirs}.lora_B.weight"] = np.ascontiguousarray(
-          b[i].reshape(rank, -1).T)
+      for j in range(cfg.num_experts) if per_expert else (None,):
+        key = f"layer_{i}/{ours}" + ("" if j is None else f"[{j}]")
+        a_ij, b_ij = (a[i], b[i]) if j is None else (a[i, j], b[i, j])
+        theirs = names[key][0].removesuffix(".weight")
+        tensors[f"base_model.model.{theirs}.lora_A.weight"] = np.ascontiguousarray(
+            a_ij.reshape(-1, rank).T)
+        tensors[f"base_model.model.{theirs}.lora_B.weight"] = np.ascontiguousarray(
+            b_ij.reshape(rank, -1).T)
     modules.append(theirs.rpartition(".")[2])  # "q_proj"
   adapter_config = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
@@ -163,6 +171,11 @@ def save_peft(out: str, cfg: model_lib.ModelConfig, adapters, *, rank: int, alph
 
 def hf_architecture(cfg: model_lib.ModelConfig) -> str:
   """The transformers class that computes what this ModelConfig computes."""
+  if cfg.num_experts:
+    if cfg.qk_norm and not cfg.qkv_bias:
+      return "Qwen3MoeForCausalLM"
+    raise hf.PretrainedError("a mixture of experts exports as Qwen3-MoE only (q/k norms, no "
+                             "q/k/v biases)")
   if cfg.qk_norm and not cfg.qkv_bias:
     return "Qwen3ForCausalLM"
   if cfg.qkv_bias and not cfg.qk_norm:
@@ -186,14 +199,20 @@ def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
       hf_cfg = json.load(f)
   arch = hf_architecture(cfg)
   hf_cfg.update({
-      "architectures": [arch], "model_type": {"Qwen3ForCausalLM": "qwen3",
-                                              "Qwen2ForCausalLM": "qwen2"}.get(arch, "llama"),
+      "architectures": [arch], "model_type": hf.HF_MODEL_TYPES[arch],
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
       "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
       "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
       "intermediate_size": cfg.mlp_dim, "rope_theta": cfg.rope_theta,
       "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
       "hidden_act": "silu", "torch_dtype": cfg.param_dtype})
+  if cfg.num_experts:
+    hf_cfg.update({"num_experts": cfg.num_experts,
+                   "num_experts_per_tok": cfg.num_experts_per_tok,
+                   "moe_intermediate_size": cfg.moe_mlp_dim,
+                   "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
+                   "mlp_only_layers": []})
+    hf_cfg.pop("num_local_experts", None)  # transformers 5 derives it from num_experts
   hf_cfg.setdefault("max_position_embeddings", 32768)
   if arch == "LlamaForCausalLM":
     hf_cfg.setdefault("attention_bias", False)
@@ -210,7 +229,7 @@ def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
   with open(os.path.join(out, hf.HF_CONFIG), "w") as f:
     json.dump(hf_cfg, f, indent=2)
   flat = hf.flatten(params)
-  tensors = {theirs: np.ascontiguousarray(hf.to_hf(flat[ours], how))
+  tensors = {theirs: np.ascontiguousarray(hf.to_hf(hf.part(flat, ours), how))
              for ours, (theirs, how) in hf.hf_names(cfg).items()}
   safetensors.numpy.save_file(tensors, os.path.join(out, hf.HF_WEIGHTS),
                               metadata={"format": "pt"})

@@ -236,7 +236,7 @@ def _check_backend(c, num_devices: int) -> None:
   TensorFlow), one process, and decode slots that split over the data axes."""
   del num_devices
   gen, m = c.generation, c.mesh
-  rows = m.data * m.dcn_data * m.fsdp
+  rows = sharding_lib.data_parallel_rows(m)
   if gen.backend != "jetstream":
     if gen.max_concurrent_decodes:
       config_checks.fail("generation.max_concurrent_decodes", gen.max_concurrent_decodes,
@@ -258,7 +258,7 @@ def _check_backend(c, num_devices: int) -> None:
           "(the jetstream backend runs on one)")
   if gen.max_concurrent_decodes % rows:
     config_checks.fail("generation.max_concurrent_decodes", gen.max_concurrent_decodes,
-          f"0 (one slot per rollout row) or a multiple of {rows} (mesh data x fsdp)")
+          f"0 (one slot per rollout row) or a multiple of {rows} (mesh data x fsdp x expert)")
 
 
 @config_checks.register(order=22)

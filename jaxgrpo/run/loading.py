@@ -364,7 +364,7 @@ def resume_point(config, workdir: str, model_cfg, train_batches):
 
 # config.model keys that are not the network's architecture (model.ModelConfig's fields).
 NOT_ARCHITECTURE = ("checkpoint", "hf_checkpoint", "remat", "scan_layers", "attention",
-                    "lora_rank", "lora_alpha", "lora_targets")
+                    "moe_matmul", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def architecture(config) -> dict:
@@ -388,10 +388,11 @@ def load_policy(config):
   if source:
     if m.hf_checkpoint:
       cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype)
-      cfg, params = dataclasses.replace(cfg, dtype=m.dtype), None
+      cfg, params = dataclasses.replace(cfg, dtype=m.dtype, moe_matmul=m.moe_matmul), None
     else:
       cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
-      cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype)
+      cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype,
+                                moe_matmul=m.moe_matmul)
       np_dtype = np.dtype(model_lib.DTYPES[m.param_dtype])
       params = jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), params)
     check_architecture(config, cfg)
@@ -403,7 +404,7 @@ def load_policy(config):
         f"config.model.vocab_size={m.vocab_size}: the character tokenizer for "
         f"data.source={config.data.source!r} needs at least {tokenizer.vocab_size}")
   try:
-    return model_lib.ModelConfig.from_dict(arch), None, tokenizer
+    return model_lib.ModelConfig.from_dict({**arch, "moe_matmul": m.moe_matmul}), None, tokenizer
   except ValueError as e:
     raise config_lib.ConfigError(f"config.{e}") from None
 
@@ -413,7 +414,7 @@ def check_architecture(config, cfg) -> None:
   m = config.model
   key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
   for name, value in dataclasses.asdict(cfg).items():
-    if m[name] is not None and m[name] != value:
+    if name not in NOT_ARCHITECTURE and m[name] is not None and m[name] != value:
       raise config_lib.ConfigError(
           f"config.model.{name}={m[name]!r}: the checkpoint {m[key]} has {value!r}; "
           f"allowed: {value!r} or None (take the checkpoint's), or model.{key}='' for a "

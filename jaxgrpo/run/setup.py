@@ -191,7 +191,8 @@ def prepare(argv) -> Setup:
     m = config.mesh
     print(f"devices: {jax.device_count()} x {jax.devices()[0].platform} in "
           f"{jax.process_count()} process{'es' * (jax.process_count() > 1)}; mesh data={m.data} "
-          f"fsdp={m.fsdp}" + (f" context={m.context}" if m.context > 1 else "") +
+          f"fsdp={m.fsdp}" + (f" expert={m.expert}" if m.expert > 1 else "") +
+          (f" context={m.context}" if m.context > 1 else "") +
           f" tensor={m.tensor}" + (f" dcn_data={m.dcn_data}" if m.dcn_data > 1 else ""),
           file=sys.stderr, flush=True)
   model_cfg, host_params, tokenizer = loading.load_policy(config)
