@@ -399,6 +399,9 @@ def experts_layer(x, router, gate, up, down, cfg: ModelConfig):
   row_spec = None
   if mesh is not None:
     row_spec = nn.logical_to_mesh_axes(("batch", *_middle(x.ndim), None))
+    ways = math.prod(mesh.shape[a] for a in jax.tree.leaves(tuple(row_spec)))
+    if x.shape[0] % ways:  # rows that do not split (never in a step): GSPMD's placement
+      mesh = row_spec = None
   return moe_lib.moe(x, router, gate, up, down, k=cfg.num_experts_per_tok,
                      normalize=cfg.norm_topk_prob,
                      matmul=moe_lib.resolve_matmul(cfg.moe_matmul, jax.default_backend()),

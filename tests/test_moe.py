@@ -1,0 +1,150 @@
+"""Mixture of experts (model/moe.py): routing by hand, the grouped and dense paths agree, the
+expert-parallel layer on 8 devices equals one device, the sampler's log-probs equal the
+update's on the Qwen3-MoE fixture, the load-balancing loss by hand."""
+
+import dataclasses
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrpo.algo import grpo
+from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import moe
+from jaxgrpo.model import sharding
+from jaxgrpo.rollout import policy as policy_lib
+from jaxgrpo.rollout import sampling
+
+from numpy_params import random_params  # noqa: E402  tests/numpy_params.py
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3_moe")
+CFG = model_lib.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=8, mlp_dim=64, qk_norm=True,
+                            num_experts=8, num_experts_per_tok=2, moe_mlp_dim=16)
+
+
+def test_routing_by_hand():
+  # d_model 2, 3 experts. x = [1, 0] reads the router's first row: logits [2, 1, 0],
+  # probabilities e^[2,1,0] / (e^2 + e + 1) = [.6652, .2447, .0900]; the top 2 are experts
+  # 0 and 1, renormalised to .6652 / .9100 = .7311 and .2689 (= 1 / (1 + e^-1)).
+  # x = [0, 1] reads the second row [0, 0, 3]: expert 2 first (e^3 / (e^3 + 2) = .9094),
+  # then a tie of experts 0 and 1 at .0453 each, which goes to the lower id, 0.
+  router = jnp.array([[2.0, 1.0, 0.0], [0.0, 0.0, 3.0]])
+  x = jnp.array([[1.0, 0.0], [0.0, 1.0]])
+  w, e, p = moe.route(x, router, 2, normalize=True)
+  np.testing.assert_array_equal(e, [[0, 1], [2, 0]])
+  np.testing.assert_allclose(p[0], [0.6652, 0.2447, 0.0900], atol=1e-4)
+  np.testing.assert_allclose(w, [[0.7311, 0.2689], [0.9526, 0.0474]], atol=1e-4)
+  # norm_topk_prob False keeps the probabilities as they are.
+  w, _, _ = moe.route(x, router, 2, normalize=False)
+  np.testing.assert_allclose(w, [[0.6652, 0.2447], [0.9094, 0.0453]], atol=1e-4)
+
+
+def _layer_args(seed=0, t=24, e=8, d=16, f=12):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.standard_normal((t, d)), jnp.float32),
+          jnp.asarray(rng.standard_normal((d, e)), jnp.float32),
+          *(jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+            for s in ((e, d, f), (e, d, f), (e, f, d))))
+
+
+def test_one_expert_by_hand():
+  # Experts that are the identity's halves: with k = 1 every token gets exactly its one
+  # expert's output times weight 1, which a plain SwiGLU gives.
+  x, router, gate, up, down = _layer_args(t=6, e=3)
+  for matmul in ("dense", "ragged"):
+    y, _, e = moe.moe(x, router, gate, up, down, k=1, normalize=True, matmul=matmul)
+    want = jnp.stack([jax.nn.silu(x[i] @ gate[j]) * (x[i] @ up[j]) @ down[j]
+                      for i, j in enumerate(np.asarray(e)[:, 0])])
+    np.testing.assert_allclose(y, want, atol=1e-5, err_msg=matmul)
+
+
+def test_grouped_and_dense_paths_agree_forward_and_backward():
+  args = _layer_args()
+
+  def loss(matmul, *a):
+    y, _, _ = moe.moe(*a, k=2, normalize=True, matmul=matmul)
+    return jnp.sum(jnp.sin(y))
+
+  dense = jax.value_and_grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2, 3, 4))(*args)
+  ragged = jax.value_and_grad(lambda *a: loss("ragged", *a), argnums=(0, 1, 2, 3, 4))(*args)
+  np.testing.assert_allclose(dense[0], ragged[0], rtol=1e-5)
+  for a, b in zip(dense[1], ragged[1]):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert all(float(jnp.abs(g).max()) > 0 for g in dense[1])  # every input gets a gradient
+
+
+def _update_loss(cfg, mesh=None):
+  """The training forward's loss (score_groups, as the update runs it) and its gradient,
+  under `mesh`'s activation layout (expert-parallel mixture) or on one device."""
+  rng = np.random.default_rng(3)
+  prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (8, 5)), jnp.int32)
+  prompt_mask = jnp.asarray(np.arange(5)[None] >= np.array([0, 2, 1, 0, 3, 0, 1, 4])[:, None])
+  completions = jnp.asarray(rng.integers(0, cfg.vocab_size, (8, 2, 3)), jnp.int32)
+  completion_mask = jnp.ones((8, 2, 3), bool)
+  weights = jnp.asarray(rng.standard_normal((8, 2, 3, cfg.vocab_size)), jnp.float32)
+
+  def loss(params):
+    logits = model_lib.score_groups(params, cfg, prompts, prompt_mask, completions,
+                                    completion_mask, scan_layers=True)
+    return jnp.sum(jax.nn.log_softmax(logits) * weights)
+
+  params = random_params(cfg, 0, scale_noise=0.1)
+  if mesh is None:
+    return jax.jit(jax.value_and_grad(loss))(params)
+  params = sharding.shard_params(params, cfg, mesh)
+  with sharding.activation_sharding(mesh):
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("mesh_shape, matmul", [
+    (dict(data=2, fsdp=1, expert=4, context=1, tensor=1), "ragged"),
+    (dict(data=1, fsdp=2, expert=2, context=1, tensor=2), "dense"),
+])
+def test_expert_parallel_forward_and_backward_equal_one_device(mesh_shape, matmul):
+  cfg = dataclasses.replace(CFG, moe_matmul=matmul)
+  mesh = sharding.make_mesh(mesh_shape)
+  want_loss, want_grads = _update_loss(cfg)
+  got_loss, got_grads = _update_loss(cfg, mesh)
+  # The experts' weights are split over `expert` (each chip 8 / ep of them).
+  gate = got_grads["layers"]["mlp"]["gate"]
+  assert gate.sharding.spec[1] == "expert"
+  assert gate.addressable_shards[0].data.shape[1] == 8 // mesh_shape["expert"]
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want_grads),
+                          jax.tree.leaves(got_grads)):
+    # Float noise of summing in another order: 1e-5 of the largest entry of the gradient.
+    scale = max(1.0, float(np.abs(a).max()))
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, err_msg=str(path))
+
+
+@pytest.mark.parametrize("matmul", ["dense", "ragged"])
+def test_sampler_logprobs_equal_the_updates_on_the_fixture(matmul):
+  # The decode step and the update's teacher-forced forward route each token by the same
+  # function (moe.moe) of the same parameters: the sampler's log-probs are the update's.
+  policy = policy_lib.Policy.from_pretrained(FIXTURE)
+  policy.cfg = dataclasses.replace(policy.cfg, moe_matmul=matmul)
+  policy.eos_id = None
+  sp = sampling.SamplingParams(1.0, 1.0, 0)
+  prompts = [[5, 17, 42, 9], [100, 3], [7, 8, 9, 10, 11, 12]]
+  g, t = 4, 10
+  out = policy.generate(prompts, sp, num_samples=g, max_new_tokens=t, seed=1)
+  tokens_BxL, mask_BxL = policy_lib._as_batch(prompts, None, policy.pad_id)
+  batch = {"prompt_tokens_BxL": tokens_BxL, "prompt_mask_BxL": mask_BxL,
+           "completion_tokens_NxT": out.tokens_NxT, "completion_mask_NxT": out.mask_NxT}
+  update = grpo.completion_logprobs(policy.params, policy.cfg, batch, g, sp)
+  np.testing.assert_allclose(out.logp_NxT, update, atol=1e-4)
+  assert len(np.unique(np.asarray(out.tokens_NxT))) > 10  # the samples vary
+
+
+def test_balance_loss_by_hand():
+  # 2 tokens, 2 experts, k = 1: token 0 -> expert 0 (p = [.8, .2]), token 1 -> expert 0
+  # (p = [.6, .4]). f = [2/2, 0/2] = [1, 0], P = [.7, .3]: E * sum f P = 2 * .7 = 1.4.
+  # Balanced routing (f = [.5, .5], P = [.5, .5]) gives the minimum, 1.
+  assert float(moe.balance_loss(jnp.array([1.0, 0.0]), jnp.array([0.7, 0.3]), 2)) == \
+      pytest.approx(1.4)
+  assert float(moe.balance_loss(jnp.array([0.5, 0.5]), jnp.array([0.5, 0.5]), 2)) == \
+      pytest.approx(1.0)
