@@ -193,6 +193,8 @@ SCHEMA: dict[str, Any] = {
         "micro_batch_tokens": _or_auto(_int(0)),
         # Partial rollouts (generation.max_tokens_per_step > 0; run/partial_rollouts.py).
         "max_staleness": _int(0), "importance_weight_cap": _num(1),
+        # A mixture of experts' router load-balancing loss weight (model/moe.py); 0 = off.
+        "router_aux_loss_coef": _num(0),
         "max_num_steps": _int(1), "val_period": _int(0),
         "val_at_start": _bool, "val_at_end": _bool, "val_batch_size": _or_auto(_int(1)),
         "max_val_samples": _int(0), "val_num_generations_per_prompt": _int(1),

@@ -929,3 +929,25 @@ def test_observation_tokens_get_no_gradient(params):
   first = np.zeros((4, T), bool)
   first[:, 0] = True
   assert _max_abs_diff(grad(params, batch, 0), grad(params, moved(first), 0)) > 1e-4
+
+
+def test_router_load_balancing_loss_by_hand():
+  # A mixture with every router weight 0: each token's probabilities are uniform, 1/E, and
+  # top-k ties go to the lowest ids, so every token picks experts 0 and 1 (K = 2 of E = 4).
+  # f = [K x share of assignments] = [1, 1, 0, 0], P = [1/4] * 4: E * sum f P = 4 * 2/4 = 2.
+  # The loss adds coef * 2 (and the same whole or in 2 micro-batches: each has the same
+  # routing, weighted by its half of the rows); the diagnostic reports 2; coef 0 reports none.
+  cfg = model_lib.ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=8, mlp_dim=64, qk_norm=True,
+                              num_experts=4, num_experts_per_tok=2, moe_mlp_dim=16)
+  params = random_params(cfg, 0)
+  params["layers"]["mlp"]["router"] = np.zeros_like(params["layers"]["mlp"]["router"])
+  batch = _batch([0.0, 1.0, 1.0, 0.0], [4, 2, 3, 1], num_prompts=2)
+  off, aux_off = grpo.loss_fn(params, None, batch, cfg=cfg, loss=_loss_config(), sp=SP)
+  assert "router_aux_loss" not in aux_off
+  for micro in (0, 2):
+    on, aux = grpo.micro_batch_loss(params, None, batch, cfg=cfg, sp=SP, loss=_loss_config(
+        router_aux_loss_coef=0.5, micro_batch_size=micro))[0] if micro else grpo.loss_fn(
+            params, None, batch, cfg=cfg, loss=_loss_config(router_aux_loss_coef=0.5), sp=SP)
+    assert float(aux["router_aux_loss"]) == pytest.approx(2.0, abs=1e-6)
+    assert float(on) == pytest.approx(float(off) + 0.5 * 2.0, abs=1e-5)

@@ -66,6 +66,7 @@ from jaxgrpo.runtime import compile_options
 from jaxgrpo.model import distribution, logprobs
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import lora
+from jaxgrpo.model import moe as moe_lib
 from jaxgrpo.model import sharding as sharding_lib
 from jaxgrpo.rollout import sampling
 from jaxgrpo.algo.options import KL_TYPES, LOSS_AGGS, SCALE_REWARDS  # jax-free, for config
@@ -102,6 +103,9 @@ class LossConfig:
   # Partial rollouts (generation.max_tokens_per_step > 0): the off-policy correction's
   # truncation C of the behaviour weight (`decoupled_surrogate`); 0 = on-policy (today's).
   importance_weight_cap: float = 0.0
+  # A mixture of experts' router load-balancing loss (moe.balance_loss), added with this
+  # weight; 0 = off (the default: RL recipes train without it).
+  router_aux_loss_coef: float = 0.0
 
 
 class TrainState(NamedTuple):
@@ -280,7 +284,8 @@ def kl_sampling_params(sp: sampling.SamplingParams) -> sampling.SamplingParams:
 
 def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int, sp, *,
                         chunk: int = 0, remat: str = "none",
-                        scan_layers: bool | None = None, attention: str | None = None):
+                        scan_layers: bool | None = None, attention: str | None = None,
+                        with_router_stats: bool = False):
   """log π_θ of each completion token, teacher-forced; each prompt is computed once and
   shared by its G completions (model.score_groups), as in sampling.
 
@@ -288,9 +293,12 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   result is a tuple of [N, T] arrays in the same order.
   chunk > 0: project `chunk` positions at a time, never holding the [N, T, V] logits
   (logprobs.chunked_logprobs). remat: what each layer keeps for the backward pass;
-  scan_layers, attention: model.Decoder's.
+  scan_layers, attention: model.Decoder's. with_router_stats: (log-probs, a mixture's router
+  statistics over the batch's tokens, decoder.router_stats).
   """
   if "segments_RxS" in batch:  # packed rows (algo/packing.py)
+    if with_router_stats:  # refused at startup (grpo.router_aux_loss_coef's check)
+      raise ValueError("router statistics of packed rows are not built")
     return _packed_logprobs(params, cfg, batch, sp, chunk=chunk, remat=remat,
                             scan_layers=scan_layers, attention=attention)
   n, t = batch["completion_tokens_NxT"].shape
@@ -299,18 +307,22 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   sps = sp if isinstance(sp, tuple) else (sp,)
   args = (params, cfg, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"], completion_BxGxT,
           batch["completion_mask_NxT"].reshape(b, group_size, t))
+  opts = dict(remat=remat, scan_layers=scan_layers, attention=attention,
+              with_router_stats=with_router_stats)
+  stats = None
   if chunk:
-    hidden_BxGxTxD, head_DxV = model_lib.score_hidden(*args, remat=remat,
-                                                      scan_layers=scan_layers,
-                                                      attention=attention)
+    hidden = model_lib.score_hidden(*args, **opts)
+    (hidden_BxGxTxD, head_DxV), stats = hidden if with_router_stats else (hidden, None)
     out = logprobs.chunked_logprobs(hidden_BxGxTxD.reshape(n, t, -1), head_DxV,
                                    batch["completion_tokens_NxT"], sps, chunk)
   else:
-    logits_BxGxTxV = model_lib.score_groups(*args, remat=remat, scan_layers=scan_layers,
-                                            attention=attention)
+    logits_BxGxTxV = model_lib.score_groups(*args, **opts)
+    if with_router_stats:
+      logits_BxGxTxV, stats = logits_BxGxTxV
     out = tuple(distribution.token_logprobs(logits_BxGxTxV, completion_BxGxT, p).reshape(n, t)
                 for p in sps)
-  return out if isinstance(sp, tuple) else out[0]
+  out = out if isinstance(sp, tuple) else out[0]
+  return (out, stats) if with_router_stats else out
 
 
 def _packed_logprobs(params, cfg, batch, sp, *, chunk, remat, scan_layers, attention):
@@ -353,6 +365,19 @@ def _policy_logprobs(params, cfg, batch, loss: LossConfig, sp):
   return logp, logp
 
 
+def _policy_logprobs_and_balance(params, cfg, batch, loss: LossConfig, sp):
+  """_policy_logprobs and the router's load-balancing loss of the same forward (a mixture
+  with router_aux_loss_coef > 0), else None for it."""
+  if not loss.router_aux_loss_coef:
+    return (*_policy_logprobs(params, cfg, batch, loss, sp), None)
+  kl_sp = kl_sampling_params(sp)
+  profiles = (sp, kl_sp) if loss.beta > 0 and kl_sp != sp else sp
+  logp, (f_E, p_E) = completion_logprobs(params, cfg, batch, loss.num_generations, profiles,
+                                         with_router_stats=True, **_forward_options(loss))
+  logp, kl_logp = logp if isinstance(profiles, tuple) else (logp, logp)
+  return logp, kl_logp, moe_lib.balance_loss(f_E, p_E, cfg.num_experts)
+
+
 def _reference_logprobs(ref_params, cfg, batch, loss: LossConfig, sp):
   """log π_ref of each completion token under the KL's untruncated profile (no gradient)."""
   return jax.lax.stop_gradient(completion_logprobs(
@@ -387,6 +412,9 @@ def _prepare_rows(batch, loss: LossConfig):
                                 batch["scored_N"])
   rows = dict(batch, advantages_N=advantages, mask_NxT=mask,
               weights_NxT=token_weights(mask, loss.loss_agg, loss.max_new_tokens))
+  if loss.router_aux_loss_coef:  # each micro-batch's share of the balance loss: its rows'
+    n = mask.shape[0]
+    rows["balance_share_N"] = jnp.full((n,), 1.0 / n, jnp.float32)
   del rows["rewards_N"], rows["truncated_N"], rows["scored_N"]
   rows.pop("trained_NxT", None)  # in the mask now
   return rows, mask, advantages
@@ -399,6 +427,8 @@ def _diagnostics(total, sums, mask, advantages) -> dict:
   out = {"policy_loss": sums["policy_loss"], "clip_fraction": sums["clipped"] / denom,
          "ratio_mean": sums["ratio"] / denom, "advantage_abs_mean": jnp.abs(advantages).mean(),
          "kl": sums["kl"] / denom, "loss": total}
+  if "router_aux_loss" in sums:  # a mixture's load-balancing loss (mean over micro-batches)
+    out["router_aux_loss"] = sums["router_aux_loss"]
   if "importance_weight" in sums:  # partial rollouts: the truncated behaviour weights
     out["importance_weight_mean"] = sums["importance_weight"] / denom
     out["importance_weight_clipped_fraction"] = sums["importance_clipped"] / denom
@@ -432,19 +462,24 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
   mask, weights, old_logp = (micro[k + suffix] for k in ("mask", "weights", "old_logp"))
   advantages = micro.get("advantages_RxS", micro.get("advantages_N"))
   policy_params = lora.merge(ref_params, params, loss.lora_scale) if loss.lora_rank else params
-  logp, kl_logp = _policy_logprobs(policy_params, cfg, micro, loss, sp)
+  logp, kl_logp, balance = _policy_logprobs_and_balance(policy_params, cfg, micro, loss, sp)
   total = lambda x: jnp.where(mask, x, 0.0).sum()  # where, not *: see aggregate
+  if balance is not None:  # this micro-batch's share of the batch's rows (mean over them)
+    share = jnp.sum(micro["balance_share_N"])
+    extra_loss = loss.router_aux_loss_coef * balance * share
+    extra = {"router_aux_loss": balance * share}
+  else:
+    extra_loss, extra = 0.0, {}
   if loss.importance_weight_cap:  # partial rollouts: old_logp is each token's sampler's
     per_token, clipped, ratio, weight = decoupled_surrogate(
         logp, old_logp, advantages, loss.epsilon, loss.epsilon_high, loss.importance_weight_cap)
-    extra = {"importance_weight": total(jnp.minimum(weight, loss.importance_weight_cap)),
-             "importance_clipped": total((weight > loss.importance_weight_cap).astype(
-                 jnp.float32))}
+    extra |= {"importance_weight": total(jnp.minimum(weight, loss.importance_weight_cap)),
+              "importance_clipped": total((weight > loss.importance_weight_cap).astype(
+                  jnp.float32))}
   else:
     per_token, clipped, ratio = clipped_surrogate(logp, old_logp, advantages, loss.epsilon,
                                                   loss.epsilon_high)
-    extra = {}
-  policy = total(per_token * weights)
+  policy = total(per_token * weights) + extra_loss
   sums = {"policy_loss": policy, "clipped": total(clipped.astype(jnp.float32)),
           "ratio": total(ratio), **extra}
   if loss.beta > 0:

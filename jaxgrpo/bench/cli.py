@@ -13,6 +13,7 @@ from jaxgrpo.bench import episodes
 from jaxgrpo.bench import long_tail
 from jaxgrpo.bench import lora
 from jaxgrpo.bench import memory
+from jaxgrpo.bench import moe
 from jaxgrpo.bench import packing
 from jaxgrpo.bench import prefill
 from jaxgrpo.bench import rewards
@@ -23,7 +24,7 @@ from jaxgrpo.bench import truncation
 from jaxgrpo.bench import validation
 
 SUBCOMMANDS = (sampler, rollout, truncation, validation, step, memory, early_stop, backends,
-               prefill, rewards, lora, episodes, packing, long_tail)
+               prefill, rewards, lora, episodes, packing, long_tail, moe)
 
 
 def run_all(args) -> list[dict]:

@@ -595,31 +595,63 @@ def forward(params, cfg: ModelConfig, tokens_BxT, mask_BxT, scan_layers: bool | 
       {"params": params}, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
 
 
+def _apply(cfg, remat, scan_layers, attention, params, *args, method, masks=None):
+  """Decoder.apply; with `masks` (the real-token masks of the rows each layer's mixture
+  routes, in the order it routes them) also the router's statistics (`router_stats`)."""
+  model = Decoder(cfg, remat, scan_layers, attention)
+  if masks is None:
+    return model.apply({"params": params}, *args, method=method)
+  out, state = model.apply({"params": params}, *args, method=method, mutable=["intermediates"])
+  return out, router_stats(state["intermediates"]["layers"]["mlp"]["router"], masks,
+                           cfg.num_experts)
+
+
+def router_stats(sown, masks, num_experts: int):
+  """(f [E], P [E]) of moe.balance_loss from the sown (probabilities, experts) of every
+  layer (stacked [L, rows..., E] and [L, rows..., K]), over the real tokens of `masks`:
+  f_e = K x the share of (token, slot) assignments to e, P_e = the mean probability."""
+  counts, probs, n = 0.0, 0.0, 0.0
+  for (p_LxNxE, e_LxNxK), mask in zip(sown, masks):
+    m = mask.astype(jnp.float32)[None, ..., None]  # [1, rows..., 1]
+    chosen = jnp.sum(jax.nn.one_hot(e_LxNxK, num_experts, dtype=jnp.float32), axis=-2)
+    lead = tuple(range(p_LxNxE.ndim - 1))
+    counts = counts + jnp.sum(chosen * m, axis=lead)
+    probs = probs + jnp.sum(p_LxNxE * m, axis=lead)
+    n = n + jnp.sum(m) * p_LxNxE.shape[0]
+  n = jnp.maximum(n, 1.0)
+  return counts / n, probs / n
+
+
 def score_groups(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
-                 scan_layers: bool | None = None, attention: str | None = None):
-  """Teacher-forced logits of G completions per prompt, the prompt computed once."""
-  return Decoder(cfg, remat, scan_layers, attention).apply(
-      {"params": params}, prompt_tokens_BxL, prompt_mask_BxL, completion_BxGxT,
-      completion_mask_BxGxT, method=Decoder.score_groups)
+                 scan_layers: bool | None = None, attention: str | None = None,
+                 with_router_stats: bool = False):
+  """Teacher-forced logits of G completions per prompt, the prompt computed once.
+  with_router_stats: (logits, router_stats over the prompt and completion tokens)."""
+  masks = (prompt_mask_BxL, completion_mask_BxGxT) if with_router_stats else None
+  return _apply(cfg, remat, scan_layers, attention, params, prompt_tokens_BxL,
+                prompt_mask_BxL, completion_BxGxT, completion_mask_BxGxT,
+                method=Decoder.score_groups, masks=masks)
 
 
 def score_hidden(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
-                 scan_layers: bool | None = None, attention: str | None = None):
+                 scan_layers: bool | None = None, attention: str | None = None,
+                 with_router_stats: bool = False):
   """(hidden [B, G, T, D], head [D, V]): `score_groups` before the output projection."""
-  return Decoder(cfg, remat, scan_layers, attention).apply(
-      {"params": params}, prompt_tokens_BxL, prompt_mask_BxL, completion_BxGxT,
-      completion_mask_BxGxT, method=Decoder.score_hidden)
+  masks = (prompt_mask_BxL, completion_mask_BxGxT) if with_router_stats else None
+  return _apply(cfg, remat, scan_layers, attention, params, prompt_tokens_BxL,
+                prompt_mask_BxL, completion_BxGxT, completion_mask_BxGxT,
+                method=Decoder.score_hidden, masks=masks)
 
 
 def score_packed(params, cfg: ModelConfig, tokens_RxS, positions_RxS, segments_RxS,
                  remat: str = "none", scan_layers: bool | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, with_router_stats: bool = False):
   """(hidden [R, S, D], head [D, V]) of packed rows: Decoder.score_packed."""
-  return Decoder(cfg, remat, scan_layers, attention).apply(
-      {"params": params}, tokens_RxS, positions_RxS, segments_RxS,
-      method=Decoder.score_packed)
+  masks = (segments_RxS > 0,) if with_router_stats else None
+  return _apply(cfg, remat, scan_layers, attention, params, tokens_RxS, positions_RxS,
+                segments_RxS, method=Decoder.score_packed, masks=masks)
 
 
 def init_params(cfg: ModelConfig, rng):

@@ -100,7 +100,8 @@ def loss_config(c, mesh) -> grpo.LossConfig:
       lora_scale=c.model.lora_alpha / c.model.lora_rank if c.model.lora_rank else 0.0,
       lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else (),
       trained_mask=bool(c.env.name),
-      importance_weight_cap=g.importance_weight_cap if c.generation.max_tokens_per_step else 0.0)
+      importance_weight_cap=g.importance_weight_cap if c.generation.max_tokens_per_step else 0.0,
+      router_aux_loss_coef=g.router_aux_loss_coef)
 
 
 def completion_width(c) -> int:

@@ -197,6 +197,7 @@ def prepare(argv) -> Setup:
           file=sys.stderr, flush=True)
   model_cfg, host_params, tokenizer = loading.load_policy(config)
   _check_lora_rank(config, model_cfg)
+  _check_experts(config, model_cfg)
   loading.check_env(config, tokenizer)
   data = loading.load_data(config, tokenizer)
   loading.per_process(config, "num_prompts_per_step")
@@ -240,6 +241,26 @@ def _check_lora_rank(config, model_cfg) -> None:
   if problem:
     raise config_lib.ConfigError(f"config.model.lora_rank={config.model.lora_rank}: {problem}; "
                                  "allowed: a smaller rank")
+
+
+def _check_experts(config, model_cfg) -> None:
+  """What needs a mixture of experts, against the model as loaded (a checkpoint names its
+  own experts): mesh.expert divides them, a router loss weight has a router."""
+  experts, m = model_cfg.num_experts, config.mesh
+  if m.expert > 1 and (not experts or experts % m.expert):
+    raise config_lib.ConfigError(
+        f"config.mesh.expert={m.expert}: the model has {experts} experts; allowed: 1, or a "
+        "divisor of the experts (each chip of an expert group holds experts / expert)")
+  coef = config.grpo.router_aux_loss_coef
+  if coef and not experts:
+    raise config_lib.ConfigError(
+        f"config.grpo.router_aux_loss_coef={coef}: the model is dense (no router); allowed: "
+        "0, or a mixture of experts (model.num_experts > 0)")
+  if coef and config.grpo.micro_batch_tokens:
+    raise config_lib.ConfigError(
+        f"config.grpo.router_aux_loss_coef={coef}: not built with packed micro-batches "
+        f"(grpo.micro_batch_tokens={config.grpo.micro_batch_tokens}); allowed: 0, or "
+        "grpo.micro_batch_tokens=0")
 
 
 def _check_trackers(config) -> None:
