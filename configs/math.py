@@ -136,7 +136,7 @@ def get_config(arg=None):
       # min(pi_step / pi_sampler, importance_weight_cap) (docs/loss.md).
       max_staleness=4, importance_weight_cap=2.0,
       # A mixture of experts (Qwen3-MoE) only: the router's load-balancing loss, added with
-      # this weight (0 = off, as RL recipes run; Qwen3-MoE pretraining used 0.001).
+      # this weight (0 = off, as verl runs RL; Qwen3-MoE's config.json says 0.001).
       router_aux_loss_coef=0.0,
       max_num_steps=500,
       val_period=100, val_at_start=True, val_at_end=True, val_batch_size=128,

@@ -36,7 +36,7 @@ def test_multi_slice_mesh_is_stored_per_slice():
   resolved = config_lib.validate(c, num_devices=8)
   assert (resolved.mesh.data, resolved.mesh.dcn_data) == (4, 2)
   from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
-  assert sharding.resolve_mesh_shape(resolved.mesh.to_dict(), 8) == (8, 1, 1, 1)
+  assert sharding.resolve_mesh_shape(resolved.mesh.to_dict(), 8) == (8, 1, 1, 1, 1)
 
 
 def test_validate_leaves_callers_config_alone():

@@ -55,6 +55,36 @@ def test_merge_is_the_base_at_init_and_w_plus_scaled_a_b_after():
   np.testing.assert_array_equal(merged["layers"]["attn"]["k"], base["layers"]["attn"]["k"])
 
 
+def test_experts_get_one_adapter_each_merged_and_exported_per_expert(tmp_path):
+  # A mixture of 3 experts of F = 16 in 2 layers: gate's base is [2, 3, 32, 16], so its A is
+  # [2, 3, 32, r] and B [2, 3, r, 16] (the expert axis a batch axis like the layers'); the
+  # merge adds 2 * A[l, e] @ B[l, e] to expert e of layer l alone; the PEFT export names
+  # each expert's own Linear, as PEFT adapts the hub's per-expert modules.
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import artifacts  # pylint: disable=g-import-not-at-top
+  cfg = model_lib.ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=8, mlp_dim=64, qk_norm=True,
+                              num_experts=3, num_experts_per_tok=2, moe_mlp_dim=16)
+  assert lora.shapes(cfg, 4, ("gate", "down", "q")) == {
+      "gate": ((2, 3, 32, 4), (2, 3, 4, 16)), "down": ((2, 3, 16, 4), (2, 3, 4, 32)),
+      "q": ((2, 32, 4), (2, 4, 4, 8))}
+  assert lora.logical_axes(cfg, ("gate",))["gate"] == {
+      "a": ("layers", "expert", "expert_embed", None), "b": ("layers", "expert", None, "mlp")}
+  base = jax.tree.map(np.asarray, model_lib.nn.unbox(model_lib.init_params(cfg, jax.random.key(0))))
+  adapters = lora.init(cfg, 4, ("gate",), jax.random.key(1))
+  adapters["gate"]["b"] = jax.random.normal(jax.random.key(2), (2, 3, 4, 16))
+  merged = lora.merge(base, adapters, 2.0)
+  a, b = np.asarray(adapters["gate"]["a"]), np.asarray(adapters["gate"]["b"])
+  want = base["layers"]["mlp"]["gate"] + 2.0 * np.einsum("leir,lero->leio", a, b)
+  np.testing.assert_allclose(merged["layers"]["mlp"]["gate"], want, rtol=1e-5, atol=1e-6)
+  artifacts.save_peft(str(tmp_path), cfg, adapters, rank=4, alpha=8.0, base_path="base")
+  tensors = safetensors.numpy.load_file(str(tmp_path / "adapter_model.safetensors"))
+  assert len(tensors) == 2 * 3 * 2  # layers x experts x (A, B)
+  name = "base_model.model.model.layers.1.mlp.experts.2.gate_proj"
+  np.testing.assert_array_equal(tensors[f"{name}.lora_A.weight"], a[1, 2].T)  # [r, in]
+  np.testing.assert_array_equal(tensors[f"{name}.lora_B.weight"], b[1, 2].T)  # [out, r]
+
+
 @pytest.mark.slow
 def test_a_lora_run_resumes_exactly_exports_merged_and_evaluates(tmp_path):
   # The smoke preset with rank-4 adapters for 4 steps, a checkpoint every 2: cut at step 2

@@ -20,11 +20,13 @@ INIT_CFG = dataclasses.replace(CFG, num_layers=1, tie_embeddings=False)
 
 
 def test_resolve_mesh_shape_minus_one_fills_the_rest():
-  assert sharding.resolve_mesh_shape({"data": -1}, 8) == (8, 1, 1, 1)
-  assert sharding.resolve_mesh_shape({"data": -1, "tensor": 2}, 8) == (4, 1, 1, 2)
-  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == (2, 2, 1, 2)
-  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": 2, "tensor": 2}, 8) == (2, 2, 1, 2)
-  assert sharding.resolve_mesh_shape({}, 1) == (1, 1, 1, 1)
+  # (data, fsdp, expert, context, tensor)
+  assert sharding.resolve_mesh_shape({"data": -1}, 8) == (8, 1, 1, 1, 1)
+  assert sharding.resolve_mesh_shape({"data": -1, "tensor": 2}, 8) == (4, 1, 1, 1, 2)
+  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == (2, 2, 1, 1, 2)
+  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": 2, "tensor": 2}, 8) == (2, 2, 1, 1, 2)
+  assert sharding.resolve_mesh_shape({"data": 2, "expert": -1}, 8) == (2, 1, 4, 1, 1)
+  assert sharding.resolve_mesh_shape({}, 1) == (1, 1, 1, 1, 1)
 
 
 def test_resolve_mesh_shape_rejects_two_minus_ones():
