@@ -148,3 +148,19 @@ def test_balance_loss_by_hand():
       pytest.approx(1.4)
   assert float(moe.balance_loss(jnp.array([0.5, 0.5]), jnp.array([0.5, 0.5]), 2)) == \
       pytest.approx(1.0)
+
+
+def test_expert_parallel_sampler_draws_what_one_device_draws():
+  # The fixture's 4 experts over expert=4 (one a chip; rows over data 2 x expert 4): the
+  # sampler's prefill and decode steps run the mixture in shard_map, and draw the tokens
+  # one device draws, with the same log-probs.
+  sp = sampling.SamplingParams(1.0, 1.0, 0)
+  prompts = [[5 + i, 17, 42 + 3 * i, 9][: 2 + i % 3] for i in range(8)]
+  outs = []
+  for mesh in (None, sharding.make_mesh(dict(data=2, fsdp=1, expert=4, context=1, tensor=1))):
+    policy = policy_lib.Policy.from_pretrained(FIXTURE, mesh=mesh)
+    policy.cfg = dataclasses.replace(policy.cfg, moe_matmul="ragged")
+    policy.eos_id = None
+    outs.append(policy.generate(prompts, sp, num_samples=2, max_new_tokens=6, seed=3))
+  np.testing.assert_array_equal(outs[1].tokens_NxT, outs[0].tokens_NxT)
+  np.testing.assert_allclose(outs[1].logp_NxT, outs[0].logp_NxT, atol=1e-5)

@@ -64,6 +64,11 @@ def constrain(x, *logical_axes):
   return nn.with_logical_constraint(x, logical_axes, mesh=mesh)
 
 
+# Set while a sampler is traced (sharding.expert_parallel): a mixture's layers run
+# expert-parallel on it, while the sampler's other activations keep GSPMD's placement.
+EXPERT_MESH: contextvars.ContextVar = contextvars.ContextVar("expert_mesh", default=None)
+
+
 # Set while the packed forward is traced (Decoder.score_packed): its [R, S, ...] activations
 # also split their positions S over the mesh's `context` axis (context parallelism).
 SEQUENCE_SPLIT: contextvars.ContextVar = contextvars.ContextVar("sequence_split",
@@ -393,9 +398,10 @@ class MLP(nn.Module):
 
 
 def experts_layer(x, router, gate, up, down, cfg: ModelConfig):
-  """moe.moe with the model's settings, expert-parallel while a mesh is set (`constrain`'s):
-  the one call the training forward and the sampler's decode step share."""
-  mesh = ACTIVATION_MESH.get()
+  """moe.moe with the model's settings, expert-parallel while a mesh is set (`constrain`'s, or
+  a sampler's EXPERT_MESH): the one call the training forward and the sampler's decode step
+  share."""
+  mesh = ACTIVATION_MESH.get() or EXPERT_MESH.get()
   row_spec = None
   if mesh is not None:
     row_spec = nn.logical_to_mesh_axes(("batch", *_middle(x.ndim), None))

@@ -171,6 +171,19 @@ def activation_sharding(mesh: Mesh):
     model_lib.ACTIVATION_MESH.reset(token)
 
 
+@contextlib.contextmanager
+def expert_parallel(mesh: Mesh):
+  """Within it, a mixture of experts' layers run expert-parallel on `mesh` (model/moe.py;
+  trace a sampler under it). Unlike `activation_sharding`, no other activation is pinned:
+  the samplers keep the placement they were measured with."""
+  token = model_lib.EXPERT_MESH.set(mesh)
+  try:
+    with nn.logical_axis_rules(RULES):
+      yield
+  finally:
+    model_lib.EXPERT_MESH.reset(token)
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   """Leading axis split over the data axes, the rest replicated."""
   return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))

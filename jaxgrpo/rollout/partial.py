@@ -195,9 +195,10 @@ def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_
   def traced(params, state, refill, tokens, mask, ids, active, limit, budget, key):
     if on_trace is not None:
       on_trace()  # once per trace, i.e. once per compilation
-    return round_(params, state, refill, tokens, mask, ids, active, limit, budget, key, cfg=cfg,
-                  profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                  scan_layers=scan_layers, attention=attention)
+    with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
+      return round_(params, state, refill, tokens, mask, ids, active, limit, budget, key,
+                    cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
+                    scan_layers=scan_layers, attention=attention)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   rep = sharding_lib.replicated(mesh)

@@ -268,10 +268,11 @@ def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad
   def traced(params, tokens, mask, key, row_ids):
     if on_trace is not None:
       on_trace()  # runs once per trace, i.e. once per compilation
-    return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile, eos_id=eos_id,
-                  pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
-                  scan_layers=scan_layers, attention=attention, decode_block=decode_block,
-                  compact_stages=compact_stages)
+    with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
+      return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile,
+                    eos_id=eos_id, pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
+                    scan_layers=scan_layers, attention=attention, decode_block=decode_block,
+                    compact_stages=compact_stages)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(

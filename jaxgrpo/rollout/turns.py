@@ -134,8 +134,9 @@ def compile_start(cfg: model_lib.ModelConfig, samples: int, num_slots: int, *, m
   def traced(params, tokens, mask):
     if on_trace is not None:
       on_trace()
-    return start(params, tokens, mask, cfg=cfg, samples=samples, num_slots=num_slots,
-                 mesh=mesh, scan_layers=scan_layers, attention=attention)
+    with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
+      return start(params, tokens, mask, cfg=cfg, samples=samples, num_slots=num_slots,
+                   mesh=mesh, scan_layers=scan_layers, attention=attention)
 
   rows2 = sharding_lib.batch_sharding(mesh, 2)
   return jax.jit(traced,
@@ -153,9 +154,10 @@ def compile_turn(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_i
   def traced(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N):
     if on_trace is not None:
       on_trace()  # runs once per trace, i.e. once per compilation
-    return turn(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N,
-                cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                scan_layers=scan_layers, attention=attention, compact_stages=compact_stages)
+    with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
+      return turn(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N,
+                  cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
+                  scan_layers=scan_layers, attention=attention, compact_stages=compact_stages)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   caches = sharding_lib.cache_shardings(mesh, stacked)
