@@ -50,6 +50,10 @@ def get_config(arg=None):
       rope_low_freq_factor=unset(float), rope_high_freq_factor=unset(float),
       rope_original_max_positions=unset(int), num_experts=unset(int),
       num_experts_per_tok=unset(int), moe_mlp_dim=unset(int), norm_topk_prob=unset(bool),
+      hidden_act=unset(str), norm_plus_one=unset(bool), post_norms=unset(bool),
+      embed_scale=unset(bool), query_pre_attn_scalar=unset(float), sliding_window=unset(int),
+      sliding_window_pattern=unset(int), rope_local_theta=unset(float),
+      rope_scaling_type=unset(str),
       # A mixture's experts: auto = grouped matmuls (ragged_dot) on TPU/GPU, dense on CPU.
       moe_matmul="auto",
       param_dtype="float32", dtype="bfloat16",

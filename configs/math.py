@@ -37,6 +37,11 @@ def get_config(arg=None):
       # are computed (auto: a dense reference on CPU, grouped ragged_dot elsewhere).
       num_experts=0, num_experts_per_tok=0, moe_mlp_dim=0, norm_topk_prob=True,
       moe_matmul="auto",
+      # Gemma 3's layout (all off here): GeGLU, (1 + w) norms also after each sublayer,
+      # scaled embeddings, its query scale, sliding-window local layers with their own RoPE.
+      hidden_act="silu", norm_plus_one=False, post_norms=False, embed_scale=False,
+      query_pre_attn_scalar=0.0, sliding_window=0, sliding_window_pattern=0,
+      rope_local_theta=0.0, rope_scaling_type="llama3",
       param_dtype="float32", dtype="float32",
       remat="none",  # what each layer keeps for the backward: none, full, save_dots
       # The layers as one compiled loop body (True) or unrolled (False); None: unrolled on

@@ -133,6 +133,13 @@ SCHEMA: dict[str, Any] = {
         # Mixture of experts (Qwen3-MoE): 0 experts = a dense MLP.
         "num_experts": _optional(_int(0)), "num_experts_per_tok": _optional(_int(0)),
         "moe_mlp_dim": _optional(_int(0)), "norm_topk_prob": _optional(_bool),
+        # Gemma 3's departures from the Llama layout (model/decoder.py's ModelConfig).
+        "hidden_act": _optional(_choice("silu", "gelu_tanh")),
+        "norm_plus_one": _optional(_bool), "post_norms": _optional(_bool),
+        "embed_scale": _optional(_bool), "query_pre_attn_scalar": _optional(_num(0)),
+        "sliding_window": _optional(_int(0)), "sliding_window_pattern": _optional(_int(0)),
+        "rope_local_theta": _optional(_num(0)),
+        "rope_scaling_type": _optional(_choice("llama3", "linear")),
         # Not architecture: the experts' matmuls (model/moe.py; auto: dense on CPU, else ragged).
         "moe_matmul": _choice("auto", "ragged", "dense"),
         "param_dtype": _dtype, "dtype": _dtype,

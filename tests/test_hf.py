@@ -185,7 +185,7 @@ def reference(name):
           json.load(open(os.path.join(folder, "reference.json"))))
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3_moe", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3_moe", "gemma3", "llama"])
 def pretrained(request):
   from jaxgrpo.rollout import policy
   folder, arrays, facts = reference(request.param)

@@ -18,6 +18,8 @@ CFG = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, nu
 # and the initialiser's XLA compile time grows with the number of tensors (~0.7 s each).
 INIT_CFG = dataclasses.replace(CFG, num_layers=1, tie_embeddings=False)
 
+# A dense weight's model dimension: split over fsdp and expert (with expert=1, fsdp's split).
+EMBED = ("fsdp", "expert")
 
 def test_resolve_mesh_shape_minus_one_fills_the_rest():
   # (data, fsdp, expert, context, tensor)
@@ -59,23 +61,23 @@ def test_resolve_mesh_shape_rejects_zero_or_negative_size():
 def test_make_mesh_axes_and_auto_types():
   mesh = sharding.make_mesh({"data": 2, "fsdp": -1, "tensor": 2})
   assert mesh.axis_names == sharding.MESH_AXES
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   assert sharding.batch_size_multiple(mesh) == 4
   one = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-  assert dict(one.shape) == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
+  assert dict(one.shape) == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
   # Context parallelism (issue 51): its own axis, between the data axes and tensor.
   cp = sharding.make_mesh({"data": 2, "context": 2, "tensor": 2})
-  assert dict(cp.shape) == {"data": 2, "fsdp": 1, "context": 2, "tensor": 2}
+  assert dict(cp.shape) == {"data": 2, "fsdp": 1, "expert": 1, "context": 2, "tensor": 2}
   assert sharding.batch_size_multiple(cp) == 2  # a context group's chips share their rows
 
 
 def test_resolve_mesh_shape_multi_slice_sizes_are_per_slice():
   # 2 slices of 4 devices: the sizes given apply inside a slice; data spans the slices.
-  assert sharding.resolve_mesh_shape({"data": -1, "dcn_data": 2}, 8) == (8, 1, 1, 1)
-  assert sharding.resolve_mesh_shape({"data": 1, "fsdp": -1, "dcn_data": 2}, 8) == (2, 4, 1, 1)
+  assert sharding.resolve_mesh_shape({"data": -1, "dcn_data": 2}, 8) == (8, 1, 1, 1, 1)
+  assert sharding.resolve_mesh_shape({"data": 1, "fsdp": -1, "dcn_data": 2}, 8) == (2, 4, 1, 1, 1)
   assert sharding.resolve_mesh_shape({"data": 1, "fsdp": 2, "tensor": 2, "dcn_data": 2},
-                                     8) == (2, 2, 1, 2)
+                                     8) == (2, 2, 1, 1, 2)
   with pytest.raises(ValueError, match=r"mesh\.dcn_data=3"):
     sharding.resolve_mesh_shape({"data": -1, "dcn_data": 3}, 8)
   with pytest.raises(ValueError, match="a slice has 4"):
@@ -95,7 +97,7 @@ class _SliceDevice:
 def test_make_mesh_multi_slice_keeps_fsdp_and_tensor_inside_a_slice():
   devices = [_SliceDevice(i, slice_index=i // 4) for i in range(8)]
   mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 2, "dcn_data": 2}, devices)
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   # Each index of the data axis is one slice: its fsdp x tensor block never crosses DCN.
   for d in range(2):
     assert {dev.slice_index for dev in mesh.devices[d].ravel()} == {d}
@@ -126,14 +128,14 @@ def test_init_sharded_places_params_by_logical_axes(mesh222, single_device_init)
   attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
   # ("layers", "embed", "q_heads", "head_dim") -> every layer on every chip, embed over
   # fsdp, heads over tensor.
-  assert attn["q"].sharding.spec == P(None, "fsdp", "tensor", None)
-  assert attn["k"].sharding.spec == P(None, "fsdp", "tensor", None)
-  assert attn["o"].sharding.spec == P(None, "tensor", None, "fsdp")
+  assert attn["q"].sharding.spec == P(None, EMBED, "tensor", None)
+  assert attn["k"].sharding.spec == P(None, EMBED, "tensor", None)
+  assert attn["o"].sharding.spec == P(None, "tensor", None, EMBED)
   # ("vocab", "embed") -> vocab over tensor, embed over fsdp; the head is its transpose.
-  assert params["embedding"].sharding.spec == P("tensor", "fsdp")
-  assert params["lm_head"].sharding.spec == P("fsdp", "tensor")
-  assert mlp["gate"].sharding.spec == P(None, "fsdp", "tensor")
-  assert mlp["down"].sharding.spec == P(None, "tensor", "fsdp")
+  assert params["embedding"].sharding.spec == P("tensor", EMBED)
+  assert params["lm_head"].sharding.spec == P(EMBED, "tensor")
+  assert mlp["gate"].sharding.spec == P(None, EMBED, "tensor")
+  assert mlp["down"].sharding.spec == P(None, "tensor", EMBED)
   assert params["final_norm"]["scale"].sharding.spec == P(None)
   for leaf in jax.tree.leaves(params):
     assert leaf.sharding.mesh == mesh222
@@ -164,7 +166,7 @@ def test_init_sharded_draws_what_flax_init_draws(single_device_init):
 
 def test_shard_params_uses_the_same_layout(mesh222, single_device_params):
   placed = sharding.shard_params(single_device_params, CFG, mesh222)
-  assert placed["layers"]["attn"]["v"].sharding.spec == P(None, "fsdp", "tensor", None)
+  assert placed["layers"]["attn"]["v"].sharding.spec == P(None, EMBED, "tensor", None)
   jax.tree.map(np.testing.assert_array_equal, placed, single_device_params)
 
 

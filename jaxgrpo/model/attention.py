@@ -38,13 +38,16 @@ ATTENTION = ("xla", "cudnn", "splash")
 SPLASH_BLOCK = 128  # the kernel's smallest block: sequences are padded to a multiple
 
 
-def resolve_attention(value: str | None, platform: str, dtype: str) -> str:
+def resolve_attention(value: str | None, platform: str, dtype: str,
+                      windowed: bool = False) -> str:
   """`model.attention`; None picks by platform: "splash" (Pallas' flash kernel) on TPU,
   "cudnn" (jax.nn.dot_product_attention's cuDNN flash attention) on GPU with bfloat16
-  compute, "xla" (the einsum path) elsewhere: CPU keeps "xla"."""
+  compute, "xla" (the einsum path) elsewhere: CPU keeps "xla". windowed: a model with
+  sliding-window layers (Gemma 3), whose per-layer window the splash kernels here do not
+  take: "xla" on TPU (a named "splash" is refused at startup)."""
   if value is not None:
     return value
-  if platform == "tpu":
+  if platform == "tpu" and not windowed:
     return "splash"
   return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
 
@@ -158,7 +161,8 @@ def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
 def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS, implementation: str):
   """G samples' T new tokens per prompt (q [B, G, T, H, D], k/v [B, G, T, H_kv, D]) over
   their prompt's K/V ([B, H_kv, L, D], the cache layout) and causally over themselves
-  (own_BxGxTxS); out [B, G, T, H, D].
+  (own_BxGxTxS); out [B, G, T, H, D]. prompt_mask_BxL: the prompt keys every new token
+  sees, or per token [B, G, T, L] (a sliding window).
 
   "xla": heads laid out [B, Hkv, G, R, T, D] so the prompt scores are one batched matmul
   per (prompt, kv head) with G*R*T rows, no prompt copied G times. Both score blocks are
@@ -178,8 +182,10 @@ def extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS, implementa
   scale = d ** -0.5
   s_prompt = jnp.einsum("bkmd,bkpd->bkmp", q_BKGRTD.reshape(b, hk, g * r * t, d),
                         prompt_k).astype(jnp.float32) * scale
-  s_prompt = jnp.where(prompt_mask_BxL[:, None, None, :], s_prompt, _NEG)
   s_prompt = s_prompt.reshape(b, hk, g, r, t, -1)
+  seen = (prompt_mask_BxL[:, None, None, None, None, :] if prompt_mask_BxL.ndim == 2
+          else prompt_mask_BxL[:, None, :, None])  # [B, 1, G, 1, T, L]
+  s_prompt = jnp.where(seen, s_prompt, _NEG)
   s_own = jnp.einsum("bkgrtd,bkgsd->bkgrts", q_BKGRTD, k_BKGSD).astype(jnp.float32) * scale
   s_own = jnp.where(own_BxGxTxS[:, None, :, None], s_own, _NEG)
   row_max = jax.lax.stop_gradient(jnp.maximum(s_prompt.max(-1, keepdims=True),
@@ -228,26 +234,30 @@ def _extend_fused(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, own_BxGxTxS,
   b, g, t, h, d = q.shape
   p = prompt_mask_BxL.shape[-1]
   keys, values = _with_prompt(prompt_k, k), _with_prompt(prompt_v, v)
-  allowed = jnp.concatenate([jnp.broadcast_to(prompt_mask_BxL[:, None, None], (b, g, t, p)),
-                             own_BxGxTxS], axis=-1)
+  seen = prompt_mask_BxL[:, None, None] if prompt_mask_BxL.ndim == 2 else prompt_mask_BxL
+  allowed = jnp.concatenate([jnp.broadcast_to(seen, (b, g, t, p)), own_BxGxTxS], axis=-1)
   o = fused_attention(q.reshape(b * g, t, h, d), keys.reshape(b * g, p + t, -1, d),
                       values.reshape(b * g, p + t, -1, d), allowed.reshape(b * g, t, p + t),
                       implementation)
   return o.reshape(b, g, t, h, d)
 
 
-def rope_frequencies(cfg, d: int):
-  """inv_freq_i = theta^(-2i/d), then Llama 3's scaling when rope_scaling_factor > 0 (cfg:
-  a model.ModelConfig).
+def rope_frequencies(cfg, d: int, local: bool = False):
+  """inv_freq_i = theta^(-2i/d), then the scaling when rope_scaling_factor > 0 (cfg: a
+  model.ModelConfig): Llama 3's, or linear (inv_freq / factor, Gemma 3's global layers).
+  local: a sliding-window layer's (base rope_local_theta, never scaled).
 
   The scaling is transformers' `_compute_llama3_parameters`: wavelengths longer than
   original_max / low_freq_factor are divided by the factor, shorter than original_max /
   high_freq_factor are kept, and the band between is interpolated.
   """
-  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
   factor = cfg.rope_scaling_factor
-  if not factor:
+  if local or not factor:
     return inv_freq
+  if cfg.rope_scaling_type == "linear":
+    return inv_freq / factor
   low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
   old_len = cfg.rope_original_max_positions
   wavelen = 2 * math.pi / inv_freq

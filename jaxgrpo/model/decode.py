@@ -63,6 +63,8 @@ class Layer(NamedTuple):
   up: jax.Array          # [mlp, d_model]; a mixture's: [E, d_model, F]
   down: jax.Array        # [d_model, mlp]; a mixture's: [E, F, d_model]
   router: jax.Array | None = None  # a mixture's router [d_model, E] (moe.py), else None
+  post_attn_norm: jax.Array | None = None  # [d_model, 1]: Gemma's norms of the sublayers'
+  post_mlp_norm: jax.Array | None = None   # outputs (decoder.Block), else None
 
 
 class Weights(NamedTuple):
@@ -71,6 +73,7 @@ class Weights(NamedTuple):
   final_norm: jax.Array  # [d_model, 1]
   head: jax.Array        # [V, d_model]
   inv_freq: jax.Array    # [D / 2, 1, 1] RoPE frequencies
+  inv_freq_local: jax.Array | None = None  # a sliding-window layer's, where the model has them
 
 
 class Cache(NamedTuple):
@@ -104,6 +107,9 @@ def _prepare_layer(p, cfg: model_lib.ModelConfig) -> Layer:
                router=m["router"])
   else:
     mlp = dict(gate=m["gate"].T.astype(dt), up=m["up"].T.astype(dt), down=m["down"].T.astype(dt))
+  if cfg.post_norms:
+    mlp.update(post_attn_norm=col(p["post_attn_norm"]["scale"]),
+               post_mlp_norm=col(p["post_mlp_norm"]["scale"]))
   return Layer(
       attn_norm=col(p["attn_norm"]["scale"]), qkv=qkv.transpose(1, 2, 3, 0).astype(dt),
       qkv_bias=bias, qk_norm=norm, out=a["o"].reshape(hk * r * d, cfg.d_model).T.astype(dt),
@@ -125,9 +131,13 @@ def prepare(params, cfg: model_lib.ModelConfig, stacked: bool = False) -> Weight
   # Tied: one cast array serves as both the embedding and the head (both [V, d_model]).
   embedding = params["embedding"].astype(dt)
   head = embedding if cfg.tie_embeddings else params["lm_head"].T.astype(dt)
+  local = None
+  if cfg.sliding_window:
+    local = attention_lib.rope_frequencies(cfg, cfg.head_dim, local=True)[:, None, None]
   return Weights(embedding=embedding, layers=layers,
                  final_norm=params["final_norm"]["scale"][:, None], head=head,
-                 inv_freq=attention_lib.rope_frequencies(cfg, cfg.head_dim)[:, None, None])
+                 inv_freq=attention_lib.rope_frequencies(cfg, cfg.head_dim)[:, None, None],
+                 inv_freq_local=local)
 
 
 def init_cache(prompt_k, prompt_v, prompt_mask_BxL, cfg: model_lib.ModelConfig,
@@ -169,7 +179,7 @@ def _norm(x, scale, cfg: model_lib.ModelConfig, axis: int = 0):
   """model.rms_norm over `axis` (features run down the columns here)."""
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + cfg.norm_eps)
-  return (x32 * scale.astype(jnp.float32)).astype(model_lib.DTYPES[cfg.dtype])
+  return (x32 * model_lib.norm_scale(scale, cfg)).astype(model_lib.DTYPES[cfg.dtype])
 
 
 def _rope(x, cos2, sin2):
@@ -211,18 +221,24 @@ def _write(buffer, new, i, axis: int, layer=None):
 
 
 def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
-            block: int = 0):
-  """Softmax over the prompt's and the samples' own keys, without concatenating them."""
+            block: int = 0, window=None):
+  """Softmax over the prompt's and the samples' own keys, without concatenating them.
+  window: a sliding-window layer's (the prompt's keys beyond it already in prompt_bias):
+  the generated slots more than window - 1 behind slot i are not seen either."""
   b, hk, g, r, d = q_BxKxGxRxD.shape
   f32 = jnp.float32
   s_prompt = jnp.einsum("bkmd,bkdp->bkmp", q_BxKxGxRxD.reshape(b, hk, g * r, d),
                         prompt_k, preferred_element_type=f32) + prompt_bias
   s_prompt = s_prompt.reshape(b, hk, g, r, -1)
   if block and jnp.ndim(i) == 0:
-    return _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block)
+    return _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block,
+                          window)
   s_gen = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, layer_k, preferred_element_type=f32)
   slots, at = _at_slot(i, s_gen.shape, s_gen.ndim - 1)
-  s_gen = jnp.where(slots <= at, s_gen, _NEG)
+  seen = slots <= at
+  if window is not None:
+    seen = seen & (at - slots < window)
+  s_gen = jnp.where(seen, s_gen, _NEG)
   top = jnp.maximum(jnp.max(s_prompt, axis=-1, keepdims=True),
                     jnp.max(s_gen, axis=-1, keepdims=True))
   e_prompt, e_gen = jnp.exp(s_prompt - top), jnp.exp(s_gen - top)
@@ -235,7 +251,8 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
   return (o / total).astype(dt)
 
 
-def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: int):
+def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: int,
+                   window=None):
   """_attend with the generated keys read block by block up to slot i (online softmax):
   the running max m, sum l and output acc start from the prompt's keys, and each block
   rescales them by exp(m_old - m_new)."""
@@ -253,7 +270,11 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
     k_blk = jax.lax.dynamic_slice_in_dim(layer_k, start, block, axis=4)  # [b,hk,g,d,blk]
     v_blk = jax.lax.dynamic_slice_in_dim(layer_v, start, block, axis=3)  # [b,hk,g,blk,d]
     s = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, k_blk, preferred_element_type=f32)
-    s = jnp.where(start + jnp.arange(block) <= i, s, _NEG)
+    slots = start + jnp.arange(block)
+    seen = slots <= i
+    if window is not None:
+      seen = seen & (i - slots < window)
+    s = jnp.where(seen, s, _NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     scale, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
     l = l * scale + jnp.sum(p, axis=-1, keepdims=True)
@@ -281,16 +302,29 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   b, g = tokens_BxG.shape
   hk, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
   f32 = jnp.float32
-  x = jnp.take(w.embedding, tokens_BxG.reshape(-1), axis=0).T  # [d_model, N]
-  angles = w.inv_freq * positions_B.astype(f32)[None, :, None]  # [D/2, B, 1]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)  # shared by all layers
-  # [2, D/2, B, 1]: both halves' factors, so `_rope` needs no concatenation. Built by
-  # stacking, which materialises them once per token: as broadcasts XLA fused cos and sin
-  # into every layer's RoPE and recomputed them per element (tiny sampler 1.13x slower).
-  cos2, sin2 = jnp.stack([cos, cos]), jnp.stack([-sin, sin])
+  x = model_lib.embed(w.embedding, tokens_BxG.reshape(-1), cfg).T  # [d_model, N]
 
-  def layer_step(layer: Layer, x, prompt_k, prompt_v, gen_k, gen_v):
-    """One block: x [d_model, N] -> x, and this token's key [B, H_kv, G, D] and value."""
+  def rotation(inv_freq):
+    angles = inv_freq * positions_B.astype(f32)[None, :, None]  # [D/2, B, 1]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)  # shared by all layers
+    # [2, D/2, B, 1]: both halves' factors, so `_rope` needs no concatenation. Built by
+    # stacking, which materialises them once per token: as broadcasts XLA fused cos and
+    # sin into every layer's RoPE and recomputed them per element (tiny sampler 1.13x
+    # slower).
+    return jnp.stack([cos, cos]), jnp.stack([-sin, sin])
+
+  cos2, sin2 = rotation(w.inv_freq)
+  q_scale = d ** -0.5 * model_lib.query_factor(cfg)
+  if cfg.sliding_window:  # the local layers' rotation, and what their window hides
+    cos2_local, sin2_local = rotation(w.inv_freq_local)
+    prompt_mask_BxL = cache.prompt_bias[:, 0, 0] == 0.0
+    behind_BxL = positions_B[:, None] - model_lib.positions_from_mask(prompt_mask_BxL)
+    prompt_bias_local = cache.prompt_bias + jnp.where(
+        behind_BxL < cfg.sliding_window, 0.0, _NEG)[:, None, None]
+
+  def layer_step(l, layer: Layer, x, prompt_k, prompt_v, gen_k, gen_v):
+    """One block (layer l): x [d_model, N] -> x, and this token's key [B, H_kv, G, D] and
+    value."""
     h = jnp.einsum("ksem,mn->ksen", layer.qkv, _norm(x, layer.attn_norm, cfg))
     h = h.reshape(hk, r + 2, d, b, g)
     if layer.qkv_bias is not None:
@@ -298,27 +332,35 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     qk, v = h[:, : r + 1], h[:, r + 1]
     if layer.qk_norm is not None:  # Qwen3 normalises each head before the rotation
       qk = _norm(qk, layer.qk_norm, cfg, axis=2)
-    qk = _rope(qk, cos2, sin2)
-    q = (qk[:, :r] * d ** -0.5).transpose(3, 0, 4, 1, 2)   # [B, H_kv, G, r, D]
+    rot, bias, window = (cos2, sin2), cache.prompt_bias, None
+    if cfg.sliding_window:
+      local = model_lib.is_local(l, cfg)
+      rot = tuple(jnp.where(local, a, b) for a, b in zip((cos2_local, sin2_local), rot))
+      bias = jnp.where(local, prompt_bias_local, bias)
+      window = model_lib.layer_window(l, cfg)
+    qk = _rope(qk, *rot)
+    q = (qk[:, :r] * q_scale).transpose(3, 0, 4, 1, 2)   # [B, H_kv, G, r, D]
     k = qk[:, r].transpose(2, 0, 3, 1)                     # [B, H_kv, G, D]
     v = v.transpose(2, 0, 3, 1)
     layer_k = _write(gen_k, k[..., None], i, axis=4)
     layer_v = _write(gen_v, v[:, :, :, None], i, axis=3)
-    o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, cache.prompt_bias, i, block)
-    x = x + layer.out @ o.transpose(1, 3, 4, 0, 2).reshape(hk * r * d, b * g)
+    o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, bias, i, block, window)
+    h = layer.out @ o.transpose(1, 3, 4, 0, 2).reshape(hk * r * d, b * g)
+    x = x + (h if layer.post_attn_norm is None else _norm(h, layer.post_attn_norm, cfg))
     xn = _norm(x, layer.mlp_norm, cfg)
     if layer.router is not None:  # the training forward's own mixture call, rows [N, d]
-      x = x + model_lib.experts_layer(xn.T, layer.router, layer.gate, layer.up, layer.down,
-                                      cfg)[0].T
+      h = model_lib.experts_layer(xn.T, layer.router, layer.gate, layer.up, layer.down,
+                                  cfg)[0].T
     else:
-      x = x + layer.down @ (jax.nn.silu(layer.gate @ xn) * (layer.up @ xn))
+      h = layer.down @ (model_lib.ACTIVATIONS[cfg.hidden_act](layer.gate @ xn) * (layer.up @ xn))
+    x = x + (h if layer.post_mlp_norm is None else _norm(h, layer.post_mlp_norm, cfg))
     return x, k, v, layer_k, layer_v
 
   if isinstance(w.layers, Layer):  # stacked (prepare(stacked=True)): one compiled block
     def body(carry, xs):
       x, gen_k, gen_v = carry
       l, layer, prompt_k, prompt_v = xs
-      x, k, v, _, _ = layer_step(layer, x, prompt_k, prompt_v, gen_k[l], gen_v[l])
+      x, k, v, _, _ = layer_step(l, layer, x, prompt_k, prompt_v, gen_k[l], gen_v[l])
       # Only this token's slot is written into the carried caches (in place), not the layer.
       gen_k = _write(gen_k, k[..., None], i, axis=4, layer=l)
       gen_v = _write(gen_v, v[:, :, :, None], i, axis=3, layer=l)
@@ -331,7 +373,7 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   else:
     gen_k, gen_v = [], []
     for l, layer in enumerate(w.layers):
-      x, _, _, layer_k, layer_v = layer_step(layer, x, cache.prompt_k[l], cache.prompt_v[l],
+      x, _, _, layer_k, layer_v = layer_step(l, layer, x, cache.prompt_k[l], cache.prompt_v[l],
                                              cache.gen_k[l], cache.gen_v[l])
       gen_k.append(layer_k)
       gen_v.append(layer_v)
@@ -371,22 +413,28 @@ def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, ca
   write_NxE = jnp.where(new_NxE, slot_N[:, None] + j_E, slots)
   rows_Nx1 = jnp.arange(n)[:, None]
   block = model_lib.Block(cfg, attention)
-  x = jnp.take(params["embedding"], tokens_NxE, axis=0).astype(dt)[:, None]  # [N, 1, E, d]
+  x = model_lib.embed(params["embedding"], tokens_NxE, cfg)[:, None]  # [N, 1, E, d]
+  # The seen keys' positions: the prompt's from its mask, slot s at prompt length + s (a
+  # local layer's window).
+  seen_pos_NxS = jnp.concatenate([
+      model_lib.positions_from_mask(prompt_mask_NxL),
+      jnp.sum(prompt_mask_NxL, -1).astype(jnp.int32)[:, None] + jnp.arange(slots)], axis=1)
 
-  def layer(x, p, prompt_k, prompt_v, gen_k, gen_v):
+  def layer(l, x, p, prompt_k, prompt_v, gen_k, gen_v):
     """One block over the new tokens: x, and their keys and values [N, E, H_kv, D]."""
     seen_k = jnp.concatenate([jnp.swapaxes(prompt_k, 2, 3), jnp.swapaxes(gen_k[:, :, 0], 2, 3)],
                              axis=2)  # [N, H_kv, S, D]
     seen_v = jnp.concatenate([prompt_v, gen_v[:, :, 0]], axis=2)
     x, (k, v) = block.apply({"params": p}, x, positions_NxE[:, None], seen_k, seen_v, seen_NxS,
-                            new_NxE[:, None], True, method=model_lib.Block.extend)
+                            new_NxE[:, None], True, l, seen_pos_NxS,
+                            method=model_lib.Block.extend)
     return x, k[:, 0].astype(gen_k.dtype), v[:, 0].astype(gen_v.dtype)
 
   if stacked:
     def body(carry, xs):
       x, gen_k, gen_v = carry
       l, p, prompt_k, prompt_v = xs
-      x, k, v = layer(x, p, prompt_k, prompt_v, gen_k[l], gen_v[l])
+      x, k, v = layer(l, x, p, prompt_k, prompt_v, gen_k[l], gen_v[l])
       gen_k = gen_k.at[l, rows_Nx1, :, 0, :, write_NxE].set(k, mode="drop")
       gen_v = gen_v.at[l, rows_Nx1, :, 0, write_NxE, :].set(v, mode="drop")
       return (x, gen_k, gen_v), None
@@ -398,7 +446,7 @@ def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, ca
     gen_k, gen_v = [], []
     for l in range(cfg.num_layers):
       p = jax.tree.map(lambda a, l=l: a[l], params["layers"])
-      x, k, v = layer(x, p, cache.prompt_k[l], cache.prompt_v[l], cache.gen_k[l],
+      x, k, v = layer(l, x, p, cache.prompt_k[l], cache.prompt_v[l], cache.gen_k[l],
                       cache.gen_v[l])
       gen_k.append(cache.gen_k[l].at[rows_Nx1, :, 0, :, write_NxE].set(k, mode="drop"))
       gen_v.append(cache.gen_v[l].at[rows_Nx1, :, 0, write_NxE, :].set(v, mode="drop"))

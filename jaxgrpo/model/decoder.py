@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -45,6 +46,11 @@ from jaxgrpo.model import attention as attention_lib
 from jaxgrpo.model import moe as moe_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# model.hidden_act -> the MLP gate's activation: SwiGLU's silu, GeGLU's tanh-approximated gelu
+# (transformers' gelu_pytorch_tanh, which Gemma uses).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+# A window no sequence reaches: a global layer's, where the window is per layer data.
+NO_WINDOW = 1 << 30
 
 
 # --- Where activations live. ----------------------------------------------------------------
@@ -113,10 +119,12 @@ def over_layers(body, num_layers: int, scan_layers: bool, num_broadcast: int):
   the same scan into num_layers copies, as a Python loop over layers would, which lets XLA
   schedule and fuse across layers at the price of a compile that grows with depth. Both
   read the same parameter tree, so the choice is the compiler's, never the checkpoint's.
+  The body's last argument is the layer's index (`layer_ids`: a local layer's window and
+  RoPE), scanned beside its parameters.
   """
   return nn.scan(body, variable_axes={"params": 0, "intermediates": 0},
                  split_rngs={"params": True},
-                 in_axes=(nn.broadcast,) * num_broadcast, length=num_layers,
+                 in_axes=(nn.broadcast,) * num_broadcast + (0,), length=num_layers,
                  unroll=1 if scan_layers else num_layers,
                  metadata_params={nn.PARTITION_NAME: "layers"})
 
@@ -173,6 +181,17 @@ class ModelConfig:
   norm_topk_prob: bool = True
   # Not architecture: how the experts are computed (moe.MATMULS; 'auto' by platform).
   moe_matmul: str = "auto"
+  # Gemma 3's departures from the Llama layout (all off: Llama / Qwen).
+  hidden_act: str = "silu"           # the MLP gate's activation: silu (SwiGLU), gelu_tanh (GeGLU)
+  norm_plus_one: bool = False        # RMSNorm scales by (1 + w), not w
+  post_norms: bool = False           # a norm on the attention's and the MLP's outputs too
+  embed_scale: bool = False          # embeddings times sqrt(d_model)
+  query_pre_attn_scalar: float = 0.0  # scores scaled by its ** -0.5; 0 = head_dim's
+  sliding_window: int = 0            # local layers: a token sees the last this many (itself
+  sliding_window_pattern: int = 0    # included); every this-many-th layer is global (0: none)
+  rope_local_theta: float = 0.0      # the local layers' RoPE base (0: rope_theta)
+  rope_scaling_type: str = "llama3"  # of rope_scaling_factor > 0: llama3, or linear (Gemma 3:
+                                     # the global layers' positions divided by the factor)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -190,6 +209,14 @@ class ModelConfig:
       if self.moe_mlp_dim <= 0:
         raise ValueError(f"model.moe_mlp_dim={self.moe_mlp_dim!r}: must be a positive "
                          "integer with model.num_experts > 0")
+    if self.hidden_act not in ACTIVATIONS:
+      raise ValueError(f"model.hidden_act={self.hidden_act!r}: allowed {sorted(ACTIVATIONS)}")
+    if self.rope_scaling_type not in ("llama3", "linear"):
+      raise ValueError(f"model.rope_scaling_type={self.rope_scaling_type!r}: allowed "
+                       "['linear', 'llama3']")
+    if self.sliding_window < 0 or self.sliding_window_pattern < 0:
+      raise ValueError(f"model.sliding_window={self.sliding_window}, sliding_window_pattern="
+                       f"{self.sliding_window_pattern}: must be >= 0")
     if self.moe_matmul not in moe_lib.MATMULS:
       raise ValueError(f"model.moe_matmul={self.moe_matmul!r}: allowed {list(moe_lib.MATMULS)}")
     for name in ("param_dtype", "dtype"):
@@ -274,7 +301,47 @@ def rms_norm(x, scale, cfg: ModelConfig):
   """RMSNorm as a pure function (the sampler's decode step calls it on raw parameters)."""
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
-  return (x32 * scale.astype(jnp.float32)).astype(DTYPES[cfg.dtype])
+  return (x32 * norm_scale(scale, cfg)).astype(DTYPES[cfg.dtype])
+
+
+def norm_scale(scale, cfg: ModelConfig):
+  """The factor RMSNorm multiplies by, float32: w, or Gemma's 1 + w."""
+  scale = scale.astype(jnp.float32)
+  return scale + 1.0 if cfg.norm_plus_one else scale
+
+
+def is_local(layer, cfg: ModelConfig):
+  """Whether layer `layer` (an index, traced inside the layers' scan) attends within the
+  sliding window: every layer but each sliding_window_pattern-th (Gemma 3: 5 of 6)."""
+  if not cfg.sliding_window:
+    return False
+  if not cfg.sliding_window_pattern:
+    return True
+  return (layer + 1) % cfg.sliding_window_pattern != 0
+
+
+def layer_frequencies(layer, cfg: ModelConfig):
+  """RoPE's inv_freq for layer `layer`: the local base on a local layer (Gemma 3's 1e4,
+  unscaled), else rope_theta with its scaling."""
+  inv_freq = attention_lib.rope_frequencies(cfg, cfg.head_dim)
+  if not cfg.sliding_window:
+    return inv_freq
+  local = attention_lib.rope_frequencies(cfg, cfg.head_dim, local=True)
+  return jnp.where(is_local(layer, cfg), local, inv_freq)
+
+
+def query_factor(cfg: ModelConfig) -> float:
+  """What q is multiplied by so that the attention's head_dim ** -0.5 makes Gemma's
+  query_pre_attn_scalar ** -0.5 (1 when unset)."""
+  if not cfg.query_pre_attn_scalar:
+    return 1.0
+  return (cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5
+
+
+def layer_window(layer, cfg: ModelConfig):
+  """The keys layer `layer` sees behind a query (itself included): the window on a local
+  layer, NO_WINDOW on a global one."""
+  return jnp.where(is_local(layer, cfg), cfg.sliding_window, NO_WINDOW)
 
 
 class Attention(nn.Module):
@@ -309,7 +376,7 @@ class Attention(nn.Module):
       self.q_norm = RMSNorm(c, c.head_dim)
       self.k_norm = RMSNorm(c, c.head_dim)
 
-  def _qkv(self, x, positions):
+  def _qkv(self, x, positions, layer):
     dt = DTYPES[self.cfg.dtype]
     q = dense(x, self.wq.astype(dt))
     k = dense(x, self.wk.astype(dt))
@@ -318,18 +385,23 @@ class Attention(nn.Module):
       q, k, v = q + self.bq.astype(dt), k + self.bk.astype(dt), v + self.bv.astype(dt)
     if self.cfg.qk_norm:  # Qwen3 normalises each head before the rotation.
       q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = attention_lib.rope_frequencies(self.cfg, self.cfg.head_dim)
-    return attention_lib.rope(q, positions, inv_freq), attention_lib.rope(k, positions, inv_freq), v
+    inv_freq = layer_frequencies(layer, self.cfg)
+    q = attention_lib.rope(q, positions, inv_freq)
+    factor = query_factor(self.cfg)
+    if factor != 1.0:  # scores scaled by query_pre_attn_scalar ** -0.5, not head_dim's
+      q = (q.astype(jnp.float32) * factor).astype(q.dtype)
+    return q, attention_lib.rope(k, positions, inv_freq), v
 
   def _out(self, o):
     return dense(o, self.wo.astype(DTYPES[self.cfg.dtype]), in_dims=2)
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxT):
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxT, layer=0):
     """Causal self-attention. mask_BxT: a boolean padding mask (real tokens True), or, for
     packed rows (algo/packing.py), int segment ids: a token sees the earlier tokens of its
-    own segment only (0: padding)."""
+    own segment only (0: padding). layer: this layer's index (a local layer's window and
+    RoPE)."""
     t = x_BxTxD.shape[1]
-    q, k, v = self._qkv(x_BxTxD, positions_BxT)
+    q, k, v = self._qkv(x_BxTxD, positions_BxT, layer)
     if self.attention == "splash":  # causal, real tokens segment 1 and pads 0: no [B, T, S]
       o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, ACTIVATION_MESH.get(),
                                split_queries=SEQUENCE_SPLIT.get())
@@ -339,24 +411,38 @@ class Attention(nn.Module):
       allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
     else:
       allowed = causal_TxT[None] & (mask_BxT[:, :, None] == mask_BxT[:, None, :])
+    if self.cfg.sliding_window:  # a local layer sees the last `window` positions
+      behind = positions_BxT[:, :, None] - positions_BxT[:, None, :]
+      allowed = allowed & (behind < layer_window(layer, self.cfg))
     o = attention_lib.attend(q, k, v, allowed, self.attention)
     # K/V returned in the cache layout [B, H_kv, T, D] for prefill.
     return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
   def extend(self, x_BxGxTxD, positions_BxGxT, prompt_k, prompt_v, prompt_mask_BxL,
-             mask_BxGxT, return_kv: bool = False):
+             mask_BxGxT, return_kv: bool = False, layer=0, prompt_positions_BxL=None):
     """T new tokens per sample, attending to the shared prompt K/V and causally to
     themselves (the training-time twin of decode.step); see attention.extend. return_kv:
     also the new tokens' K/V [B, G, T, H_kv, D] (multi-turn episodes append them to their
-    cache: decode.extend)."""
+    cache: decode.extend). layer: this layer's index; prompt_positions_BxL: the prompt
+    keys' positions (a local layer's window; default: counted from the mask)."""
     t = x_BxGxTxD.shape[2]
-    q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
+    q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT, layer)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
     if self.attention == "splash":
       out = self._out(attention_lib.extend_splash(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
                                                   mask_BxGxT, ACTIVATION_MESH.get()))
       return (out, (k, v)) if return_kv else out
     own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
-    out = self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
+    prompt_allowed = prompt_mask_BxL
+    if self.cfg.sliding_window:  # a local layer sees the last `window` positions
+      window = layer_window(layer, self.cfg)
+      own_BxGxTxS = own_BxGxTxS & (positions_BxGxT[..., :, None] - positions_BxGxT[..., None, :]
+                                   < window)
+      if prompt_positions_BxL is None:
+        prompt_positions_BxL = positions_from_mask(prompt_mask_BxL)
+      behind_BxGxTxL = (positions_BxGxT[..., None]
+                        - prompt_positions_BxL[:, None, None, :])
+      prompt_allowed = prompt_mask_BxL[:, None, None, :] & (behind_BxGxTxL < window)
+    out = self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_allowed,
                                          own_BxGxTxS, self.attention))
     return (out, (k, v)) if return_kv else out
 
@@ -377,7 +463,7 @@ class MLP(nn.Module):
     gate = _param(self, "gate", (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
     up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
     down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), c)
-    h = jax.nn.silu(dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
+    h = ACTIVATIONS[c.hidden_act](dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
     h = constrain(h, "batch", *_middle(h.ndim), "act_mlp")
     return dense(h, down.astype(dt))
 
@@ -415,7 +501,8 @@ def experts_layer(x, router, gate, up, down, cfg: ModelConfig):
 
 
 class Block(nn.Module):
-  """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x))."""
+  """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x)). With cfg.post_norms
+  (Gemma) each sublayer's output is normed too before it is added: x + norm(attn(norm(x)))."""
 
   cfg: ModelConfig
   attention: str = "xla"
@@ -425,38 +512,46 @@ class Block(nn.Module):
     self.attn = Attention(self.cfg, self.attention)
     self.mlp_norm = RMSNorm(self.cfg, self.cfg.d_model)
     self.mlp = MLP(self.cfg)
+    if self.cfg.post_norms:
+      self.post_attn_norm = RMSNorm(self.cfg, self.cfg.d_model)
+      self.post_mlp_norm = RMSNorm(self.cfg, self.cfg.d_model)
 
-  def __call__(self, x, positions, mask):
-    h, kv = self.attn(constrain_rows(self.attn_norm(x)), positions, mask)
-    x = x + h
-    return x + self.mlp(constrain_rows(self.mlp_norm(x))), kv
+  def _mlp(self, x):
+    h = self.mlp(constrain_rows(self.mlp_norm(x)))
+    return x + (self.post_mlp_norm(h) if self.cfg.post_norms else h)
+
+  def __call__(self, x, positions, mask, layer=0):
+    h, kv = self.attn(constrain_rows(self.attn_norm(x)), positions, mask, layer)
+    x = x + (self.post_attn_norm(h) if self.cfg.post_norms else h)
+    return self._mlp(x), kv
 
   def extend(self, x, positions, prompt_k, prompt_v, prompt_mask, mask,
-             return_kv: bool = False):
+             return_kv: bool = False, layer=0, prompt_positions=None):
     h = self.attn.extend(constrain_rows(self.attn_norm(x)), positions, prompt_k, prompt_v,
-                         prompt_mask, mask, return_kv)
+                         prompt_mask, mask, return_kv, layer, prompt_positions)
     h, kv = h if return_kv else (h, None)
-    x = x + h
-    x = x + self.mlp(constrain_rows(self.mlp_norm(x)))
+    x = x + (self.post_attn_norm(h) if self.cfg.post_norms else h)
+    x = self._mlp(x)
     return (x, kv) if return_kv else x
 
 
-def _prefill_layer(block, x, positions, mask):
+def _prefill_layer(block, x, positions, mask, layer):
   """One layer of the full forward, as a scan body: (x, its (K, V) for the cache)."""
-  return block(x, positions, mask)
+  return block(x, positions, mask, layer)
 
 
-def _packed_layer(block, x, positions, segments):
+def _packed_layer(block, x, positions, segments, layer):
   """One layer over packed rows, as a scan body (no K/V kept: nothing reads them)."""
-  return constrain_rows(block(x, positions, segments)[0]), None
+  return constrain_rows(block(x, positions, segments, layer)[0]), None
 
 
-def _train_layer(block, carry, positions_p, mask_p, positions_c, mask_c):
+def _train_layer(block, carry, positions_p, mask_p, positions_c, mask_c, layer):
   """One layer of the training forward, as a scan body: the prompt rows, then the G
   completions of each prompt attending to that prompt's K/V."""
   x_p, x_c = carry
-  x_next, (k, v) = block(x_p, positions_p, mask_p)
-  x_c = block.extend(x_c, positions_c, k, v, mask_p, mask_c)
+  x_next, (k, v) = block(x_p, positions_p, mask_p, layer)
+  x_c = block.extend(x_c, positions_c, k, v, mask_p, mask_c, layer=layer,
+                     prompt_positions=positions_p)
   return (constrain_rows(x_next), constrain_rows(x_c)), None
 
 
@@ -481,14 +576,15 @@ class Decoder(nn.Module):
       self.lm_head = _param(self, "lm_head", (c.d_model, c.vocab_size),
                             ("embed", "vocab"), c)
     # One block's parameters, stacked [num_layers, ...] by the scan.
-    self.layers = Block(c, attention_lib.resolve_attention(self.attention, jax.default_backend(), c.dtype))
+    self.layers = Block(c, attention_lib.resolve_attention(
+        self.attention, jax.default_backend(), c.dtype, windowed=bool(c.sliding_window)))
     self.final_norm = RMSNorm(c, c.d_model)
 
   def _embed(self, tokens):
     # Under FSDP the table's model dimension is split over `fsdp`, like the rows: the lookup
     # gathers the table (as a layer's weights are) rather than the rows' activations.
     table = constrain(self.embedding, "vocab", None)
-    return jnp.take(table, tokens, axis=0).astype(DTYPES[self.cfg.dtype])
+    return embed(table, tokens, self.cfg)
 
   def _logits(self, x):
     logits = dense(self.final_norm(x), self._head())
@@ -504,7 +600,7 @@ class Decoder(nn.Module):
     """
     x = self._embed(tokens_BxT)
     layers = over_layers(_prefill_layer, self.cfg.num_layers, self._scan(), 2)
-    x, (k_L, v_L) = layers(self.layers, x, positions_BxT, mask_BxT)
+    x, (k_L, v_L) = layers(self.layers, x, positions_BxT, mask_BxT, self._layer_ids())
     if return_kv == "stacked":
       return self._logits(x[:, -1]), (k_L, v_L)
     if return_kv:
@@ -560,7 +656,7 @@ class Decoder(nn.Module):
       body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
     layers = over_layers(body, self.cfg.num_layers, self._scan(), 4)
     (x_p, x_c), _ = layers(self.layers, (x_p, x_c), positions_BxL, prompt_mask_BxL,
-                           positions_BxGxT, completion_mask_BxGxT)
+                           positions_BxGxT, completion_mask_BxGxT, self._layer_ids())
     return x_p[:, -1], x_c
 
   def score_packed(self, tokens_RxS, positions_RxS, segments_RxS):
@@ -575,10 +671,13 @@ class Decoder(nn.Module):
       if self.remat != "none":  # as in _score_hidden
         body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
       layers = over_layers(body, self.cfg.num_layers, self._scan(), 2)
-      x, _ = layers(self.layers, x, positions_RxS, segments_RxS)
+      x, _ = layers(self.layers, x, positions_RxS, segments_RxS, self._layer_ids())
       return constrain_rows(self.final_norm(x)), self._head()
     finally:
       SEQUENCE_SPLIT.reset(token)
+
+  def _layer_ids(self):
+    return jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
 
   def _scan(self) -> bool:
     return resolve_scan_layers(self.scan_layers, jax.default_backend())
@@ -587,6 +686,15 @@ class Decoder(nn.Module):
     """The output projection [D, V] in the compute dtype (the tied embedding, transposed)."""
     dt = DTYPES[self.cfg.dtype]
     return self.embedding.astype(dt).T if self.cfg.tie_embeddings else self.lm_head.astype(dt)
+
+
+def embed(table_VxD, tokens, cfg: ModelConfig):
+  """Token embeddings in the compute dtype; Gemma's times sqrt(d_model), multiplied in the
+  table's dtype as transformers does."""
+  x = jnp.take(table_VxD, tokens, axis=0)
+  if cfg.embed_scale:
+    x = x * jnp.asarray(cfg.d_model ** 0.5, table_VxD.dtype)
+  return x.astype(DTYPES[cfg.dtype])
 
 
 def positions_from_mask(mask_BxT):

@@ -131,9 +131,11 @@ HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 # architecture -> (qk_norm, qkv_bias, mixture of experts): the families' structural differences.
 SUPPORTED = {"Qwen2ForCausalLM": (False, True, False), "Qwen3ForCausalLM": (True, False, False),
              "LlamaForCausalLM": (False, False, False),
-             "Qwen3MoeForCausalLM": (True, False, True)}
+             "Qwen3MoeForCausalLM": (True, False, True), "Gemma3ForCausalLM": (True, False, False)}
 HF_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                  "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                  "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
+                  "Gemma3ForCausalLM": "gemma3_text"}
+GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def is_hf_folder(path: str) -> bool:
@@ -156,6 +158,9 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
   qk_norm, qkv_bias, experts = SUPPORTED[arch]
   if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
     raise PretrainedError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
+  if arch == "Gemma3ForCausalLM":
+    return _config(hf, path, dtype, qk_norm=True, qkv_bias=False, tie_default=True,
+                   **_gemma3(hf, path))
   if hf.get("hidden_act", "silu") != "silu":
     raise PretrainedError(f"{path}: hidden_act={hf['hidden_act']!r}; allowed: 'silu'")
   if hf.get("use_sliding_window"):
@@ -194,20 +199,79 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
     if missing:
       raise PretrainedError(f"{path}: missing key {missing[0]!r} (a Qwen3-MoE config names "
                             "num_experts, num_experts_per_tok and moe_intermediate_size)")
+  del heads
+  return _config(hf, path, dtype, qk_norm=qk_norm, qkv_bias=qkv_bias, tie_default=False,
+                 rope_theta=float(theta), **scaling, **moe)
+
+
+def _config(hf: dict, path: str, dtype: str, *, tie_default: bool, **family):
+  """The ModelConfig of config.json's shared keys and a family's own (`family`)."""
   try:
+    heads = hf["num_attention_heads"]
     return model_lib.ModelConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        mlp_dim=hf["intermediate_size"], rope_theta=float(theta),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=qk_norm,
-        qkv_bias=qkv_bias, param_dtype=dtype, dtype=dtype, **scaling, **moe)
+        mlp_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", tie_default)),
+        param_dtype=dtype, dtype=dtype, **family)
   except KeyError as e:
     raise PretrainedError(f"{path}: missing key {e}") from None
   except ValueError as e:
     raise PretrainedError(f"{path}: {e}") from None
+
+
+def _gemma3(hf: dict, path: str) -> dict:
+  """Gemma 3's own keys: GeGLU, (1 + w) norms before and after each sublayer, scaled
+  embeddings, query_pre_attn_scalar, local layers with a window and their own RoPE base
+  (transformers 5: `layer_types` and per-type `rope_parameters`; 4.x:
+  `sliding_window_pattern`, `rope_local_base_freq`, `rope_theta`, `rope_scaling`)."""
+  act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+  if act not in GEMMA_ACTIVATIONS:
+    raise PretrainedError(f"{path}: hidden_activation={act!r}; allowed: "
+                          f"{', '.join(GEMMA_ACTIVATIONS)}")
+  for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+    if hf.get(key):
+      raise PretrainedError(f"{path}: {key}={hf[key]!r} is not supported (Gemma 3 has none; "
+                            "Gemma 2's soft-capping is not built); allowed: null")
+  layers = hf["num_hidden_layers"]
+  types = hf.get("layer_types")
+  if types:
+    globals_ = [i for i, t in enumerate(types) if t == "full_attention"]
+    pattern = globals_[0] + 1 if globals_ else 0
+    want = [i for i in range(layers) if pattern and (i + 1) % pattern == 0]
+    if (sorted(set(types)) not in (["full_attention", "sliding_attention"],
+                                   ["sliding_attention"], ["full_attention"])
+        or globals_ != want or len(types) != layers):
+      raise PretrainedError(f"{path}: layer_types {types}: allowed a global (full_attention) "
+                            "layer every n-th and sliding_attention between")
+    if not types.count("sliding_attention"):
+      pattern = 1
+  else:
+    pattern = int(hf.get("sliding_window_pattern", 6))
+  rp = hf.get("rope_parameters") or {}
+  if "full_attention" in rp:
+    full, local = rp["full_attention"], rp.get("sliding_attention") or {}
+    theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+    scaling = full if full.get("rope_type", "default") != "default" else None
+    if local.get("rope_type", "default") != "default":
+      raise PretrainedError(f"{path}: the sliding layers' rope_type "
+                            f"{local['rope_type']!r} is not supported; allowed: 'default'")
+  else:
+    theta, local_theta = hf.get("rope_theta", 1e6), hf.get("rope_local_base_freq", 1e4)
+    scaling = hf.get("rope_scaling")
+  out = dict(hidden_act=GEMMA_ACTIVATIONS[act], norm_plus_one=True, post_norms=True,
+             embed_scale=True, query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+             sliding_window=int(hf.get("sliding_window") or 0), sliding_window_pattern=pattern,
+             rope_theta=float(theta), rope_local_theta=float(local_theta))
+  if scaling:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "linear":
+      raise PretrainedError(f"{path}: Gemma's rope_scaling type {kind!r} is not supported; "
+                            "allowed: none or 'linear'")
+    out.update(rope_scaling_factor=float(scaling["factor"]), rope_scaling_type="linear")
+  return out
 
 
 def hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
@@ -222,9 +286,17 @@ def hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
     names["lm_head"] = ("lm_head.weight", "T")
   for i in range(cfg.num_layers):
     ours, hf = f"layer_{i}", f"model.layers.{i}"
+    if cfg.post_norms:  # Gemma: a norm before and after each sublayer
+      names.update({
+          f"{ours}/attn_norm/scale": (f"{hf}.input_layernorm.weight", "same"),
+          f"{ours}/post_attn_norm/scale": (f"{hf}.post_attention_layernorm.weight", "same"),
+          f"{ours}/mlp_norm/scale": (f"{hf}.pre_feedforward_layernorm.weight", "same"),
+          f"{ours}/post_mlp_norm/scale": (f"{hf}.post_feedforward_layernorm.weight", "same")})
+    else:
+      names.update({
+          f"{ours}/attn_norm/scale": (f"{hf}.input_layernorm.weight", "same"),
+          f"{ours}/mlp_norm/scale": (f"{hf}.post_attention_layernorm.weight", "same")})
     names.update({
-        f"{ours}/attn_norm/scale": (f"{hf}.input_layernorm.weight", "same"),
-        f"{ours}/mlp_norm/scale": (f"{hf}.post_attention_layernorm.weight", "same"),
         f"{ours}/attn/q": (f"{hf}.self_attn.q_proj.weight", "in_heads"),
         f"{ours}/attn/k": (f"{hf}.self_attn.k_proj.weight", "in_heads"),
         f"{ours}/attn/v": (f"{hf}.self_attn.v_proj.weight", "in_heads"),

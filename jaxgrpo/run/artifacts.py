@@ -25,7 +25,10 @@ from jaxgrpo.model.tokenizer import Tokenizer
 
 _ARCH_KEYS = ("qkv_bias", "rope_scaling_factor", "rope_low_freq_factor",
               "rope_high_freq_factor", "rope_original_max_positions", "num_experts",
-              "num_experts_per_tok", "moe_mlp_dim", "norm_topk_prob")
+              "num_experts_per_tok", "moe_mlp_dim", "norm_topk_prob", "hidden_act",
+              "norm_plus_one", "post_norms", "embed_scale", "query_pre_attn_scalar",
+              "sliding_window", "sliding_window_pattern", "rope_local_theta",
+              "rope_scaling_type")
 
 
 class ExportError(ValueError):
@@ -171,6 +174,13 @@ def save_peft(out: str, cfg: model_lib.ModelConfig, adapters, *, rank: int, alph
 
 def hf_architecture(cfg: model_lib.ModelConfig) -> str:
   """The transformers class that computes what this ModelConfig computes."""
+  gemma = (cfg.hidden_act == "gelu_tanh", cfg.norm_plus_one, cfg.post_norms, cfg.embed_scale)
+  if all(gemma) and cfg.qk_norm and not cfg.qkv_bias and not cfg.num_experts:
+    return "Gemma3ForCausalLM"
+  if any(gemma) or cfg.sliding_window or cfg.query_pre_attn_scalar:
+    raise hf.PretrainedError("no Hugging Face architecture has part of Gemma 3's layout (GeGLU, "
+                             "(1 + w) norms after each sublayer, scaled embeddings) without "
+                             "the rest")
   if cfg.num_experts:
     if cfg.qk_norm and not cfg.qkv_bias:
       return "Qwen3MoeForCausalLM"
@@ -183,6 +193,28 @@ def hf_architecture(cfg: model_lib.ModelConfig) -> str:
   if not cfg.qkv_bias and not cfg.qk_norm:
     return "LlamaForCausalLM"
   raise hf.PretrainedError("no Hugging Face architecture has both q/k norms and q/k/v biases")
+
+
+def _gemma3_keys(hf_cfg: dict, cfg: model_lib.ModelConfig) -> None:
+  """Gemma 3's own config.json keys, in transformers 5's layout (per layer type RoPE, the
+  layer types listed), which transformers 4.5x also reads; the keys of 4.x's layout that
+  would disagree are dropped."""
+  for key in ("hidden_act", "rope_theta", "rope_scaling", "rope_local_base_freq",
+              "sliding_window_pattern", "_sliding_window_pattern"):
+    hf_cfg.pop(key, None)
+  full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  if cfg.rope_scaling_factor:
+    full.update(rope_type="linear", factor=cfg.rope_scaling_factor)
+  local = model_lib.is_local
+  hf_cfg.update({
+      "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+      "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+      "sliding_window": cfg.sliding_window or None,
+      "layer_types": ["sliding_attention" if local(i, cfg) else "full_attention"
+                      for i in range(cfg.num_layers)],
+      "rope_parameters": {"full_attention": full, "sliding_attention": {
+          "rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}},
+      "final_logit_softcapping": None, "attn_logit_softcapping": None})
 
 
 def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
@@ -223,6 +255,8 @@ def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
         "low_freq_factor": cfg.rope_low_freq_factor,
         "high_freq_factor": cfg.rope_high_freq_factor,
         "original_max_position_embeddings": cfg.rope_original_max_positions}
+  if arch == "Gemma3ForCausalLM":  # its own RoPE keys replace the ones written above
+    _gemma3_keys(hf_cfg, cfg)
   hf_cfg.setdefault("eos_token_id", tokenizer.eos_id)
   if tokenizer.bos_id is not None:
     hf_cfg.setdefault("bos_token_id", tokenizer.bos_id)
