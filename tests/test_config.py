@@ -567,3 +567,36 @@ def test_an_environment_in_the_main_process_has_no_time_limit_to_promise():
   with pytest.raises(config_lib.ConfigError, match=re.escape("config.env.timeout_s=0: allowed: "
                                                              "a number > 0 with env.workers > 0")):
     config_lib.validate(_with({**env, "env.timeout_s": 0}), 1)
+
+
+def test_what_needs_experts_or_refuses_a_window_is_one_line():
+  # Checked against the model as loaded (a checkpoint names its own experts and window):
+  # mesh.expert must divide the experts, a router loss needs a router and unpacked rows,
+  # splash attention takes no sliding window.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import setup  # pylint: disable=g-import-not-at-top
+  dense = model_lib.ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=8, mlp_dim=64)
+  moe = dataclasses.replace(dense, num_experts=6, num_experts_per_tok=2, moe_mlp_dim=16)
+  gemma = dataclasses.replace(dense, sliding_window=4, sliding_window_pattern=2)
+  c = config_lib.validate(math_config(), num_devices=8)
+  setup._check_model_features(c, moe)  # nothing asked of the experts: fine
+  cases = [
+      ({"mesh.expert": 4}, moe, "config.mesh.expert=4: the model has 6 experts"),
+      ({"mesh.expert": 2}, dense, "config.mesh.expert=2: the model has 0 experts"),
+      ({"grpo.router_aux_loss_coef": 0.01}, dense, "the model is dense (no router)"),
+      ({"grpo.router_aux_loss_coef": 0.01, "grpo.micro_batch_tokens": 64}, moe,
+       "not built with packed micro-batches"),
+      ({"model.attention": "splash"}, gemma, "sliding-window layers (window 4)"),
+  ]
+  for overrides, model, fragment in cases:
+    c = config_lib.validate(math_config(), num_devices=8).unlock()
+    for key, value in overrides.items():
+      section, name = key.split(".")
+      c[section][name] = value
+    with pytest.raises(config_lib.ConfigError, match=re.escape(fragment)):
+      setup._check_model_features(c, model)
+  c = config_lib.validate(math_config(), num_devices=8).unlock()
+  c.mesh.expert, c.grpo.router_aux_loss_coef = 2, 0.01
+  setup._check_model_features(c, moe)  # 6 experts over 2 chips, a router: fine

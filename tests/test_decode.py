@@ -18,7 +18,7 @@ from numpy_params import random_params  # tests/numpy_params.py
 BASE = model.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                          head_dim=8, mlp_dim=64)
 
-# Three variants cover every switch `prepare` rearranges: grouped-query attention with tied
+# The variants cover every switch `prepare` rearranges: grouped-query attention with tied
 # embeddings; multi-head attention with QK-norm and an untied head; Qwen2's q/k/v biases
 # with Llama 3 RoPE scaling and 4 query heads per KV head (r = 4).
 VARIANTS = {
@@ -28,6 +28,14 @@ VARIANTS = {
     "bias_llama3_r4": dataclasses.replace(BASE, num_kv_heads=1, qkv_bias=True,
                                           rope_scaling_factor=8.0,
                                           rope_original_max_positions=16),
+    # Gemma 3's layout: layer 0 local with a window of 3 (shorter than the 7-token prompts
+    # and the 5 decoded tokens: it hides prompt keys and generated slots alike), layer 1
+    # global; its own RoPE bases and linear scaling, query scale, norms and GeGLU.
+    "gemma_window3": dataclasses.replace(
+        BASE, qk_norm=True, sliding_window=3, sliding_window_pattern=2, post_norms=True,
+        norm_plus_one=True, embed_scale=True, hidden_act="gelu_tanh",
+        query_pre_attn_scalar=12.0, rope_theta=1e6, rope_local_theta=1e4,
+        rope_scaling_factor=8.0, rope_scaling_type="linear"),
 }
 
 

@@ -214,6 +214,27 @@ def test_greedy_generation_matches_transformers(pretrained):
                                 err_msg=name)
 
 
+def test_the_updates_logprobs_equal_the_samplers(pretrained):
+  # The update's teacher-forced forward (each prompt once, its G completions over its K/V:
+  # grpo.completion_logprobs) and the sampler's decode steps compute one function: Gemma 3's
+  # window (4 here, shorter than the prompts and the 10 sampled tokens) in both, a mixture's
+  # routing in both.
+  from jaxgrpo.algo import grpo
+  from jaxgrpo.rollout import policy as policy_lib
+  from jaxgrpo.rollout import sampling
+  name, _, arrays, _, policy = pretrained
+  policy.eos_id = None
+  ids, mask = arrays["input_ids"], arrays["attention_mask"].astype(bool)
+  prompts = [ids[row][mask[row]].tolist() for row in range(len(ids))]
+  sp = sampling.SamplingParams(1.0, 1.0, 0)
+  out = policy.generate(prompts, sp, num_samples=2, max_new_tokens=10, seed=4)
+  tokens_BxL, mask_BxL = policy_lib._as_batch(prompts, None, policy.pad_id)
+  batch = {"prompt_tokens_BxL": tokens_BxL, "prompt_mask_BxL": mask_BxL,
+           "completion_tokens_NxT": out.tokens_NxT, "completion_mask_NxT": out.mask_NxT}
+  update = grpo.completion_logprobs(policy.params, policy.cfg, batch, 2, sp)
+  np.testing.assert_allclose(out.logp_NxT, update, atol=1e-4, err_msg=name)
+
+
 def test_tokenizer_and_chat_template_match_transformers(pretrained):
   from jaxgrpo.model import chat
   name, folder, _, facts, policy = pretrained

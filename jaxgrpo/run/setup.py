@@ -197,7 +197,7 @@ def prepare(argv) -> Setup:
           file=sys.stderr, flush=True)
   model_cfg, host_params, tokenizer = loading.load_policy(config)
   _check_lora_rank(config, model_cfg)
-  _check_experts(config, model_cfg)
+  _check_model_features(config, model_cfg)
   loading.check_env(config, tokenizer)
   data = loading.load_data(config, tokenizer)
   loading.per_process(config, "num_prompts_per_step")
@@ -243,9 +243,15 @@ def _check_lora_rank(config, model_cfg) -> None:
                                  "allowed: a smaller rank")
 
 
-def _check_experts(config, model_cfg) -> None:
-  """What needs a mixture of experts, against the model as loaded (a checkpoint names its
-  own experts): mesh.expert divides them, a router loss weight has a router."""
+def _check_model_features(config, model_cfg) -> None:
+  """What needs a mixture of experts or refuses a sliding window, against the model as
+  loaded (a checkpoint names its own): mesh.expert divides the experts, a router loss
+  weight has a router, splash attention has no window to take."""
+  if model_cfg.sliding_window and config.model.attention == "splash":
+    raise config_lib.ConfigError(
+        "config.model.attention='splash': the model has sliding-window layers (window "
+        f"{model_cfg.sliding_window}), which the splash kernels here do not take; allowed: "
+        "None (xla on TPU for such a model), 'xla', or 'cudnn' on a GPU")
   experts, m = model_cfg.num_experts, config.mesh
   if m.expert > 1 and (not experts or experts % m.expert):
     raise config_lib.ConfigError(
