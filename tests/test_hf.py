@@ -350,3 +350,37 @@ def test_a_shard_named_in_the_index_but_missing_is_one_line(tmp_path):
                           f"model.safetensors.index.json names it for {names[-1]} (an "
                           "incomplete download?)")
   assert hf.inspect_hf(str(folder), need_weights=False)[0].num_layers > 0  # no tensor read
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_gemma3_text_and_vision_folder_loads_its_language_model(tmp_path, prefix):
+  # Gemma 3's 4B-27B checkpoints are Gemma3ForConditionalGeneration: the text model's config
+  # under text_config (keys it leaves out take Gemma3TextConfig's defaults) and its tensors
+  # under a prefix (the hub's 4.x files: language_model.model.; transformers 5:
+  # model.language_model.), beside a vision tower that is not read. The fixture rearranged
+  # so gives the fixture's logits; an export writes the text model back.
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+  folder, arrays, _ = reference("gemma3")
+  shutil.copytree(folder, tmp_path / "mm")
+  text = json.load(open(os.path.join(folder, "config.json")))
+  for key in ("architectures", "hidden_activation", "rms_norm_eps", "tie_word_embeddings"):
+    text.pop(key)  # left to the defaults, as the hub's text_config blocks do
+  json.dump({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+             "text_config": text, "vision_config": {"hidden_size": 8}},
+            open(tmp_path / "mm" / "config.json", "w"))
+  tensors = safetensors.numpy.load_file(os.path.join(folder, "model.safetensors"))
+  tensors = {prefix + k[len("model."):]: v for k, v in tensors.items()}
+  tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros(
+      (8, 3), np.float32)
+  safetensors.numpy.save_file(tensors, str(tmp_path / "mm" / "model.safetensors"))
+  from jaxgrpo.rollout import policy  # pylint: disable=g-import-not-at-top
+  loaded = policy.Policy.from_pretrained(str(tmp_path / "mm"))
+  assert loaded.cfg == hf.hf_model_config(folder)
+  mask = arrays["attention_mask"].astype(bool)
+  logits = np.asarray(loaded.logits(arrays["input_ids"], mask))
+  assert np.abs(logits - arrays["logits"])[mask].max() <= 1e-4
+  _, params, tok = hf.load_hf(str(tmp_path / "mm"))
+  artifacts.save_hf(str(tmp_path / "out"), loaded.cfg, params, tok, source=str(tmp_path / "mm"))
+  written = json.load(open(tmp_path / "out" / "config.json"))
+  assert written["architectures"] == ["Gemma3ForCausalLM"] and "vision_config" not in written
+  assert hf.hf_model_config(str(tmp_path / "out")) == loaded.cfg

@@ -135,6 +135,14 @@ SUPPORTED = {"Qwen2ForCausalLM": (False, True, False), "Qwen3ForCausalLM": (True
 HF_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                   "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Gemma3ForCausalLM": "gemma3_text"}
+# Gemma3TextConfig's defaults (transformers 5.24), which the hub's text_config blocks rely on
+# (gemma-3-4b-it's names only the sizes that differ).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
 GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -152,6 +160,12 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
   except (OSError, json.JSONDecodeError) as e:
     raise PretrainedError(f"{path}: cannot read ({e})") from None
   arch = (hf.get("architectures") or [None])[0]
+  if arch == "Gemma3ForConditionalGeneration":  # text and vision: the text model only
+    arch, hf = "Gemma3ForCausalLM", {**hf.get("text_config", {}),
+                                     "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
+  if arch == "Gemma3ForCausalLM":  # keys a hub file leaves out take transformers' defaults
+    hf = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or
+                                    k in ("final_logit_softcapping", "attn_logit_softcapping")}}
   if arch not in SUPPORTED:
     raise PretrainedError(f"{path}: architecture {arch!r} is not supported; allowed: "
                           f"{', '.join(SUPPORTED)}")
@@ -349,19 +363,36 @@ def to_hf(x: np.ndarray, how: str) -> np.ndarray:
   return x.reshape(-1, x.shape[-1]).T  # heads_out: [H, Dh, D] -> [D, H*Dh]
 
 
-def _weight_files(folder: str) -> dict[str, str]:
-  """Tensor name -> safetensors file, from the index of a sharded folder or the one file."""
+# A text-and-vision folder (Gemma3ForConditionalGeneration) keeps its language model under a
+# prefix: `language_model.model.` in the hub's files (transformers 4.x), `model.language_model.`
+# as transformers 5 saves it; the vision tower's tensors are not read.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+
+
+def _weight_files(folder: str) -> dict[str, tuple[str, str]]:
+  """Tensor name (a text model's: model.layers.0...) -> (safetensors file, the name stored
+  there), from the index of a sharded folder or the one file."""
   index = os.path.join(folder, HF_INDEX)
   if os.path.isfile(index):
     with open(index) as f:
       mapping = json.load(f)["weight_map"]
-    return {name: os.path.join(folder, file) for name, file in mapping.items()}
-  single = os.path.join(folder, HF_WEIGHTS)
-  if not os.path.isfile(single):
-    raise PretrainedError(f"{folder}: no {HF_WEIGHTS} or {HF_INDEX} (a Hugging Face model "
-                          "folder holds its weights as safetensors)")
-  with safetensors.safe_open(single, framework="numpy") as f:
-    return {name: single for name in f.keys()}
+    stored = {name: os.path.join(folder, file) for name, file in mapping.items()}
+  else:
+    single = os.path.join(folder, HF_WEIGHTS)
+    if not os.path.isfile(single):
+      raise PretrainedError(f"{folder}: no {HF_WEIGHTS} or {HF_INDEX} (a Hugging Face model "
+                            "folder holds its weights as safetensors)")
+    with safetensors.safe_open(single, framework="numpy") as f:
+      stored = {name: single for name in f.keys()}
+  out = {}
+  for name, file in stored.items():
+    canonical = name
+    for prefix, text in _TEXT_PREFIXES:
+      if name.startswith(prefix):
+        canonical = text + name[len(prefix):]
+    out[canonical] = (file, name)
+  return out
 
 
 def inspect_hf(path: str, *, dtype: str = "float32", need_weights: bool = True):
@@ -385,17 +416,18 @@ def inspect_hf(path: str, *, dtype: str = "float32", need_weights: bool = True):
   for ours, (theirs, how) in hf_names(cfg).items():
     if theirs not in files:
       raise PretrainedError(f"{folder}: tensor {theirs} is missing from the safetensors files")
-    if not os.path.isfile(files[theirs]):
-      raise PretrainedError(f"{files[theirs]}: no such file; {HF_INDEX} names it for "
+    file, theirs = files[theirs]
+    if not os.path.isfile(file):
+      raise PretrainedError(f"{file}: no such file; {HF_INDEX} names it for "
                             f"{theirs} (an incomplete download?)")
-    with safetensors.safe_open(files[theirs], framework="numpy") as f:
+    with safetensors.safe_open(file, framework="numpy") as f:
       tensor = f.get_slice(theirs)
       shape, kind = tuple(tensor.get_shape()), tensor.get_dtype()
     if kind not in _FLOAT_KINDS:
-      raise PretrainedError(f"{files[theirs]}: {theirs} is stored as {kind}; allowed: "
+      raise PretrainedError(f"{file}: {theirs} is stored as {kind}; allowed: "
                             f"{', '.join(_FLOAT_KINDS)} (quantized weights are not supported)")
     if _hf_shape(part(expected, ours), how) != shape:
-      raise PretrainedError(f"{files[theirs]}: {theirs} has shape {shape}; {HF_CONFIG} "
+      raise PretrainedError(f"{file}: {theirs} has shape {shape}; {HF_CONFIG} "
                             f"implies {_hf_shape(part(expected, ours), how)}")
   return cfg, tokenizer
 
@@ -445,8 +477,7 @@ def load_hf(path: str, *, dtype: str = "float32", mesh=None):
     if ours not in names:  # a mixture's experts: one Hugging Face tensor each
       return np.stack([read(f"{ours}[{j}]") for j in range(cfg.num_experts)])
     theirs, how = names[ours]
-    return _from_hf(_read_tensor(files[theirs], theirs), how,
-                    part(expected, ours)).astype(np_dtype)
+    return _from_hf(_read_tensor(*files[theirs]), how, part(expected, ours)).astype(np_dtype)
 
   # One stacked tensor at a time: its L layers are read, stacked on the host, and placed,
   # so the host holds at most one kind of tensor for every layer, never the model.

@@ -229,6 +229,8 @@ def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
   if source and hf.is_hf_folder(source):
     with open(os.path.join(source, hf.HF_CONFIG)) as f:
       hf_cfg = json.load(f)
+    # A text-and-vision folder's language model: written as the text model it is.
+    hf_cfg = dict(hf_cfg.get("text_config", hf_cfg))
   arch = hf_architecture(cfg)
   hf_cfg.update({
       "architectures": [arch], "model_type": hf.HF_MODEL_TYPES[arch],
