@@ -1,8 +1,12 @@
-"""A decoder-only transformer of the Llama / Qwen family, in Flax linen.
+"""A decoder-only transformer of the Llama / Qwen / Gemma 3 families, in Flax linen.
 
 Pieces: token embedding (optionally tied to the output head), RMSNorm, rotary position
 embeddings with a configurable theta, grouped-query attention (num_heads query heads share
-num_kv_heads key/value heads), optional QK-norm (Qwen3), and a SwiGLU MLP.
+num_kv_heads key/value heads), optional QK-norm (Qwen3), and a SwiGLU MLP or a mixture of
+SwiGLU experts (Qwen3-MoE, moe.py). Gemma 3's departures are switches of ModelConfig: GeGLU,
+(1 + w) norms also after each sublayer, scaled embeddings, its query scale, and local layers
+that attend within a sliding window with their own RoPE base (the layer's index is scanned
+beside its parameters, so one compiled layer body serves local and global layers).
 
 Entry points sharing the same parameters:
   * `Decoder.__call__`: a full causal forward over left-padded rows (teacher forcing, and

@@ -229,8 +229,8 @@ def _side(raw, spec, overrides) -> Side:
               run.to_dict() if run is not None else None)
 
 
-_EXECUTION_KEYS = ("param_dtype", "dtype", "remat", "scan_layers", "attention", "lora_rank",
-                   "lora_alpha", "lora_targets")
+_EXECUTION_KEYS = ("param_dtype", "dtype", "remat", "scan_layers", "attention", "moe_matmul",
+                   "lora_rank", "lora_alpha", "lora_targets")
 
 
 def _check_run_checkpoint(directory: str, step: int, model_cfg) -> None:
