@@ -153,7 +153,8 @@ def main(argv=None) -> int:
             f"grpo.micro_batch_size={g.micro_batch_size})")
   print(f"update: {rollouts} rollouts in {layout}, logprob_chunk_size="
         f"{g.logprob_chunk_size}, remat={config.model.remat}, scan_layers="
-        f"{_build().scan_layers(config, mesh)}, attention={_build().attention(config, mesh)}",
+        f"{_build().scan_layers(config, mesh)}, attention="
+        f"{_build().attention(config, mesh, model_cfg)}",
         flush=True)
   chip = _TOPOLOGY.value.split(":")[0]  # "v5e's 16 GiB", as the chip is called
   memory, failures = {}, []

@@ -418,6 +418,12 @@ def test_attention_resolves_by_platform_and_dtype():
   assert attention.resolve_attention(None, "tpu", "float32") == "splash"
   assert attention.resolve_attention(None, "cpu", "bfloat16") == "xla"
   assert attention.resolve_attention("xla", "gpu", "bfloat16") == "xla"
+  # A model with sliding-window layers (Gemma 3): the splash kernels take no window, so TPU
+  # runs xla, and a splash that reaches here (refused at startup) becomes xla too: no window
+  # is ever dropped. cuDNN's takes the window in its mask.
+  assert attention.resolve_attention(None, "tpu", "bfloat16", windowed=True) == "xla"
+  assert attention.resolve_attention("splash", "tpu", "bfloat16", windowed=True) == "xla"
+  assert attention.resolve_attention(None, "gpu", "bfloat16", windowed=True) == "cudnn"
 
 
 def test_packed_rows_attend_within_their_segments_with_splash_as_with_xla():

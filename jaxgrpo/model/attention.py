@@ -44,12 +44,12 @@ def resolve_attention(value: str | None, platform: str, dtype: str,
   "cudnn" (jax.nn.dot_product_attention's cuDNN flash attention) on GPU with bfloat16
   compute, "xla" (the einsum path) elsewhere: CPU keeps "xla". windowed: a model with
   sliding-window layers (Gemma 3), whose per-layer window the splash kernels here do not
-  take: "xla" on TPU (a named "splash" is refused at startup)."""
-  if value is not None:
-    return value
-  if platform == "tpu" and not windowed:
-    return "splash"
-  return "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla"
+  take: "xla" on TPU (a named "splash" is refused at startup; here it becomes "xla" too, so
+  no window is ever dropped)."""
+  if value is None:
+    value = ("splash" if platform == "tpu" else
+             "cudnn" if platform == "gpu" and dtype == "bfloat16" else "xla")
+  return "xla" if windowed and value == "splash" else value
 
 
 def fused_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):

@@ -82,7 +82,8 @@ def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, ro
   draws from (key, row_ids_N[n]) alone). compact_stages: the decode's (compaction.py; each
   stage's K/V are written back to their rows). Returns (sampling.Rollout, the cache)."""
   stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
-  attention = attention_lib.resolve_attention(attention, jax.default_backend(), cfg.dtype)
+  attention = attention_lib.resolve_attention(attention, jax.default_backend(), cfg.dtype,
+                                              bool(cfg.sliding_window))
   logits_NxV, cache = append(params, cfg, new_tokens_NxE, new_len_N, slot_N, cache, stacked,
                              attention)
   prompt_len_N = jnp.sum(cache.prompt_bias[:, 0, 0] == 0.0, axis=-1).astype(jnp.int32)

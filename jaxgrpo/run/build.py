@@ -39,7 +39,7 @@ def training(setup, mesh=None):
   o = c.optim
   optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps, total_updates,
                                       o.weight_decay, o.grad_clip, o.schedule)
-  loss = loss_config(c, mesh)
+  loss = loss_config(c, mesh, setup.model_cfg)
   if loss.lora_rank:
     # LoRA: the state trains the adapters only; the frozen base rides in the reference slot
     # (it is the KL's reference policy too: adapters off, no second copy).
@@ -79,13 +79,15 @@ def scan_layers(c, mesh) -> bool:
   return model_lib.resolve_scan_layers(c.model.scan_layers, mesh.devices.flat[0].platform)
 
 
-def attention(c, mesh) -> str:
-  """model.attention, with None resolved by the mesh's platform and the compute dtype."""
+def attention(c, mesh, model_cfg=None) -> str:
+  """model.attention, with None resolved by the mesh's platform and the compute dtype (and
+  the model: sliding-window layers take no splash kernel)."""
+  windowed = bool(model_cfg is not None and model_cfg.sliding_window)
   return attention_lib.resolve_attention(c.model.attention, mesh.devices.flat[0].platform,
-                                     c.model.dtype)
+                                         c.model.dtype, windowed)
 
 
-def loss_config(c, mesh) -> grpo.LossConfig:
+def loss_config(c, mesh, model_cfg=None) -> grpo.LossConfig:
   """The GRPO loss settings of a run config, on `mesh`."""
   g = c.grpo
   return grpo.LossConfig(
@@ -95,7 +97,7 @@ def loss_config(c, mesh) -> grpo.LossConfig:
       max_new_tokens=completion_width(c), micro_batch_size=g.micro_batch_size,
       micro_batch_tokens=g.micro_batch_tokens,
       logprob_chunk_size=g.logprob_chunk_size or 0, remat=c.model.remat,
-      scan_layers=scan_layers(c, mesh), attention=attention(c, mesh),
+      scan_layers=scan_layers(c, mesh), attention=attention(c, mesh, model_cfg),
       lora_rank=c.model.lora_rank,
       lora_scale=c.model.lora_alpha / c.model.lora_rank if c.model.lora_rank else 0.0,
       lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else (),
@@ -217,18 +219,18 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                                max_episode_tokens=gen.max_episode_tokens,
                                max_append_tokens=c.env.max_observation_tokens + 1,
                                compact_stages=gen.compact_stages,
-                               attention=attention(c, mesh), **common)
+                               attention=attention(c, mesh, model_cfg), **common)
   if gen.max_tokens_per_step:  # partial rollouts: training rows decode in rounds
     from jaxgrpo.rollout import partial  # pylint: disable=g-import-not-at-top
     profiles["train"] = dataclasses.replace(profiles["train"], num_samples=1)
     return partial.PartialEngine(
         model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
         rows=g.num_prompts_per_step * g.num_generations_per_prompt // jax.process_count(),
-        attention=attention(c, mesh), **common)
+        attention=attention(c, mesh, model_cfg), **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
                                 decode_block=gen.decode_block_size,
                                 compact_stages=gen.compact_stages,
-                                attention=attention(c, mesh), **common)
+                                attention=attention(c, mesh, model_cfg), **common)
 
 
 @config_checks.register(order=34)

@@ -351,7 +351,7 @@ def programs(c, model_cfg, tokenizer, mesh, which):
   engine = build.make_engine(c, model_cfg, tokenizer, mesh)
   b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, build.completion_width(c)
   n = b * g.num_generations_per_prompt
-  loss = build.loss_config(c, mesh)
+  loss = build.loss_config(c, mesh, model_cfg)
   sds = jax.ShapeDtypeStruct
   if "update" in which:
     update = grpo.compile_update(state, ref_params, cfg=model_cfg,
