@@ -383,4 +383,7 @@ def test_gemma3_text_and_vision_folder_loads_its_language_model(tmp_path, prefix
   artifacts.save_hf(str(tmp_path / "out"), loaded.cfg, params, tok, source=str(tmp_path / "mm"))
   written = json.load(open(tmp_path / "out" / "config.json"))
   assert written["architectures"] == ["Gemma3ForCausalLM"] and "vision_config" not in written
+  # transformers' strict Gemma3TextConfig refuses a float here (a trained run's export,
+  # loaded in transformers 5.24, matched jaxgrpo's logits within 3.5e-6 once it was an int).
+  assert written["query_pre_attn_scalar"] == 24 and isinstance(written["query_pre_attn_scalar"], int)
   assert hf.hf_model_config(str(tmp_path / "out")) == loaded.cfg

@@ -195,6 +195,10 @@ def hf_architecture(cfg: model_lib.ModelConfig) -> str:
   raise hf.PretrainedError("no Hugging Face architecture has both q/k norms and q/k/v biases")
 
 
+def _int_if_whole(x: float):
+  return int(x) if float(x).is_integer() else x
+
+
 def _gemma3_keys(hf_cfg: dict, cfg: model_lib.ModelConfig) -> None:
   """Gemma 3's own config.json keys, in transformers 5's layout (per layer type RoPE, the
   layer types listed), which transformers 4.5x also reads; the keys of 4.x's layout that
@@ -208,7 +212,8 @@ def _gemma3_keys(hf_cfg: dict, cfg: model_lib.ModelConfig) -> None:
   local = model_lib.is_local
   hf_cfg.update({
       "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-      "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+      # transformers' strict config takes an int here (Gemma 3's are).
+      "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
       "sliding_window": cfg.sliding_window or None,
       "layer_types": ["sliding_attention" if local(i, cfg) else "full_attention"
                       for i in range(cfg.num_layers)],
