@@ -115,7 +115,8 @@ def main(argv=None) -> int:
   from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
   chips = len(devices)
-  sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items() if k != "context" or v > 1)
+  sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items()
+                    if k not in ("expert", "context") or v > 1)
   if _NUM_SLICES.value > 1:  # the data axis spans the slices (mesh.dcn_data)
     slices = _NUM_SLICES.value
     sizes = sizes.replace(f"data={mesh.shape['data']}",

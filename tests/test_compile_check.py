@@ -184,9 +184,9 @@ def test_suggest_micro_batch_says_when_nothing_fits(check):
       "1.02 MiB per chip (tried 4: "), lines
 
 
-def _without_weights(folder):
-  """The Qwen2 fixture's config.json and tokenizer files in `folder`, no weights."""
-  fixture = os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2")
+def _without_weights(folder, name="qwen2"):
+  """A fixture's (the Qwen2 one's) config.json and tokenizer files in `folder`, no weights."""
+  fixture = os.path.join(ROOT, "tests", "fixtures", "hf", name)
   for name in os.listdir(fixture):
     if not name.endswith((".safetensors", ".npz")):
       shutil.copy(os.path.join(fixture, name), folder)
@@ -247,3 +247,20 @@ def test_the_long_preset_packs_and_splits_sequences_for_tpu(check, tmp_path):
                    proc.stdout), proc.stdout
   assert "packed micro-batches of" in proc.stdout and "attention=splash" in proc.stdout
   assert "ok: update step compile for v5e:2x2" in proc.stdout
+
+
+@pytest.mark.parametrize("name, flags, mesh", [
+    ("qwen3_moe", ["--config.mesh.expert=4"], "mesh data=1, fsdp=1, expert=4, tensor=1"),
+    ("gemma3", [], "mesh data=4, fsdp=1, tensor=1"),
+])
+def test_a_mixture_and_gemma_3_compile_for_tpu(check, tmp_path, name, flags, mesh):
+  """Issue 53: the Qwen3-MoE fixture with its 4 experts one a chip (expert=4: ragged_dot and
+  the expert-parallel shard_map in the update and the sampler) and the Gemma 3 fixture
+  (sliding-window layers: xla attention, not splash) compile for v5e:2x2."""
+  _without_weights(tmp_path, name)
+  proc = check("--topology=v5e:2x2", f"--config={ROOT}/configs/gsm8k.py:cpu",
+               f"--config.model.hf_checkpoint={tmp_path}", "--programs=update,train", *flags)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert mesh in proc.stdout, proc.stdout
+  assert "attention=xla" in proc.stdout if name == "gemma3" else "attention=splash" in proc.stdout
+  assert list(table_rows(proc.stdout)) == ["update step", "train sampler"], proc.stdout
