@@ -134,8 +134,15 @@ class Renderer:
     """(the close of the probe's assistant turn, the tokens the messages add after it);
     ObservationError if the template does not continue the probe."""
     base = [_PROBE_USER, {"role": "assistant", "content": assistant}]
-    ids_with = self._encode(self.chat.render(base + messages, add_generation_prompt=True,
-                                             tools=self.tools))
+    try:
+      text = self.chat.render(base + messages, add_generation_prompt=True, tools=self.tools)
+    except ValueError as e:  # the template refuses the conversation (chat.ChatTemplateError)
+      # Gemma's template knows user and model turns only, alternating: no tool role.
+      roles = sorted({m["role"] for m in messages})
+      raise ObservationError(
+          f"{e}: it cannot render {roles} messages after an assistant turn; return the "
+          "observation as a role the template has (Gemma: 'user') or as text") from None
+    ids_with = self._encode(text)
     ids_without, close = self._without(assistant)
     if ids_with[:len(ids_without)] != ids_without:
       ids_without, close = self._without(assistant, fresh=True)

@@ -188,3 +188,20 @@ def test_observations_that_are_neither_text_nor_messages_are_refused(bad, why):
     observations.messages_of(bad)
   with pytest.raises(ValueError, match="step's observation (message )?is"):
     envs.check_step((bad, None, False, {}))
+
+
+def test_gemma_3_frames_a_user_observation_and_refuses_a_tool_role_in_one_line():
+  # Gemma 3's template knows alternating user and model turns only: after a model turn that
+  # ended with <end_of_turn>, a user message is "\n<start_of_turn>user\n...<end_of_turn>\n"
+  # and the next model turn's opening; a tool message makes the template raise, which is
+  # one ObservationError naming the roles (a one-line refusal at startup, not a traceback).
+  folder = os.path.join(FIXTURES, "hf", "gemma3")
+  tok, template = hf.hf_tokenizer(folder), chat.ChatTemplate.from_folder(folder)
+  renderer = observations.Renderer(tok, template, max_tokens=64)
+  turn = _ids(tok, "It is 56088.<end_of_turn>")
+  ids = renderer.render({"role": "user", "content": "Check it."}, turn).ids
+  assert tok.hf.decode(ids, skip_special_tokens=False) == (
+      "\n<start_of_turn>user\nCheck it.<end_of_turn>\n<start_of_turn>model\n")
+  with pytest.raises(observations.ObservationError,
+                     match=r"Conversation roles must alternate.*cannot render \['tool'\]"):
+    renderer.render([envs.tool_message("56088")], turn)
