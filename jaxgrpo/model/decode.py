@@ -33,8 +33,13 @@ number of ops per token decides the speed (BENCHMARKS.md has the figures). Here:
     with a dynamic trip count) and compiles once. 0 reads the whole cache and masks the
     unfilled slots.
 
+A mixture of experts' MLP is the training forward's own call (`decoder.experts_layer` on the
+rows, [N, d_model]: one routing for the sampler and the update); Gemma 3's local layers take
+their window as data (the prompt's keys and the generated slots more than window - 1
+positions behind the token are masked) and their own RoPE angles, chosen per layer.
+
 tests/test_decode.py pins every variant (GQA, QK-norm, biases, untied head, Llama 3 RoPE,
-bfloat16) to `model.forward`.
+Gemma 3's window and norms, bfloat16) to `model.forward`.
 """
 
 from __future__ import annotations
