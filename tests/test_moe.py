@@ -5,7 +5,6 @@ update's on the Qwen3-MoE fixture, the load-balancing loss by hand."""
 import dataclasses
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
