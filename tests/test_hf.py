@@ -214,15 +214,17 @@ def test_greedy_generation_matches_transformers(pretrained):
                                 err_msg=name)
 
 
-def test_the_updates_logprobs_equal_the_samplers(pretrained):
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma3"])
+def test_the_updates_logprobs_equal_the_samplers(name):
   # The update's teacher-forced forward (each prompt once, its G completions over its K/V:
   # grpo.completion_logprobs) and the sampler's decode steps compute one function: Gemma 3's
   # window (4 here, shorter than the prompts and the 10 sampled tokens) in both, a mixture's
-  # routing in both.
+  # routing in both. (The dense families: tests/test_sampling.py.)
   from jaxgrpo.algo import grpo
   from jaxgrpo.rollout import policy as policy_lib
   from jaxgrpo.rollout import sampling
-  name, _, arrays, _, policy = pretrained
+  folder, arrays, _ = reference(name)
+  policy = policy_lib.Policy.from_pretrained(folder)
   policy.eos_id = None
   ids, mask = arrays["input_ids"], arrays["attention_mask"].astype(bool)
   prompts = [ids[row][mask[row]].tolist() for row in range(len(ids))]
