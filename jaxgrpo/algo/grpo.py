@@ -355,27 +355,20 @@ def loss_mask(batch, loss: LossConfig):
 
 def _policy_logprobs(params, cfg, batch, loss: LossConfig, sp):
   """(log-probs under the sampling profile, for the ratio; under the KL's untruncated
-  profile, for the penalty), from one forward: the same array when they coincide or
-  beta is 0."""
+  profile, for the penalty; a mixture's router load-balancing loss when
+  router_aux_loss_coef > 0, else None), from one forward: the two log-probs the same array
+  when the profiles coincide or beta is 0."""
   kl_sp = kl_sampling_params(sp)
-  opts = _forward_options(loss)
-  if loss.beta > 0 and kl_sp != sp:
-    return completion_logprobs(params, cfg, batch, loss.num_generations, (sp, kl_sp), **opts)
-  logp = completion_logprobs(params, cfg, batch, loss.num_generations, sp, **opts)
-  return logp, logp
-
-
-def _policy_logprobs_and_balance(params, cfg, batch, loss: LossConfig, sp):
-  """_policy_logprobs and the router's load-balancing loss of the same forward (a mixture
-  with router_aux_loss_coef > 0), else None for it."""
-  if not loss.router_aux_loss_coef:
-    return (*_policy_logprobs(params, cfg, batch, loss, sp), None)
-  kl_sp = kl_sampling_params(sp)
-  profiles = (sp, kl_sp) if loss.beta > 0 and kl_sp != sp else sp
-  logp, (f_E, p_E) = completion_logprobs(params, cfg, batch, loss.num_generations, profiles,
-                                         with_router_stats=True, **_forward_options(loss))
-  logp, kl_logp = logp if isinstance(profiles, tuple) else (logp, logp)
-  return logp, kl_logp, moe_lib.balance_loss(f_E, p_E, cfg.num_experts)
+  both = loss.beta > 0 and kl_sp != sp
+  stats = bool(loss.router_aux_loss_coef)
+  out = completion_logprobs(params, cfg, batch, loss.num_generations, (sp, kl_sp) if both else sp,
+                            with_router_stats=stats, **_forward_options(loss))
+  balance = None
+  if stats:
+    out, (f_E, p_E) = out
+    balance = moe_lib.balance_loss(f_E, p_E, cfg.num_experts)
+  logp, kl_logp = out if both else (out, out)
+  return logp, kl_logp, balance
 
 
 def _reference_logprobs(ref_params, cfg, batch, loss: LossConfig, sp):
@@ -462,7 +455,7 @@ def micro_loss(params, ref_params, micro, *, cfg: model_lib.ModelConfig, loss: L
   mask, weights, old_logp = (micro[k + suffix] for k in ("mask", "weights", "old_logp"))
   advantages = micro.get("advantages_RxS", micro.get("advantages_N"))
   policy_params = lora.merge(ref_params, params, loss.lora_scale) if loss.lora_rank else params
-  logp, kl_logp, balance = _policy_logprobs_and_balance(policy_params, cfg, micro, loss, sp)
+  logp, kl_logp, balance = _policy_logprobs(policy_params, cfg, micro, loss, sp)
   total = lambda x: jnp.where(mask, x, 0.0).sum()  # where, not *: see aggregate
   if balance is not None:  # this micro-batch's share of the batch's rows (mean over them)
     share = jnp.sum(micro["balance_share_N"])
