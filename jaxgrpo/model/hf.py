@@ -194,7 +194,6 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
                    rope_low_freq_factor=float(rs["low_freq_factor"]),
                    rope_high_freq_factor=float(rs["high_freq_factor"]),
                    rope_original_max_positions=int(rs["original_max_position_embeddings"]))
-  heads = hf["num_attention_heads"]
   moe = {}
   if experts:
     # transformers 5 writes num_local_experts beside num_experts; the hub's 4.x files have
@@ -213,7 +212,6 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
     if missing:
       raise PretrainedError(f"{path}: missing key {missing[0]!r} (a Qwen3-MoE config names "
                             "num_experts, num_experts_per_tok and moe_intermediate_size)")
-  del heads
   return _config(hf, path, dtype, qk_norm=qk_norm, qkv_bias=qkv_bias, tie_default=False,
                  rope_theta=float(theta), **scaling, **moe)
 
