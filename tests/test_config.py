@@ -586,6 +586,8 @@ def test_what_needs_experts_or_refuses_a_window_is_one_line():
       ({"mesh.expert": 4}, moe, "config.mesh.expert=4: the model has 6 experts"),
       ({"mesh.expert": 2}, dense, "config.mesh.expert=2: the model has 0 experts"),
       ({"grpo.router_aux_loss_coef": 0.01}, dense, "the model is dense (no router)"),
+      ({"model.moe_matmul": "ragged"}, dense, "config.model.moe_matmul='ragged': the model "
+       "is dense"),
       ({"grpo.router_aux_loss_coef": 0.01, "grpo.micro_batch_tokens": 64}, moe,
        "not built with packed micro-batches"),
       ({"model.attention": "splash"}, gemma, "sliding-window layers (window 4)"),

@@ -245,8 +245,8 @@ def _check_lora_rank(config, model_cfg) -> None:
 
 def _check_model_features(config, model_cfg) -> None:
   """What needs a mixture of experts or refuses a sliding window, against the model as
-  loaded (a checkpoint names its own): mesh.expert divides the experts, a router loss
-  weight has a router, splash attention has no window to take."""
+  loaded (a checkpoint names its own): mesh.expert divides the experts, a chosen expert
+  matmul and a router loss weight have experts, splash attention has no window to take."""
   if model_cfg.sliding_window and config.model.attention == "splash":
     raise config_lib.ConfigError(
         "config.model.attention='splash': the model has sliding-window layers (window "
@@ -257,6 +257,10 @@ def _check_model_features(config, model_cfg) -> None:
     raise config_lib.ConfigError(
         f"config.mesh.expert={m.expert}: the model has {experts} experts; allowed: 1, or a "
         "divisor of the experts (each chip of an expert group holds experts / expert)")
+  if config.model.moe_matmul != "auto" and not experts:
+    raise config_lib.ConfigError(
+        f"config.model.moe_matmul={config.model.moe_matmul!r}: the model is dense (no "
+        "experts to compute); allowed: 'auto', or a mixture of experts (model.num_experts > 0)")
   coef = config.grpo.router_aux_loss_coef
   if coef and not experts:
     raise config_lib.ConfigError(
