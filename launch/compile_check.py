@@ -20,8 +20,18 @@ the chips for the whole run, so the part of it a sampler does not take as an arg
 chip's peak while sampling. HBM is the chip's nominal capacity; the runtime keeps a little
 of it for itself (the compiler allows 15.75 of v5e's 16 GiB).
 
-Exit status: 0 when every program checked compiles and fits; 1 when one fails to compile or
-does not fit (one line each on stderr, saying by how much); 2 for a bad flag, config or
+After the table, one line per program (jaxgrpo/runtime/tpu_cost.py reads the compiled HLO):
+the Pallas kernels it contains (`tpu_custom_call`s by kernel name and count), its
+predicted time (per step; a sampler's per rollout batch, its decode loop at its bound, and
+per token-step) from the compiler's own per-op cycle estimates, loops times their trip
+counts, collectives by a ring model, kernels by their flops; the lower bound if all
+communication overlapped; and the fraction of the floor (the update: 6 x params x tokens
+at the MXU peak; decoding: the bytes of the weights and the live K/V once a token-step at
+HBM bandwidth), with a decode step's bytes against that floor.
+
+Exit status: 0 when every program checked compiles and fits; 1 when one fails to compile,
+does not fit, or contains a Pallas kernel in interpret mode (it would crawl on the chip;
+one line each on stderr, saying by how much or which); 2 for a bad flag, config or
 topology (one line).
 
 Flags:
@@ -30,6 +40,8 @@ Flags:
                       config's mesh.dcn_data follows it when left at 1
   --programs=LIST     which to compile, of update,train,val (default: all three)
   --hbm_gib=X         the per-chip HBM to check against (default: the chip's, from a table)
+  --dump_hlo=DIR      write each compiled program's HLO text as DIR/<program>.txt (the
+                      program's name as printed, spaces as underscores)
   --suggest_micro_batch  the same as --config.grpo.micro_batch_size=auto: first find the
                       largest micro-batch whose update step fits (jaxgrpo/run/sizing.py, the
                       trainer's own choice), then check every program with it. A config
@@ -88,6 +100,8 @@ _PROGRAMS = flags.DEFINE_list("programs", ["update", "train", "val"],
                               "Which to compile: update, train, val.", flag_values=_FV)
 _HBM_GIB = flags.DEFINE_float("hbm_gib", None, "Per-chip HBM to check against, in GiB.",
                               flag_values=_FV)
+_DUMP_HLO = flags.DEFINE_string("dump_hlo", None, "Write each program's HLO to this folder.",
+                                flag_values=_FV)
 _SUGGEST = flags.DEFINE_bool("suggest_micro_batch", False,
                              "Find the largest grpo.micro_batch_size whose update fits.",
                              flag_values=_FV)
@@ -111,6 +125,12 @@ def main(argv=None) -> int:
   except (CheckError, config_lib.ConfigError, hf.PretrainedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  with as_tpu_host():
+    return _check(config, devices, label, model_cfg, tokenizer, hbm)
+
+
+def _check(config, devices, label, model_cfg, tokenizer, hbm) -> int:
+  """Compiles and measures the programs (main, after the inputs were checked)."""
   from jaxgrpo.run import sizing  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh = sharding_lib.make_mesh(config.mesh.to_dict(), devices)
@@ -169,6 +189,7 @@ def main(argv=None) -> int:
     except Exception as e:  # pylint: disable=broad-except  # XLA's errors are untyped
       failures.append(f"error: the {name} failed to compile for {label}: {_first_line(e)}")
   print(_table(memory, hbm), flush=True)
+  failures += _programs_report(memory, config, model_cfg, mesh, devices[0].device_kind, label)
   for name, m in memory.items():
     if m.peak > hbm:
       with_state = " with the train state" if m.resident else ""
@@ -230,6 +251,22 @@ def _topology(name: str, num_slices: int):
     raise CheckError(f"--topology={name}: {why} (e.g. v4:2x2x1, v5e:2x2, v5p:4x4x4, "
                      "v6e:16x16)") from None
   return list(devices), (f"{num_slices} x {name}" if num_slices > 1 else name)
+
+
+@contextlib.contextmanager
+def as_tpu_host():
+  """While the programs are traced and compiled, `jax.default_backend()` answers "tpu", as it
+  does on the TPU host that will run them. jaxgrpo decides what a program contains from the
+  devices it is compiled for (decoder.platform_of), never from this host's backend; any
+  code path that still asked the backend would take the TPU host's branch here, so the check
+  compiles what the host runs (jax's own modules read their backend elsewhere)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  saved = jax.default_backend
+  jax.default_backend = lambda: "tpu"
+  try:
+    yield
+  finally:
+    jax.default_backend = saved
 
 
 @contextlib.contextmanager
@@ -315,6 +352,42 @@ def _table(memory: dict, hbm: int) -> str:
   if any(m.needs is not None for m in memory.values()):
     notes.append("?: the compiler refused the program and named only its total")
   return "per chip:\n" + "\n".join(lines + notes)
+
+
+def _programs_report(memory: dict, config, model_cfg, mesh, device_kind: str,
+                     label: str) -> list:
+  """Prints each compiled program's kernels, predicted time and floor (tpu_cost); writes
+  --dump_hlo's files. Returns the failures: programs with an interpreted Pallas kernel."""
+  from jaxgrpo.run import predict  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.runtime import tpu_cost  # pylint: disable=g-import-not-at-top
+  chip = tpu_cost.chip_for(device_kind)
+  failures = []
+  if _DUMP_HLO.value:
+    os.makedirs(_DUMP_HLO.value, exist_ok=True)
+  if chip is None:
+    print(f"no chip figures for {device_kind!r}: kernels listed, no predicted time")
+  else:
+    print(f"predicted per chip ({device_kind}: {chip.clock_hz / 1e9:g} GHz, "
+          f"{chip.peak_flops / 1e12:g} TFLOP/s, HBM {chip.hbm_bytes_s / 1e12:g} TB/s, ICI "
+          f"{chip.ici_link_bytes_s / 1e9:g} GB/s a link each way; serial sum of the compiler's "
+          "estimates, no overlap or host time):", flush=True)
+  for name, m in memory.items():
+    if m.hlo is None:
+      continue
+    if _DUMP_HLO.value:
+      with open(os.path.join(_DUMP_HLO.value, name.replace(" ", "_") + ".txt"), "w") as f:
+        f.write(m.hlo)
+    found = tpu_cost.kernels(m.hlo)
+    interpreted = tpu_cost.interpreted_kernels(m.hlo)
+    if interpreted:
+      failures.append(f"error: the {name} compiled for {label} contains a Pallas kernel in "
+                      f"interpret mode ({interpreted} ops from a pallas_call that is no "
+                      "tpu_custom_call): it would run in Pallas' interpreter on the chips")
+    line = f"{name}: kernels {tpu_cost.describe_kernels(found)}"
+    if chip is not None:
+      line += "; " + predict.program_line(m.hlo, name, chip, config, model_cfg, mesh)
+    print(line, flush=True)
+  return failures
 
 
 def _build():

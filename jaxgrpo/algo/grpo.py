@@ -106,6 +106,9 @@ class LossConfig:
   # A mixture of experts' router load-balancing loss (moe.balance_loss), added with this
   # weight; 0 = off (the default: RL recipes train without it).
   router_aux_loss_coef: float = 0.0
+  # The update's mesh, passed to the model explicitly: a Pallas kernel (splash) runs under
+  # shard_map on it, compiled for its devices. None: one device.
+  mesh: Any = None
 
 
 class TrainState(NamedTuple):
@@ -285,7 +288,7 @@ def kl_sampling_params(sp: sampling.SamplingParams) -> sampling.SamplingParams:
 def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: int, sp, *,
                         chunk: int = 0, remat: str = "none",
                         scan_layers: bool | None = None, attention: str | None = None,
-                        with_router_stats: bool = False):
+                        with_router_stats: bool = False, mesh=None):
   """log π_θ of each completion token, teacher-forced; each prompt is computed once and
   shared by its G completions (model.score_groups), as in sampling.
 
@@ -293,14 +296,14 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   result is a tuple of [N, T] arrays in the same order.
   chunk > 0: project `chunk` positions at a time, never holding the [N, T, V] logits
   (logprobs.chunked_logprobs). remat: what each layer keeps for the backward pass;
-  scan_layers, attention: model.Decoder's. with_router_stats: (log-probs, a mixture's router
-  statistics over the batch's tokens, decoder.router_stats).
+  scan_layers, attention, mesh: model.Decoder's. with_router_stats: (log-probs, a mixture's
+  router statistics over the batch's tokens, decoder.router_stats).
   """
   if "segments_RxS" in batch:  # packed rows (algo/packing.py)
     if with_router_stats:  # refused at startup (grpo.router_aux_loss_coef's check)
       raise ValueError("router statistics of packed rows are not built")
     return _packed_logprobs(params, cfg, batch, sp, chunk=chunk, remat=remat,
-                            scan_layers=scan_layers, attention=attention)
+                            scan_layers=scan_layers, attention=attention, mesh=mesh)
   n, t = batch["completion_tokens_NxT"].shape
   b = n // group_size
   completion_BxGxT = batch["completion_tokens_NxT"].reshape(b, group_size, t)
@@ -308,7 +311,7 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   args = (params, cfg, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"], completion_BxGxT,
           batch["completion_mask_NxT"].reshape(b, group_size, t))
   opts = dict(remat=remat, scan_layers=scan_layers, attention=attention,
-              with_router_stats=with_router_stats)
+              with_router_stats=with_router_stats, mesh=mesh)
   stats = None
   if chunk:
     hidden = model_lib.score_hidden(*args, **opts)
@@ -325,12 +328,12 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   return (out, stats) if with_router_stats else out
 
 
-def _packed_logprobs(params, cfg, batch, sp, *, chunk, remat, scan_layers, attention):
+def _packed_logprobs(params, cfg, batch, sp, *, chunk, remat, scan_layers, attention, mesh):
   """completion_logprobs of packed rows: log π_θ of targets_RxS, the token each position
   predicts (0 where it predicts none: the loss's mask leaves those)."""
   hidden_RxSxD, head_DxV = model_lib.score_packed(
       params, cfg, batch["tokens_RxS"], batch["positions_RxS"], batch["segments_RxS"],
-      remat=remat, scan_layers=scan_layers, attention=attention)
+      remat=remat, scan_layers=scan_layers, attention=attention, mesh=mesh)
   sps = sp if isinstance(sp, tuple) else (sp,)
   targets = batch["targets_RxS"]
   if chunk:
@@ -381,7 +384,7 @@ def _reference_logprobs(ref_params, cfg, batch, loss: LossConfig, sp):
 def _forward_options(loss: LossConfig) -> dict:
   """How `completion_logprobs` computes (memory and compile time, not the result)."""
   return dict(chunk=loss.logprob_chunk_size, remat=loss.remat, scan_layers=loss.scan_layers,
-              attention=loss.attention)
+              attention=loss.attention, mesh=loss.mesh)
 
 
 def loss_fn(params, ref_params, batch, *, cfg: model_lib.ModelConfig, loss: LossConfig,

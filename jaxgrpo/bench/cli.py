@@ -8,6 +8,7 @@ import sys
 
 from jaxgrpo.bench import backends
 from jaxgrpo.bench import common
+from jaxgrpo.bench import decode_bytes
 from jaxgrpo.bench import early_stop
 from jaxgrpo.bench import episodes
 from jaxgrpo.bench import long_tail
@@ -24,7 +25,7 @@ from jaxgrpo.bench import truncation
 from jaxgrpo.bench import validation
 
 SUBCOMMANDS = (sampler, rollout, truncation, validation, step, memory, early_stop, backends,
-               prefill, rewards, lora, episodes, packing, long_tail, moe)
+               prefill, rewards, lora, episodes, packing, long_tail, moe, decode_bytes)
 
 
 def run_all(args) -> list[dict]:

@@ -14,9 +14,12 @@ softmax(q k^T / sqrt(D), masked) v in one of three implementations (`model.atten
     a completion over [its prompt | itself]) and its segment ids say who may see whom: a
     real token is segment 1, a pad 0 (so a pad query attends only pads: finite, and
     never read), the keys padded up to the kernel's blocks -1 (seen by no one). No [B, T,
-    S] mask is built. Kernels cannot be partitioned by XLA, so under a mesh it runs inside
-    `jax.shard_map`: rows over the data axes, heads over `tensor` when both head counts
-    divide it. Off TPU it runs in Pallas' interpret mode (tests: equal to "xla").
+    S] mask is built. Kernels cannot be partitioned by XLA ("Mosaic kernels cannot be
+    automatically partitioned"), so every program on a mesh passes it explicitly and the
+    kernel runs inside `jax.shard_map`: rows over the data axes, heads over `tensor` when
+    both head counts divide it. The mesh's devices decide whether the kernel is compiled
+    for TPU or, elsewhere, run in Pallas' interpret mode (tests: equal to "xla"); never
+    the default backend, so launch/compile_check.py compiles the TPU kernel from a CPU.
 
 Grouped-query attention throughout: query head h reads KV head h // (H / H_kv). The decode
 step's attention lives in decode.py.
@@ -83,9 +86,10 @@ def _splash_kernel(heads: int, t: int, s: int, offset: int, interpret: bool):
 def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offset: int,
            mesh=None, split_queries: bool = False):
   """softmax(q k^T / sqrt(D)) v through splash attention: query i sees key j when j <= i +
-  offset and their segment ids are equal (module doc). mesh: the activations' mesh, whose
-  data axes split the N rows (and `tensor` the heads, where both counts divide it); None:
-  one device. out [N, T, H, D].
+  offset and their segment ids are equal (module doc). mesh: the program's mesh, whose
+  data axes split the N rows (and `tensor` the heads, where both counts divide it); rows
+  that do not divide over them (a batch of one) run whole on every chip. None: one device,
+  the default one. out [N, T, H, D].
 
   split_queries (context parallelism, packed rows: self-attention, T == S): the queries
   are split over the mesh's `context` axis and every chip of a context group sees all the
@@ -111,9 +115,9 @@ def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offse
   q_seg = jnp.pad(q_segment_NxT.astype(jnp.int32), ((0, 0), (0, tp - t)), constant_values=1)
   kv_seg = jnp.pad(kv_segment_NxS.astype(jnp.int32), ((0, 0), (0, sp - s)),
                    constant_values=-1)
-  # The kernel compiles for TPU; elsewhere Pallas interprets it. The mesh's devices decide,
-  # not the default backend: launch/compile_check.py compiles for TPU from a CPU.
-  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  # The kernel compiles for TPU; elsewhere Pallas interprets it. The devices the program is
+  # compiled for decide (the mesh's; without one, the default device, where it then runs).
+  platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
   interpret = platform != "tpu"
   tensor = mesh.shape["tensor"] if mesh is not None else 1
   heads_split = tensor > 1 and h % tensor == 0 and hk % tensor == 0
@@ -136,6 +140,8 @@ def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offse
   else:
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
     rows = ("data", "fsdp", "expert")  # sharding.BATCH_AXES (not imported: sharding imports us)
+    if n % math.prod(mesh.shape[a] for a in rows):
+      rows = None  # what GSPMD does with rows that do not split: every chip computes them
     heads = "tensor" if heads_split else None
     ctx = "context" if context > 1 else None
     o = jax.shard_map(local, mesh=mesh,

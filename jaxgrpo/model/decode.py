@@ -304,6 +304,14 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   projection is weight @ activations: XLA's CPU matmul measured up to 3x faster with the
   large weight on the left than `x @ W` for 32 rows (BENCHMARKS.md).
   """
+  # Named so the compiled program's ops say which belong to a token-step (runtime/tpu_cost:
+  # the compile check's bytes and time per decode step).
+  with jax.named_scope("decode_step"):
+    return _step(w, cfg, tokens_BxG, positions_B, i, cache, block)
+
+
+def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache,
+          block: int):
   b, g = tokens_BxG.shape
   hk, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
   f32 = jnp.float32
@@ -327,9 +335,10 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     prompt_bias_local = cache.prompt_bias + jnp.where(
         behind_BxL < cfg.sliding_window, 0.0, _NEG)[:, None, None]
 
-  def layer_step(l, layer: Layer, x, prompt_k, prompt_v, gen_k, gen_v):
-    """One block (layer l): x [d_model, N] -> x, and this token's key [B, H_kv, G, D] and
-    value."""
+  def layer_step(l, layer: Layer, x, prompt_k, prompt_v, write):
+    """One block (layer l): x [d_model, N] -> x, and what `write(k, v)` returns after it
+    stored this token's key [B, H_kv, G, D] and value: (the caches it carries on, this
+    layer's generated keys and values to attend over)."""
     h = jnp.einsum("ksem,mn->ksen", layer.qkv, _norm(x, layer.attn_norm, cfg))
     h = h.reshape(hk, r + 2, d, b, g)
     if layer.qkv_bias is not None:
@@ -347,8 +356,7 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     q = (qk[:, :r] * q_scale).transpose(3, 0, 4, 1, 2)   # [B, H_kv, G, r, D]
     k = qk[:, r].transpose(2, 0, 3, 1)                     # [B, H_kv, G, D]
     v = v.transpose(2, 0, 3, 1)
-    layer_k = _write(gen_k, k[..., None], i, axis=4)
-    layer_v = _write(gen_v, v[:, :, :, None], i, axis=3)
+    caches, (layer_k, layer_v) = write(k, v)
     o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, bias, i, block, window)
     h = layer.out @ o.transpose(1, 3, 4, 0, 2).reshape(hk * r * d, b * g)
     x = x + (h if layer.post_attn_norm is None else _norm(h, layer.post_attn_norm, cfg))
@@ -359,16 +367,24 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
     else:
       h = layer.down @ (model_lib.ACTIVATIONS[cfg.hidden_act](layer.gate @ xn) * (layer.up @ xn))
     x = x + (h if layer.post_mlp_norm is None else _norm(h, layer.post_mlp_norm, cfg))
-    return x, k, v, layer_k, layer_v
+    return x, caches
 
   if isinstance(w.layers, Layer):  # stacked (prepare(stacked=True)): one compiled block
     def body(carry, xs):
       x, gen_k, gen_v = carry
       l, layer, prompt_k, prompt_v = xs
-      x, k, v, _, _ = layer_step(l, layer, x, prompt_k, prompt_v, gen_k[l], gen_v[l])
-      # Only this token's slot is written into the carried caches (in place), not the layer.
-      gen_k = _write(gen_k, k[..., None], i, axis=4, layer=l)
-      gen_v = _write(gen_v, v[:, :, :, None], i, axis=3, layer=l)
+
+      def write(k, v):
+        # This token's slot written into the carried caches first (in place), and layer l
+        # read from the written ones: nothing reads the caches from before the write, so
+        # XLA updates them in place and reads the layer where it lies. Reading gen_k[l]
+        # before writing kept the old buffer alive: the compiled TPU program copied the
+        # whole stacked cache twice per layer per token (issue 62).
+        new_k = _write(gen_k, k[..., None], i, axis=4, layer=l)
+        new_v = _write(gen_v, v[:, :, :, None], i, axis=3, layer=l)
+        return (new_k, new_v), (new_k[l], new_v[l])
+
+      x, (gen_k, gen_v) = layer_step(l, layer, x, prompt_k, prompt_v, write)
       return (x, gen_k, gen_v), None
 
     (x, gen_k, gen_v), _ = jax.lax.scan(
@@ -378,8 +394,13 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   else:
     gen_k, gen_v = [], []
     for l, layer in enumerate(w.layers):
-      x, _, _, layer_k, layer_v = layer_step(l, layer, x, cache.prompt_k[l], cache.prompt_v[l],
-                                             cache.gen_k[l], cache.gen_v[l])
+      def write(k, v, l=l):
+        layer_k = _write(cache.gen_k[l], k[..., None], i, axis=4)
+        layer_v = _write(cache.gen_v[l], v[:, :, :, None], i, axis=3)
+        return (layer_k, layer_v), (layer_k, layer_v)
+
+      x, (layer_k, layer_v) = layer_step(l, layer, x, cache.prompt_k[l], cache.prompt_v[l],
+                                         write)
       gen_k.append(layer_k)
       gen_v.append(layer_v)
     cache = cache._replace(gen_k=tuple(gen_k), gen_v=tuple(gen_v))
@@ -391,7 +412,7 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
 
 
 def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, cache: Cache,
-           stacked: bool = False, attention: str = "xla"):
+           stacked: bool = False, attention: str = "xla", mesh=None):
   """Appends new tokens to a cache of one sample per row (G = 1), one prefill of them at each
   row's own place: row n's first new_len_N[n] tokens of tokens_NxE go to its generated slots
   slot_N[n], slot_N[n] + 1, ... at positions prompt length + slot, each attending to the
@@ -403,7 +424,8 @@ def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, ca
 
   Multi-turn episodes (episodes.py) append each observation this way, with the turn's last
   sampled token (the decode loop never feeds it), instead of prefilling the whole context
-  again. params: the Decoder's; stacked: the cache's fields carry a leading layer axis.
+  again. params: the Decoder's; stacked: the cache's fields carry a leading layer axis;
+  mesh: the program's (a splash kernel's shard_map).
   """
   n, e = tokens_NxE.shape
   dt = model_lib.DTYPES[cfg.dtype]
@@ -417,7 +439,7 @@ def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, ca
   # Where each new token's K/V go; a pad's slot is out of range, so the scatter drops it.
   write_NxE = jnp.where(new_NxE, slot_N[:, None] + j_E, slots)
   rows_Nx1 = jnp.arange(n)[:, None]
-  block = model_lib.Block(cfg, attention)
+  block = model_lib.Block(cfg, attention, mesh)
   x = model_lib.embed(params["embedding"], tokens_NxE, cfg)[:, None]  # [N, 1, E, d]
   # The seen keys' positions: the prompt's from its mask, slot s at prompt length + s (a
   # local layer's window).

@@ -74,6 +74,16 @@ def constrain(x, *logical_axes):
   return nn.with_logical_constraint(x, logical_axes, mesh=mesh)
 
 
+def platform_of(mesh) -> str:
+  """The platform a program on `mesh` is compiled for: its devices' (compile-only TPU
+  descriptions under launch/compile_check.py, whatever this host runs), or for a program
+  without a mesh the default backend's, where it then runs. Every choice that changes what
+  a program contains (splash interpreted or a TPU kernel, scanned layers, ragged experts)
+  reads this, never the default backend alone, so the compile check compiles what a TPU
+  host runs."""
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 # Set while a sampler is traced (sharding.expert_parallel): a mixture's layers run
 # expert-parallel on it, while the sampler's other activations keep GSPMD's placement.
 EXPERT_MESH: contextvars.ContextVar = contextvars.ContextVar("expert_mesh", default=None)
@@ -358,6 +368,9 @@ class Attention(nn.Module):
 
   cfg: ModelConfig
   attention: str = "xla"
+  # The program's mesh: splash runs its kernel under shard_map on it (rows over the data
+  # axes), compiled for its devices; None: one device (attention.splash).
+  mesh: Any = None
 
   def setup(self):
     c = self.cfg
@@ -407,7 +420,7 @@ class Attention(nn.Module):
     t = x_BxTxD.shape[1]
     q, k, v = self._qkv(x_BxTxD, positions_BxT, layer)
     if self.attention == "splash":  # causal, real tokens segment 1 and pads 0: no [B, T, S]
-      o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, ACTIVATION_MESH.get(),
+      o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, self.mesh,
                                split_queries=SEQUENCE_SPLIT.get())
       return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
     causal_TxT = jnp.tril(jnp.ones((t, t), bool))
@@ -433,7 +446,7 @@ class Attention(nn.Module):
     q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT, layer)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
     if self.attention == "splash":
       out = self._out(attention_lib.extend_splash(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
-                                                  mask_BxGxT, ACTIVATION_MESH.get()))
+                                                  mask_BxGxT, self.mesh))
       return (out, (k, v)) if return_kv else out
     own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
     prompt_allowed = prompt_mask_BxL
@@ -492,6 +505,7 @@ def experts_layer(x, router, gate, up, down, cfg: ModelConfig):
   a sampler's EXPERT_MESH): the one call the training forward and the sampler's decode step
   share."""
   mesh = ACTIVATION_MESH.get() or EXPERT_MESH.get()
+  matmul = moe_lib.resolve_matmul(cfg.moe_matmul, platform_of(mesh))
   row_spec = None
   if mesh is not None:
     row_spec = nn.logical_to_mesh_axes(("batch", *_middle(x.ndim), None))
@@ -500,7 +514,7 @@ def experts_layer(x, router, gate, up, down, cfg: ModelConfig):
       mesh = row_spec = None
   return moe_lib.moe(x, router, gate, up, down, k=cfg.num_experts_per_tok,
                      normalize=cfg.norm_topk_prob,
-                     matmul=moe_lib.resolve_matmul(cfg.moe_matmul, jax.default_backend()),
+                     matmul=matmul,
                      mesh=mesh, row_spec=row_spec)
 
 
@@ -510,10 +524,11 @@ class Block(nn.Module):
 
   cfg: ModelConfig
   attention: str = "xla"
+  mesh: Any = None  # Attention's
 
   def setup(self):
     self.attn_norm = RMSNorm(self.cfg, self.cfg.d_model)
-    self.attn = Attention(self.cfg, self.attention)
+    self.attn = Attention(self.cfg, self.attention, self.mesh)
     self.mlp_norm = RMSNorm(self.cfg, self.cfg.d_model)
     self.mlp = MLP(self.cfg)
     if self.cfg.post_norms:
@@ -565,13 +580,16 @@ class Decoder(nn.Module):
   remat: a key of REMAT_POLICIES, for the training forward (`score_groups`): what each
   layer keeps for the backward pass. scan_layers: run the layers as a loop over one
   compiled body (True) or unrolled (False); see `layers.over_layers`. attention: a name of
-  ATTENTION, or None for the platform's (`resolve_attention`).
+  ATTENTION, or None for the platform's (`resolve_attention`). mesh: the program's, passed
+  explicitly to the attention kernels (splash's shard_map) and deciding the platform of
+  every None above (`platform_of`); None: one device.
   """
 
   cfg: ModelConfig
   remat: str = "none"
-  scan_layers: bool | None = None  # None: by the default backend (resolve_scan_layers)
-  attention: str | None = None  # None: by the default backend (resolve_attention)
+  scan_layers: bool | None = None  # None: by the platform (resolve_scan_layers)
+  attention: str | None = None  # None: by the platform (resolve_attention)
+  mesh: Any = None
 
   def setup(self):
     c = self.cfg
@@ -581,7 +599,8 @@ class Decoder(nn.Module):
                             ("embed", "vocab"), c)
     # One block's parameters, stacked [num_layers, ...] by the scan.
     self.layers = Block(c, attention_lib.resolve_attention(
-        self.attention, jax.default_backend(), c.dtype, windowed=bool(c.sliding_window)))
+        self.attention, platform_of(self.mesh), c.dtype, windowed=bool(c.sliding_window)),
+                        self.mesh)
     self.final_norm = RMSNorm(c, c.d_model)
 
   def _embed(self, tokens):
@@ -684,7 +703,7 @@ class Decoder(nn.Module):
     return jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
 
   def _scan(self) -> bool:
-    return resolve_scan_layers(self.scan_layers, jax.default_backend())
+    return resolve_scan_layers(self.scan_layers, platform_of(self.mesh))
 
   def _head(self):
     """The output projection [D, V] in the compute dtype (the tied embedding, transposed)."""
@@ -707,16 +726,16 @@ def positions_from_mask(mask_BxT):
 
 
 def forward(params, cfg: ModelConfig, tokens_BxT, mask_BxT, scan_layers: bool | None = None,
-            attention: str | None = None):
+            attention: str | None = None, mesh=None):
   """Teacher-forced logits of left-padded rows (the pure function the trainer calls)."""
-  return Decoder(cfg, scan_layers=scan_layers, attention=attention).apply(
+  return Decoder(cfg, scan_layers=scan_layers, attention=attention, mesh=mesh).apply(
       {"params": params}, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
 
 
-def _apply(cfg, remat, scan_layers, attention, params, *args, method, masks=None):
+def _apply(cfg, remat, scan_layers, attention, params, *args, method, masks=None, mesh=None):
   """Decoder.apply; with `masks` (the real-token masks of the rows each layer's mixture
   routes, in the order it routes them) also the router's statistics (`router_stats`)."""
-  model = Decoder(cfg, remat, scan_layers, attention)
+  model = Decoder(cfg, remat, scan_layers, attention, mesh)
   if masks is None:
     return model.apply({"params": params}, *args, method=method)
   out, state = model.apply({"params": params}, *args, method=method, mutable=["intermediates"])
@@ -743,39 +762,41 @@ def router_stats(sown, masks, num_experts: int):
 def score_groups(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
                  scan_layers: bool | None = None, attention: str | None = None,
-                 with_router_stats: bool = False):
+                 with_router_stats: bool = False, mesh=None):
   """Teacher-forced logits of G completions per prompt, the prompt computed once.
   with_router_stats: (logits, router_stats over the prompt and completion tokens)."""
   masks = (prompt_mask_BxL, completion_mask_BxGxT) if with_router_stats else None
   return _apply(cfg, remat, scan_layers, attention, params, prompt_tokens_BxL,
                 prompt_mask_BxL, completion_BxGxT, completion_mask_BxGxT,
-                method=Decoder.score_groups, masks=masks)
+                method=Decoder.score_groups, masks=masks, mesh=mesh)
 
 
 def score_hidden(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
                  scan_layers: bool | None = None, attention: str | None = None,
-                 with_router_stats: bool = False):
+                 with_router_stats: bool = False, mesh=None):
   """(hidden [B, G, T, D], head [D, V]): `score_groups` before the output projection."""
   masks = (prompt_mask_BxL, completion_mask_BxGxT) if with_router_stats else None
   return _apply(cfg, remat, scan_layers, attention, params, prompt_tokens_BxL,
                 prompt_mask_BxL, completion_BxGxT, completion_mask_BxGxT,
-                method=Decoder.score_hidden, masks=masks)
+                method=Decoder.score_hidden, masks=masks, mesh=mesh)
 
 
 def score_packed(params, cfg: ModelConfig, tokens_RxS, positions_RxS, segments_RxS,
                  remat: str = "none", scan_layers: bool | None = None,
-                 attention: str | None = None, with_router_stats: bool = False):
+                 attention: str | None = None, with_router_stats: bool = False, mesh=None):
   """(hidden [R, S, D], head [D, V]) of packed rows: Decoder.score_packed."""
   masks = (segments_RxS > 0,) if with_router_stats else None
   return _apply(cfg, remat, scan_layers, attention, params, tokens_RxS, positions_RxS,
-                segments_RxS, method=Decoder.score_packed, masks=masks)
+                segments_RxS, method=Decoder.score_packed, masks=masks, mesh=mesh)
 
 
 def init_params(cfg: ModelConfig, rng):
-  """Boxed (logically partitioned) parameters; see sharding.init_sharded."""
+  """Boxed (logically partitioned) parameters; see sharding.init_sharded. Traced with the
+  einsum attention and no mesh: the parameters do not depend on either, and a [1, 1] dummy
+  through a kernel's shard_map (the update traces this under its mesh) cannot split."""
   dummy = jnp.zeros((1, 1), jnp.int32)
-  return Decoder(cfg).init(rng, dummy, dummy, jnp.ones((1, 1), bool))["params"]
+  return Decoder(cfg, attention="xla").init(rng, dummy, dummy, jnp.ones((1, 1), bool))["params"]
 
 
 def param_structure(cfg: ModelConfig):

@@ -106,12 +106,13 @@ def round_(params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL, r
   policy ends each row at a drawn length); budget: the most tokens a row draws this round."""
   sp, t = profile.sampling, profile.max_new_tokens
   n = refill_N.shape[0]
-  stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
+  stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
   row_axis = 1 if stacked else 0
 
   def refill(state):
     logits_NxV, (ks, vs) = sampling.prefill(params, cfg, prompt_tokens_NxL, prompt_mask_NxL,
-                                            scan_layers, attention, stacked_kv=stacked)
+                                            scan_layers, attention, stacked_kv=stacked,
+                                            mesh=mesh)
     fresh = decode.init_cache(ks, vs, prompt_mask_NxL, cfg, 1, 1, stacked)
     c = state.cache
     pick = lambda new, old: _rows_where(refill_N, new, old, row_axis)
@@ -190,7 +191,7 @@ def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_
                   pad_id: int, mesh, on_trace=None, scan_layers: bool | None = None,
                   attention: str | None = None):
   """jit(round_) with explicit shardings; the state is donated (updated in place)."""
-  stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
+  stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
 
   def traced(params, state, refill, tokens, mask, ids, active, limit, budget, key):
     if on_trace is not None:
@@ -237,7 +238,7 @@ class PartialEngine(sampling.RolloutEngine):
 
   @property
   def stacked(self) -> bool:
-    return model_lib.resolve_scan_layers(self.scan_layers, jax.default_backend())
+    return model_lib.resolve_scan_layers(self.scan_layers, model_lib.platform_of(self.mesh))
 
   def sample(self, name: str, *args, **kwargs):
     if name == "train":

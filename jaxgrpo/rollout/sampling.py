@@ -69,14 +69,15 @@ class Rollout(NamedTuple):
 
 def prefill(params, cfg: model_lib.ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
             scan_layers: bool | None = None, attention: str | None = None,
-            stacked_kv: bool = False):
+            stacked_kv: bool = False, mesh=None):
   """Runs the prompts once: the last position's logits and each layer's K/V (tuples of
-  [B, H_kv, L, D]; stacked_kv: two [num_layers, B, H_kv, L, D] arrays).
+  [B, H_kv, L, D]; stacked_kv: two [num_layers, B, H_kv, L, D] arrays). mesh: the
+  program's (model.Decoder's: splash's kernel runs under shard_map on it).
 
   A module-level function so tests can watch the shapes it is traced with.
   """
   positions = model_lib.positions_from_mask(prompt_mask_BxL)
-  return model_lib.Decoder(cfg, scan_layers=scan_layers, attention=attention).apply(
+  return model_lib.Decoder(cfg, scan_layers=scan_layers, attention=attention, mesh=mesh).apply(
       {"params": params}, prompt_tokens_BxL, positions, prompt_mask_BxL,
       return_kv="stacked" if stacked_kv else True)
 
@@ -134,9 +135,9 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
     prompt_mask_BxL = jnp.repeat(prompt_mask_BxL, g, axis=0)
   # Scanned layers: the decode step loops over one compiled block too (decode.step), over
   # the caches as the prefill's scan stacked them.
-  stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
+  stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
   logits_BxV, (ks, vs) = prefill(params, cfg, prompt_tokens_BxL, prompt_mask_BxL,
-                                 scan_layers, attention, stacked_kv=stacked)
+                                 scan_layers, attention, stacked_kv=stacked, mesh=mesh)
   prompt_len_B = jnp.sum(prompt_mask_BxL, axis=-1).astype(jnp.int32)
   cache = decode.init_cache(ks, vs, prompt_mask_BxL, cfg, pg, t, stacked, decode_block)
   rollout, _ = decode_loop(decode.prepare(params, cfg, stacked), cache, logits_BxV,

@@ -56,10 +56,10 @@ def start(params, prompt_tokens_BxL, prompt_mask_BxL, *, cfg: model_lib.ModelCon
   """The cache of B * samples episodes (row b * samples + g): prompt b's K/V but for its
   last token (left-padded prompts: the last column), prefilled once and repeated for its
   episodes, and num_slots empty generated slots per episode."""
-  stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
+  stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
   tokens_BxL, mask_BxL = prompt_tokens_BxL[:, :-1], prompt_mask_BxL[:, :-1]
   _, (ks, vs) = sampling.prefill(params, cfg, tokens_BxL, mask_BxL, scan_layers, attention,
-                                 stacked_kv=stacked)
+                                 stacked_kv=stacked, mesh=mesh)
   axis = 1 if stacked else 0  # the rows' axis, after a stacked cache's layer axis
   if stacked:
     ks, vs = jnp.repeat(ks, samples, axis), jnp.repeat(vs, samples, axis)
@@ -81,11 +81,12 @@ def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, ro
   slot_N[n] and samples the turn after them with `profile` (one sample per row; row n's
   draws from (key, row_ids_N[n]) alone). compact_stages: the decode's (compaction.py; each
   stage's K/V are written back to their rows). Returns (sampling.Rollout, the cache)."""
-  stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
-  attention = attention_lib.resolve_attention(attention, jax.default_backend(), cfg.dtype,
+  platform = model_lib.platform_of(mesh)
+  stacked = model_lib.resolve_scan_layers(scan_layers, platform)
+  attention = attention_lib.resolve_attention(attention, platform, cfg.dtype,
                                               bool(cfg.sliding_window))
   logits_NxV, cache = append(params, cfg, new_tokens_NxE, new_len_N, slot_N, cache, stacked,
-                             attention)
+                             attention, mesh)
   prompt_len_N = jnp.sum(cache.prompt_bias[:, 0, 0] == 0.0, axis=-1).astype(jnp.int32)
   return sampling.decode_loop(
       decode.prepare(params, cfg, stacked), cache, logits_NxV, prompt_len_N, key, row_ids_N,
@@ -102,7 +103,7 @@ APPEND_CHUNK = 16
 
 
 def append(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N,
-           cache: decode.Cache, stacked: bool, attention: str):
+           cache: decode.Cache, stacked: bool, attention: str, mesh=None):
   """decode.extend of each row's new tokens, APPEND_CHUNK at a time (a loop of as many chunks
   as the longest row needs; chunk c attends to the ones before it through the cache).
   Returns the logits after each row's last new token and the cache."""
@@ -117,7 +118,7 @@ def append(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N,
     len_N = jnp.clip(new_len_N - start, 0, chunk)
     logits, cache = decode.extend(
         params, cfg, jax.lax.dynamic_slice_in_dim(tokens_NxE, start, chunk, axis=1), len_N,
-        slot_N + start, cache, stacked, attention)
+        slot_N + start, cache, stacked, attention, mesh)
     # A row's logits are those after its last new token: from its last chunk with tokens.
     return jnp.where((len_N > 0)[:, None], logits, logits_NxV), cache
 
@@ -130,7 +131,7 @@ def compile_start(cfg: model_lib.ModelConfig, samples: int, num_slots: int, *, m
                   on_trace=None, scan_layers: bool | None = None,
                   attention: str | None = None):
   """jit(start) for `samples` episodes per prompt, with explicit shardings."""
-  stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
+  stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
 
   def traced(params, tokens, mask):
     if on_trace is not None:
@@ -150,7 +151,7 @@ def compile_turn(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_i
                  pad_id: int, mesh, on_trace=None, scan_layers: bool | None = None,
                  attention: str | None = None, compact_stages: int = 0):
   """jit(turn) for one profile with explicit shardings; the cache is donated."""
-  stacked = model_lib.resolve_scan_layers(scan_layers, jax.default_backend())
+  stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
 
   def traced(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N):
     if on_trace is not None:

@@ -103,7 +103,7 @@ def loss_config(c, mesh, model_cfg=None) -> grpo.LossConfig:
       lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else (),
       trained_mask=bool(c.env.name),
       importance_weight_cap=g.importance_weight_cap if c.generation.max_tokens_per_step else 0.0,
-      router_aux_loss_coef=g.router_aux_loss_coef)
+      router_aux_loss_coef=g.router_aux_loss_coef, mesh=mesh)
 
 
 def completion_width(c) -> int:

@@ -83,6 +83,9 @@ class Memory:
   needs: int | None = None
   resident: int = 0
   seconds: float = 0.0  # compilation time (with the retry of an overflowing program)
+  # The compiled program's HLO text (runtime/tpu_cost reads its kernels, bytes and time);
+  # None when the compiler refused it.
+  hlo: str | None = dataclasses.field(default=None, repr=False)
 
   @property
   def total(self) -> int:
@@ -487,10 +490,12 @@ def compile_memory(lowered, resident: int) -> Memory:
 
 
 def _compile(lowered, resident: int, options=None) -> Memory:
-  stats = lowered.compile(compiler_options=options).memory_analysis()
+  compiled = lowered.compile(compiler_options=options)
+  stats = compiled.memory_analysis()
   return Memory(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
                 alias=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
-                code=stats.generated_code_size_in_bytes, resident=resident)
+                code=stats.generated_code_size_in_bytes, resident=resident,
+                hlo=compiled.as_text())
 
 
 def overflow(lowered, resident: int, error: Exception) -> Memory:
