@@ -23,7 +23,8 @@ bound max(compute, collectives) (all communication hidden). What the model canno
 how much communication overlaps compute, host time between programs, and calibration of
 the cost model on a real chip.
 
-Bytes are per chip (the compiled program is SPMD, shapes per chip), padded to the layout's
+Bytes are per chip (the compiled program is SPMD, shapes per chip; a collective's input and
+output count as HBM traffic beside its ring time), padded to the layout's
 tiles (T(8,128): a [..., 128, 1] array takes 128x its elements), and only buffers in HBM
 (S(1) is VMEM: a prefetched weight is counted at its copy-start). A fusion that only
 slices an operand (the layer of a stacked cache) reads the slice; an in-place
@@ -456,6 +457,10 @@ def computation_cost(module: Module, name: str, chip: Chip, memo=None) -> Cost:
       nbytes = max((array_bytes(f"{d}[{','.join(map(str, s))}]", False)
                     for d, s, _ in _arrays(op.shape)), default=0.0)
       cost.collective_s += collective_seconds(kind, nbytes, group_size(op), chip)
+      # What it reads and writes in HBM (an async start's type holds both): the gathered
+      # weights of an FSDP decode step are written and read again every token-step.
+      cost.bytes += array_bytes(op.shape) + (0.0 if op.opcode.endswith("-start") else sum(
+          array_bytes(shapes.get(n, "")) for n in op.operands))
     elif op.opcode in _FREE or op.opcode == "async-update" or op.target in _FREE_TARGETS:
       continue
     else:
