@@ -159,7 +159,7 @@ KERNELS = """HloModule m
 
 ENTRY %main (q: f32[2,4,128,128]) -> f32[2,4,128,128] {
   %q = f32[2,4,128,128]{3,2,1,0:T(8,128)} parameter(0)
-  %splash_mha_fwd.1 = f32[2,4,128,128]{3,2,1,0:T(8,128)} custom-call(%q, %q, %q), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/splash/pallas_call"}
+  %splash_mha_fwd.1 = f32[2,4,128,128]{3,2,1,0:T(8,128)} custom-call(%q, %q, %q), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/splash_mha_fwd/splash_mha_fwd/pallas_call"}
   %splash_mha_fwd.2 = f32[2,4,128,128]{3,2,1,0:T(8,128)} custom-call(%q, %q, %q), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/splash/pallas_call"}
   ROOT %r = f32[2,4,128,128]{3,2,1,0:T(8,128)} add(%splash_mha_fwd.1, %splash_mha_fwd.2)
 }
@@ -169,7 +169,7 @@ INTERPRETED = """HloModule m
 
 ENTRY %main (q: f32[2,4,128,128]) -> f32[2,4,128,128] {
   %q = f32[2,4,128,128]{3,2,1,0:T(8,128)} parameter(0)
-  ROOT %dot = f32[2,4,128,128]{3,2,1,0:T(8,128)} multiply(%q, %q), metadata={op_name="jit(f)/splash/pallas_call/while/body/dot_general"}
+  ROOT %dot = f32[2,4,128,128]{3,2,1,0:T(8,128)} multiply(%q, %q), metadata={op_name="jit(f)/splash_mha_fwd/splash_mha_fwd/while/body/dot_general"}
 }
 """
 

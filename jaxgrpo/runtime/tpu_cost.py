@@ -495,12 +495,15 @@ def kernels(text: str) -> dict:
 
 
 def interpreted_kernels(text: str) -> int:
-  """Ops that came from a Pallas kernel run in interpret mode (a pallas_call in their
-  metadata, but no tpu_custom_call): a program that would crawl on a TPU."""
+  """Ops that came from a Pallas kernel run in interpret mode: a program that would crawl
+  on a TPU. Compiled, a kernel is one tpu_custom_call whose metadata reads
+  `.../<kernel>/<kernel>/pallas_call`; interpreted, its body becomes ordinary ops under
+  `.../<kernel>/<kernel>/while/...` (the kernel's name scope twice, then Pallas'
+  interpreter loop) and no pallas_call."""
   count = 0
-  for line in text.splitlines():
-    if "/pallas_call" in line and "tpu_custom_call" not in line and " = " in line and (
-        "get-tuple-element(" not in line):
+  for m in re.finditer(r'op_name="([^"]*)"', text):
+    name = m.group(1)
+    if "pallas_call" not in name and re.search(r"/([A-Za-z_][\w]*)/\1/while/", name):
       count += 1
   return count
 
