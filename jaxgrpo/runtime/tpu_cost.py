@@ -34,7 +34,6 @@ dynamic-update-slice writes the update, not the buffer.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 
@@ -160,24 +159,30 @@ def _op(text: str) -> Op:
   name, rest = m.group(2), m.group(3)
   # The result type: a tuple "(...)" (balanced) or one array type, then the opcode.
   if rest.startswith("("):
-    depth = 0
-    for i, ch in enumerate(rest):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        break
-    shape, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    end = _closing(rest, 1)
+    shape, rest = rest[:end + 1], rest[end + 1:].lstrip()
   else:
     shape, _, rest = rest.partition(" ")
   opcode, _, args = rest.partition("(")
-  depth, end = 1, 0
-  for end, ch in enumerate(args):
-    depth += ch == "("
-    depth -= ch == ")"
-    if depth == 0:
-      break
-  operands = re.findall(r"%([\w.\-]+)", args[:end])
+  operands = re.findall(r"%([\w.\-]+)", args[:_closing(args, 0)])
   return Op(name, shape, opcode.strip(), operands, text)
+
+
+def _closing(text: str, start: int) -> int:
+  """The index of the ")" that closes a "(" open before text[start] (the one at start-1,
+  or one outside text when start is 0)."""
+  depth = 1
+  for i in range(start, len(text)):
+    depth += text[i] == "("
+    depth -= text[i] == ")"
+    if depth == 0:
+      return i
+  return len(text)
+
+
+def _off_hbm(shape: str) -> bool:
+  """An array type laid out in another memory space than HBM (S(n), n > 0)."""
+  return re.search(r"S\([1-9]", shape) is not None
 
 
 def _arrays(shape: str):
@@ -193,8 +198,7 @@ def array_bytes(shape: str, hbm_only: bool = True) -> float:
   memory space (S(n), n > 0: VMEM, SMEM, sync flags) count 0."""
   total = 0.0
   for dtype, dims, layout in _arrays(shape):
-    if hbm_only and re.search(r"S\((\d+)\)", layout) and re.search(r"S\((\d+)\)",
-                                                                    layout).group(1) != "0":
+    if hbm_only and _off_hbm(layout):
       continue
     dims = list(dims)
     order, _, tiling = layout.partition(":")
@@ -233,9 +237,7 @@ def _param_reads(module: Module, comp: str, index: int) -> float | None:
       if inner is None:
         return None
       total += inner
-    elif user.opcode == "bitcast":
-      return None
-    else:
+    else:  # any other use (a bitcast included) reads the whole operand
       return None
   return total
 
@@ -269,19 +271,18 @@ def op_bytes(module: Module, op: Op, shapes: dict) -> float:
   read = 0.0
   for i, name in enumerate(op.operands):
     if op.opcode in ("dynamic-slice", "slice") and i == 0:
-      read += array_bytes(op.shape, hbm_only=False) if not re.search(
-          r"S\([1-9]", shapes.get(name, "")) else 0.0
+      read += 0.0 if _off_hbm(shapes.get(name, "")) else array_bytes(op.shape, False)
       continue
     if i == 0 and in_place is not None and op.opcode == "dynamic-update-slice":
       continue
     if op.opcode == "fusion":
       sliced = _param_reads(module, op.attr("calls"), i)
       if sliced is not None:
-        read += 0.0 if re.search(r"S\([1-9]", shapes.get(name, "")) else sliced
+        read += 0.0 if _off_hbm(shapes.get(name, "")) else sliced
         continue
     read += array_bytes(shapes.get(name, ""))
   write = in_place if in_place is not None else array_bytes(op.shape)
-  if op.opcode in ("dynamic-slice", "slice", "gather") and re.search(r"S\([1-9]", op.shape):
+  if op.opcode in ("dynamic-slice", "slice", "gather") and _off_hbm(op.shape):
     write = 0.0
   return read + write
 
@@ -443,8 +444,8 @@ def computation_cost(module: Module, name: str, chip: Chip, memo=None) -> Cost:
       cost.bounded_loops += how == "bounded"
       cost.unknown_loops += how == "unknown"
     elif op.opcode == "conditional":
-      names = re.findall(r"%([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", op.text)
-                                           or re.search(r"()", "")).group(1))
+      branches = re.search(r"branch_computations=\{([^}]*)\}", op.text)
+      names = re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
       names += [n for n in (op.attr("true_computation"), op.attr("false_computation")) if n]
       costs = [computation_cost(module, n, chip, memo) for n in names]
       if costs:
@@ -552,9 +553,6 @@ def chip_for(device_kind: str) -> Chip | None:
 def describe_kernels(found: dict) -> str:
   return ", ".join(f"{k} x{v}" for k, v in sorted(found.items())) or "none"
 
-
-def json_line(**fields) -> str:
-  return json.dumps(fields, sort_keys=False)
 
 
 # ---- floors --------------------------------------------------------------------------------
