@@ -70,6 +70,7 @@ from jaxgrpo import config as config_lib  # noqa: E402
 from jaxgrpo.model import hf  # noqa: E402
 from jaxgrpo.run import loading  # noqa: E402
 from jaxgrpo.run import setup  # noqa: E402
+from jaxgrpo.runtime import compile_options  # noqa: E402
 
 GIB = 2**30
 
@@ -80,10 +81,6 @@ GIB = 2**30
 HBM_GIB = {"TPU v2": 8, "TPU v3": 16, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95,
            "TPU v6 lite": 32}
 
-# Extra arguments of get_topology_desc per generation: v4 and v5p run as megacore (the two
-# TensorCores of a chip are one device), as the runtime lays them out on real slices.
-TOPOLOGY_KWARGS = {"v4": {"chip_config_name": "megacore"},
-                   "v5p": {"chip_config_name": "megacore"}}
 
 # With an environment, each sampler is an episode's turn program, and the start program
 # that prefills the prompts into the episodes' KV cache is checked beside it.
@@ -125,7 +122,7 @@ def main(argv=None) -> int:
   except (CheckError, config_lib.ConfigError, hf.PretrainedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  with as_tpu_host():
+  with compile_options.as_tpu_host():
     return _check(config, devices, label, model_cfg, tokenizer, hbm)
 
 
@@ -237,7 +234,7 @@ def _topology(name: str, num_slices: int):
     raise CheckError(f"compiling for --topology={name} needs libtpu, which is not installed: "
                      f"pip install 'jax[tpu]=={jax.__version__}'")
   generation = name.split(":")[0]
-  kwargs = dict(TOPOLOGY_KWARGS.get(generation, {}))
+  kwargs = dict(compile_options.TOPOLOGY_KWARGS.get(generation, {}))
   if num_slices > 1:
     kwargs["num_slices"] = num_slices
   try:
@@ -251,22 +248,6 @@ def _topology(name: str, num_slices: int):
     raise CheckError(f"--topology={name}: {why} (e.g. v4:2x2x1, v5e:2x2, v5p:4x4x4, "
                      "v6e:16x16)") from None
   return list(devices), (f"{num_slices} x {name}" if num_slices > 1 else name)
-
-
-@contextlib.contextmanager
-def as_tpu_host():
-  """While the programs are traced and compiled, `jax.default_backend()` answers "tpu", as it
-  does on the TPU host that will run them. jaxgrpo decides what a program contains from the
-  devices it is compiled for (decoder.platform_of), never from this host's backend; any
-  code path that still asked the backend would take the TPU host's branch here, so the check
-  compiles what the host runs (jax's own modules read their backend elsewhere)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  saved = jax.default_backend
-  jax.default_backend = lambda: "tpu"
-  try:
-    yield
-  finally:
-    jax.default_backend = saved
 
 
 @contextlib.contextmanager

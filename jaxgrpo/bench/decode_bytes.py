@@ -53,7 +53,7 @@ def run_decode_bytes(args) -> list[dict]:
   from jaxgrpo.model import decoder  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.run import predict, sizing  # pylint: disable=g-import-not-at-top
-  from jaxgrpo.runtime import tpu_cost  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.runtime import compile_options, tpu_cost  # pylint: disable=g-import-not-at-top
   if importlib.util.find_spec("libtpu") is None:
     raise SystemExit("error: bench decode-bytes compiles for a TPU topology and needs libtpu: "
                      f"pip install 'jax[tpu]=={jax.__version__}'")
@@ -66,8 +66,7 @@ def run_decode_bytes(args) -> list[dict]:
   for key, value in dataclasses.asdict(decoder.ModelConfig(**SHAPES[args.shape])).items():
     if values["model"].get(key, 0) is None:  # the architecture's other keys: their defaults
       values["model"][key] = value
-  generation = args.topology.split(":")[0]
-  kwargs = {"chip_config_name": "megacore"} if generation in ("v4", "v5p") else {}
+  kwargs = compile_options.TOPOLOGY_KWARGS.get(args.topology.split(":")[0], {})
   devices = topologies.get_topology_desc(topology_name=args.topology, platform="tpu",
                                          **kwargs).devices
   chip = tpu_cost.chip_for(devices[0].device_kind)
@@ -77,9 +76,7 @@ def run_decode_bytes(args) -> list[dict]:
   mesh = sharding_lib.make_mesh(c.mesh.to_dict(), devices)
   tokenizer = types.SimpleNamespace(stop_ids=(1,), pad_id=0)  # ids only, as a folder's
   results = []
-  saved = jax.default_backend
-  jax.default_backend = lambda: "tpu"  # as launch/compile_check.as_tpu_host
-  try:
+  with compile_options.as_tpu_host():
     for name, lowered, _ in sizing.programs(c, model_cfg, tokenizer, mesh, ["train", "val"]):
       text = lowered.compile().as_text()
       step, bound = tpu_cost.decode_step_cost(text, chip)
@@ -94,8 +91,6 @@ def run_decode_bytes(args) -> list[dict]:
           predicted_step_s=step.serial_s, step_collectives_s=step.collective_s,
           hbm_floor_fraction=round(floor / chip.hbm_bytes_s / step.serial_s, 4),
           token_steps_at_most=bound))
-  finally:
-    jax.default_backend = saved
   return results
 
 

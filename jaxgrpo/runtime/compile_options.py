@@ -18,6 +18,7 @@ A user's own XLA_FLAGS win: an option named there is never overridden.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 CPU_OPTIONS = {"xla_backend_optimization_level": 2}
@@ -29,6 +30,32 @@ def compiler_options(mesh) -> dict:
     return {}
   user_flags = os.environ.get("XLA_FLAGS", "")
   return {k: v for k, v in CPU_OPTIONS.items() if f"--{k}" not in user_flags}
+
+
+# ------------------------------------------------- compiling for a TPU topology from a CPU
+
+# Extra arguments of jax.experimental.topologies.get_topology_desc per generation: v4 and v5p
+# run as megacore (the two TensorCores of a chip are one device), as the runtime lays them
+# out on real slices. launch/compile_check.py and `bench decode-bytes` describe slices so.
+TOPOLOGY_KWARGS = {"v4": {"chip_config_name": "megacore"},
+                   "v5p": {"chip_config_name": "megacore"}}
+
+
+@contextlib.contextmanager
+def as_tpu_host():
+  """While programs for TPU devices are traced and compiled from a CPU host, `jax.
+  default_backend()` answers "tpu", as it does on the TPU host that will run them. jaxgrpo
+  decides what a program contains from the devices it is compiled for
+  (decoder.platform_of), never from this host's backend; any code path that still asked the
+  backend would take the TPU host's branch here, so what compiles is what the host runs
+  (jax's own modules read their backend elsewhere)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  saved = jax.default_backend
+  jax.default_backend = lambda: "tpu"
+  try:
+    yield
+  finally:
+    jax.default_backend = saved
 
 
 # ------------------------------------------------- the persistent compilation cache
