@@ -170,6 +170,7 @@ SCHEMA: dict[str, Any] = {
         "top_k": _int(0), "max_new_tokens": _int(1), "backend": _choice(*BACKEND_LIMITS),
         "max_concurrent_decodes": _int(0), "decode_block_size": _int(0),
         "compact_stages": _int(0), "max_tokens_per_step": _int(0),
+        "gather_weights": _bool,
         # None follows the training value (resolved by `validate`); 0 is greedy.
         "val_temperature": _optional(_num(0)), "val_top_p": _optional(_num(0, 1, lo_open=True)),
         "val_top_k": _optional(_int(0)),
@@ -383,6 +384,19 @@ def _while(key: str, idle: Callable[[Any], bool]) -> Callable[[Any], str | None]
   return test
 
 
+def _weights_whole(c) -> str | None:
+  """Why generation.gather_weights does nothing: no native decode, or weights that a mesh
+  splits otherwise than by rows (tensor, expert keep their split), or none split (fsdp 1)."""
+  if c.generation.backend != "native":
+    return f"generation.backend={c.generation.backend!r} (its decode prepares its own weights)"
+  for axis in ("tensor", "expert"):
+    if c.mesh[axis] > 1:
+      return f"mesh.{axis}={c.mesh[axis]} (split weights keep their split)"
+  if c.mesh.fsdp == 1:
+    return "mesh.fsdp=1 (the weights are whole on every chip already)"
+  return None
+
+
 def _no_tracker_run(c) -> str | None:
   names = [n.strip() for n in str(c.logging.trackers).split(",") if n.strip()]
   if not {"wandb", "trackio"} & set(names):
@@ -427,6 +441,8 @@ MODE_KEYS: tuple[tuple[tuple[str, ...], Callable[[Any], str | None], str], ...] 
     (("logging.project", "logging.run_name", "logging.tags"), _no_tracker_run,
      "--config.logging.trackers=tensorboard,wandb (or trackio)"),
     (("mesh.memory_limit_gib",), _no_auto, "--config.grpo.micro_batch_size=auto"),
+    (("generation.gather_weights",), _weights_whole,
+     "--config.mesh.fsdp=-1 with generation.backend='native' and mesh.tensor=mesh.expert=1"),
     (("grpo.max_staleness", "grpo.importance_weight_cap"),
      _while("generation.max_tokens_per_step", lambda v: not v),
      "--config.generation.max_tokens_per_step=512 (partial rollouts)"),

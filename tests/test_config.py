@@ -483,6 +483,7 @@ IDLE_OVERRIDES = [
     ("logging.run_name", "logging.trackers='tensorboard'", {"logging.trackers": "trackio"}),
     ("logging.tags", "logging.trackers='tensorboard'", {"logging.trackers": "tensorboard,wandb"}),
     ("mesh.memory_limit_gib", "only 'auto' plans", {"grpo.micro_batch_size": "auto"}),
+    ("generation.gather_weights", "mesh.fsdp=1", {"mesh.fsdp": -1}),
     ("grpo.micro_batch_size", "grpo.micro_batch_tokens=16", {"grpo.micro_batch_tokens": 0}),
     ("grpo.max_staleness", "generation.max_tokens_per_step=0",
      {"generation.max_tokens_per_step": 2}),

@@ -285,6 +285,52 @@ def test_mesh_results_equal_single_device(engine, params, prompts, mesh_config, 
   np.testing.assert_allclose(out.raw_logp_NxT, expected.raw_logp_NxT, atol=1e-4)
 
 
+def _gathers_in_decode_step(text):
+  """All-gathers of decode.step's own ops (its named scope) inside the compiled program's
+  decode loop (runtime/tpu_cost finds the loop, on any backend's HLO); the draw's own
+  gathers, outside the step, are not counted."""
+  from jaxgrpo.runtime import tpu_cost  # pylint: disable=g-import-not-at-top
+  module = tpu_cost.parse(text)
+  (_, loop), *_ = tpu_cost.decode_loops(module)
+  seen, stack, count = set(), [loop.attr("body")], 0
+  while stack:
+    name = stack.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    for op in module.computations[name]:
+      count += op.opcode.startswith("all-gather") and "decode_step" in op.op_name
+      stack += [op.attr(k) for k in ("body", "calls", "to_apply")
+                if op.attr(k) in module.computations]
+  return count
+
+
+@pytest.mark.parametrize("gather_weights", [True, False])
+def test_decode_weights_gathered_once_per_call_on_an_fsdp_mesh(engine, params, prompts,
+                                                              gather_weights):
+  # Parameters split over fsdp=8 (issue 62): with gather_weights the decode step's weights
+  # are made whole on every chip before the loop, so no all-gather runs in a token-step;
+  # without, each layer's weights are gathered again every token-step. The same tokens
+  # and log-probs as one device either way.
+  key = engine.key("val", 5)
+  expected = jax.device_get(engine.sample("val", params, *prompts, key=key))
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 8})
+  profiles = {"train": sampling.Profile(TRAIN, G, T), "val": sampling.Profile(VAL, G, T)}
+  sharded = sampling.RolloutEngine(CFG, mesh, profiles, max_prompt_length=6, eos_id=None,
+                                   pad_id=PAD, seed=0, scan_layers=True,
+                                   gather_weights=gather_weights)
+  placed = sharding.shard_params(params, CFG, mesh)
+  out = jax.device_get(sharded.sample("val", placed, *prompts, key=key))
+  np.testing.assert_array_equal(out.tokens_NxT, expected.tokens_NxT)
+  np.testing.assert_allclose(out.logp_NxT, expected.logp_NxT, atol=1e-4)
+  sampler = sampling.compile_sampler(CFG, profiles["val"], eos_id=None, pad_id=PAD, mesh=mesh,
+                                     scan_layers=True, gather_weights=gather_weights)
+  tokens, mask = sharding.to_global(mesh, sampling.left_pad(*prompts, 6, PAD))
+  text = sampler.lower(placed, tokens, mask, key, jnp.arange(8, dtype=jnp.int32)).compile(
+      ).as_text()
+  assert (_gathers_in_decode_step(text) == 0) == gather_weights
+
+
 def test_unshared_prefill_draws_the_same_samples(engine, params, prompts, monkeypatch):
   # share_prefix=False (the benchmark's baseline) prefills all B * G rows, and must change
   # nothing but the cost: same draws, same tokens, log-probs equal up to float rounding.

@@ -99,11 +99,12 @@ def init_state(cfg: model_lib.ModelConfig, rows: int, max_prompt_length: int,
 def round_(params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL, rollout_ids_N,
            active_N, limit_N, budget, key, *, cfg: model_lib.ModelConfig, profile: sampling.Profile,
            eos_id, pad_id: int, mesh=None, scan_layers: bool | None = None,
-           attention: str | None = None) -> tuple[State, Round]:
+           attention: str | None = None, gather_weights: bool = True) -> tuple[State, Round]:
   """One round (module docstring). refill_N: rows that start the rollout rollout_ids_N[n]
   from prompt n; active_N: rows that hold a rollout (a refilled one, or one carried on);
   limit_N: the most tokens row n's rollout may have (max_new_tokens; a benchmark's scripted
-  policy ends each row at a drawn length); budget: the most tokens a row draws this round."""
+  policy ends each row at a drawn length); budget: the most tokens a row draws this round;
+  gather_weights: sampling.sample's."""
   sp, t = profile.sampling, profile.max_new_tokens
   n = refill_N.shape[0]
   stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
@@ -143,7 +144,7 @@ def round_(params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL, r
     return stopped | (count >= limit_N), stopped
 
   drawn0 = refill_N.astype(jnp.int32)
-  weights = decode.prepare(params, cfg, stacked)
+  weights = decode.prepare(params, cfg, stacked, mesh if gather_weights else None)
   prompt_len_N = jnp.sum(state.cache.prompt_bias[:, 0, 0] == 0.0, axis=-1).astype(jnp.int32)
 
   def live(carry):
@@ -189,7 +190,7 @@ def state_shardings(mesh, stacked: bool) -> State:
 
 def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_id,
                   pad_id: int, mesh, on_trace=None, scan_layers: bool | None = None,
-                  attention: str | None = None):
+                  attention: str | None = None, gather_weights: bool = True):
   """jit(round_) with explicit shardings; the state is donated (updated in place)."""
   stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
 
@@ -199,7 +200,8 @@ def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_
     with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
       return round_(params, state, refill, tokens, mask, ids, active, limit, budget, key,
                     cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                    scan_layers=scan_layers, attention=attention)
+                    scan_layers=scan_layers, attention=attention,
+                    gather_weights=gather_weights)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   rep = sharding_lib.replicated(mesh)
@@ -233,7 +235,8 @@ class PartialEngine(sampling.RolloutEngine):
     self._round = compile_round(self.cfg, self.profiles["train"], eos_id=eos_id,
                                 pad_id=self.pad_id, mesh=self.mesh,
                                 on_trace=functools.partial(self._count, "train"),
-                                scan_layers=self.scan_layers, attention=self.attention)
+                                scan_layers=self.scan_layers, attention=self.attention,
+                                gather_weights=self.gather_weights)
     return {"val": samplers["val"]}
 
   @property

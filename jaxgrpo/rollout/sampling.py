@@ -103,7 +103,8 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
            cfg: model_lib.ModelConfig, profile: Profile, eos_id, pad_id: int,
            mesh=None, share_prefix: bool = True,
            scan_layers: bool | None = None, attention: str | None = None,
-           decode_block: int = 0, compact_stages: int = 0) -> Rollout:
+           decode_block: int = 0, compact_stages: int = 0,
+           gather_weights: bool = True) -> Rollout:
   """The pure sampler (jit it with `profile` static).
 
   eos_id: the id (or a tuple of ids: instruct models end a turn with any of several) that
@@ -123,6 +124,9 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
   every slot and masks the unfilled ones. compact_stages: > 0 moves the live rows into a batch
   half as large whenever they fit, up to that many times (compaction.py: the same rollout,
   without computing rows that ended); 0 computes every row until the longest ends.
+  gather_weights: the decode step's weights whole on every chip once per call, where the
+  mesh splits only rows (decode.prepare); False leaves them split (fsdp) as the parameters
+  are, gathered layer by layer every token-step.
   """
   g, t = profile.num_samples, profile.max_new_tokens
   b = prompt_tokens_BxL.shape[0]
@@ -140,7 +144,8 @@ def sample(params, prompt_tokens_BxL, prompt_mask_BxL, key, row_ids_B=None, *,
                                  scan_layers, attention, stacked_kv=stacked, mesh=mesh)
   prompt_len_B = jnp.sum(prompt_mask_BxL, axis=-1).astype(jnp.int32)
   cache = decode.init_cache(ks, vs, prompt_mask_BxL, cfg, pg, t, stacked, decode_block)
-  rollout, _ = decode_loop(decode.prepare(params, cfg, stacked), cache, logits_BxV,
+  rollout, _ = decode_loop(decode.prepare(params, cfg, stacked, mesh if gather_weights else None),
+                           cache, logits_BxV,
                            prompt_len_B, key, row_ids_B, cfg=cfg, profile=profile,
                            eos_id=eos_id, pad_id=pad_id, mesh=mesh, stacked=stacked,
                            decode_block=decode_block, compact_stages=compact_stages,
@@ -263,7 +268,8 @@ def left_pad(prompt_tokens_BxL, prompt_mask_BxL, width: int, pad_id: int):
 def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad_id, mesh,
                     on_trace=None, share_prefix: bool = True,
                     scan_layers: bool | None = None, attention: str | None = None,
-                    decode_block: int = 0, compact_stages: int = 0):
+                    decode_block: int = 0, compact_stages: int = 0,
+                    gather_weights: bool = True):
   """jit(sample) for one profile with explicit shardings: rows over the data axes."""
 
   def traced(params, tokens, mask, key, row_ids):
@@ -273,7 +279,7 @@ def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad
       return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile,
                     eos_id=eos_id, pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
                     scan_layers=scan_layers, attention=attention, decode_block=decode_block,
-                    compact_stages=compact_stages)
+                    compact_stages=compact_stages, gather_weights=gather_weights)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(
@@ -291,11 +297,12 @@ class RolloutEngine:
                max_prompt_length: int, eos_id, pad_id: int, seed: int,
                share_prefix: bool = True, scan_layers: bool | None = None,
                attention: str | None = None, decode_block: int = 0,
-               compact_stages: int = 0):
+               compact_stages: int = 0, gather_weights: bool = True):
     """share_prefix=False prefills every sample's copy of its prompt (see `sample`); only
     for measuring what prefix sharing buys. scan_layers, attention: the prefill's;
     decode_block: the decode step's key block; compact_stages: how many times the live rows
-    may move into a batch half as large (`sample`)."""
+    may move into a batch half as large; gather_weights: the decode's weights whole on
+    each chip once per call (`sample`)."""
     names = tuple(profiles)
     if sorted(names) != sorted(PROFILE_NAMES):
       raise ValueError(f"rollout profiles {list(names)}: the engine takes exactly "
@@ -306,7 +313,7 @@ class RolloutEngine:
     self._calls = {name: 0 for name in PROFILE_NAMES}
     self._base_key = jax.random.key(seed)
     self.scan_layers, self.attention, self.decode_block = scan_layers, attention, decode_block
-    self.compact_stages = compact_stages
+    self.compact_stages, self.gather_weights = compact_stages, gather_weights
     self.episodes = False  # multi-turn episodes: turns.EpisodeEngine
     self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)
 
@@ -317,7 +324,8 @@ class RolloutEngine:
                                   on_trace=functools.partial(self._count, name),
                                   share_prefix=share_prefix, scan_layers=self.scan_layers,
                                   attention=self.attention, decode_block=self.decode_block,
-                                  compact_stages=self.compact_stages)
+                                  compact_stages=self.compact_stages,
+                                  gather_weights=self.gather_weights)
             for name in PROFILE_NAMES}
 
   def _count(self, name):

@@ -76,11 +76,11 @@ def start(params, prompt_tokens_BxL, prompt_mask_BxL, *, cfg: model_lib.ModelCon
 def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, row_ids_N,
          active_N, *, cfg: model_lib.ModelConfig, profile: sampling.Profile, eos_id,
          pad_id: int, mesh=None, scan_layers: bool | None = None,
-         attention: str | None = None, compact_stages: int = 0):
+         attention: str | None = None, compact_stages: int = 0, gather_weights: bool = True):
   """One turn of N episodes: appends row n's first new_len_N[n] tokens at its generated slot
   slot_N[n] and samples the turn after them with `profile` (one sample per row; row n's
   draws from (key, row_ids_N[n]) alone). compact_stages: the decode's (compaction.py; each
-  stage's K/V are written back to their rows). Returns (sampling.Rollout, the cache)."""
+  stage's K/V are written back to their rows); gather_weights: sampling.sample's. Returns (sampling.Rollout, the cache)."""
   platform = model_lib.platform_of(mesh)
   stacked = model_lib.resolve_scan_layers(scan_layers, platform)
   attention = attention_lib.resolve_attention(attention, platform, cfg.dtype,
@@ -89,7 +89,7 @@ def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, ro
                              attention, mesh)
   prompt_len_N = jnp.sum(cache.prompt_bias[:, 0, 0] == 0.0, axis=-1).astype(jnp.int32)
   return sampling.decode_loop(
-      decode.prepare(params, cfg, stacked), cache, logits_NxV, prompt_len_N, key, row_ids_N,
+      decode.prepare(params, cfg, stacked, mesh if gather_weights else None), cache, logits_NxV, prompt_len_N, key, row_ids_N,
       cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh, stacked=stacked,
       shape=(len(row_ids_N), 1), done_B=~active_N, start_B=slot_N + new_len_N,
       compact_stages=compact_stages)
@@ -149,7 +149,8 @@ def compile_start(cfg: model_lib.ModelConfig, samples: int, num_slots: int, *, m
 
 def compile_turn(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_id,
                  pad_id: int, mesh, on_trace=None, scan_layers: bool | None = None,
-                 attention: str | None = None, compact_stages: int = 0):
+                 attention: str | None = None, compact_stages: int = 0,
+                 gather_weights: bool = True):
   """jit(turn) for one profile with explicit shardings; the cache is donated."""
   stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
 
@@ -159,7 +160,8 @@ def compile_turn(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_i
     with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
       return turn(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N,
                   cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                  scan_layers=scan_layers, attention=attention, compact_stages=compact_stages)
+                  scan_layers=scan_layers, attention=attention, compact_stages=compact_stages,
+                  gather_weights=gather_weights)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   caches = sharding_lib.cache_shardings(mesh, stacked)
@@ -186,7 +188,7 @@ class EpisodeEngine(sampling.RolloutEngine):
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles, *, max_prompt_length: int,
                max_episode_tokens: int, max_append_tokens: int, eos_id, pad_id: int,
                seed: int, scan_layers: bool | None = None, attention: str | None = None,
-               compact_stages: int = 0):
+               compact_stages: int = 0, gather_weights: bool = True):
     if max_episode_tokens <= max_prompt_length or max_prompt_length < 2:
       raise ValueError(f"max_episode_tokens={max_episode_tokens} must exceed "
                        f"max_prompt_length={max_prompt_length} (at least 2)")
@@ -197,7 +199,7 @@ class EpisodeEngine(sampling.RolloutEngine):
     self.start_compilations = {name: 0 for name in sampling.PROFILE_NAMES}
     super().__init__(cfg, mesh, profiles, max_prompt_length=max_prompt_length, eos_id=eos_id,
                      pad_id=pad_id, seed=seed, scan_layers=scan_layers, attention=attention,
-                     compact_stages=compact_stages)
+                     compact_stages=compact_stages, gather_weights=gather_weights)
     self.episodes = True
 
   def _build(self, *, eos_id, share_prefix: bool):
@@ -207,7 +209,8 @@ class EpisodeEngine(sampling.RolloutEngine):
                                       pad_id=self.pad_id, mesh=self.mesh,
                                       on_trace=functools.partial(self._count, name),
                                       scan_layers=self.scan_layers, attention=self.attention,
-                                      compact_stages=self.compact_stages)
+                                      compact_stages=self.compact_stages,
+                                      gather_weights=self.gather_weights)
                    for name in sampling.PROFILE_NAMES}
     return {}
 

@@ -46,7 +46,9 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
   model = {"checkpoint": "", "hf_checkpoint": "", **{k: None for k in _ARCH_KEYS},
            "moe_matmul": "auto", **values.get("model", {})}
   mesh = {"expert": 1, **values.get("mesh", {})}
-  return ml_collections.ConfigDict({**values, "model": model, "mesh": mesh})
+  generation = {"gather_weights": True, **values.get("generation", {})}
+  return ml_collections.ConfigDict({**values, "model": model, "mesh": mesh,
+                                    "generation": generation})
 
 
 def run_step(workdir: str, step: int | None = None) -> tuple[str, int]:

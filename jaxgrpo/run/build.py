@@ -213,6 +213,8 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
              for name in profiles}
     return jetstream_rollouts.JetStreamRolloutEngine(model_cfg, mesh, profiles,
                                                      tokenizer=tokenizer, slots=slots, **common)
+  # The native engines' decode weights, whole on each chip once per call (decode.prepare).
+  common["gather_weights"] = gen.gather_weights
   if episodes:  # the turns' programs, on a KV cache kept between turns (turns.py)
     from jaxgrpo.rollout import turns  # pylint: disable=g-import-not-at-top
     return turns.EpisodeEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),

@@ -394,7 +394,8 @@ def programs(c, model_cfg, tokenizer, mesh, which):
                                        mesh=mesh, scan_layers=engine.scan_layers,
                                        attention=engine.attention,
                                        decode_block=engine.decode_block,
-                                       compact_stages=engine.compact_stages)
+                                       compact_stages=engine.compact_stages,
+                                       gather_weights=engine.gather_weights)
     lowered = sampler.lower(params, sds((rows, p), jnp.int32), sds((rows, p), bool),
                             key, sds((rows,), jnp.int32))
     yield f"{name} sampler", lowered, resident
@@ -408,7 +409,8 @@ def _partial_round(engine, params, key):
   n, width = engine.rows * jax.process_count(), engine.max_prompt_length
   program = partial.compile_round(engine.cfg, engine.profile("train"), eos_id=engine.eos_id,
                                   pad_id=engine.pad_id, mesh=engine.mesh,
-                                  scan_layers=engine.scan_layers, attention=engine.attention)
+                                  scan_layers=engine.scan_layers, attention=engine.attention,
+                                  gather_weights=engine.gather_weights)
   rows1 = lambda dtype: sds((n,), dtype)
   return program.lower(params, engine.state_like(), rows1(bool), sds((n, width), jnp.int32),
                        sds((n, width), bool), rows1(jnp.int32), rows1(bool), rows1(jnp.int32),
@@ -431,7 +433,8 @@ def _episode_programs(c, engine, name: str, prompts: int, params, key):
   cache = jax.eval_shape(start, *prompt_args)
   turn = turns.compile_turn(engine.cfg, engine.profile(name), eos_id=engine.eos_id,
                             pad_id=engine.pad_id, mesh=mesh, scan_layers=engine.scan_layers,
-                            attention=engine.attention, compact_stages=engine.compact_stages)
+                            attention=engine.attention, compact_stages=engine.compact_stages,
+                            gather_weights=engine.gather_weights)
   rows1 = lambda dtype: sds((n,), dtype)
   return (turn.lower(params, cache, rows1(jnp.int32),
                      sds((n, engine.max_append_tokens), jnp.int32), rows1(jnp.int32), key,
