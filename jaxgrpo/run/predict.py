@@ -18,6 +18,7 @@ import jax
 from jaxgrpo.model import decode
 from jaxgrpo.model import decoder
 from jaxgrpo.model import sharding as sharding_lib
+from jaxgrpo.rollout import turns
 from jaxgrpo.run import build
 from jaxgrpo.runtime import tpu_cost
 
@@ -77,7 +78,7 @@ def decode_floor_bytes(config, model_cfg, mesh, name: str) -> float:
       gen.max_new_tokens, gen.decode_block_size)
   if config.env.name:  # an episode's turn: one row an episode, its slots after the prompt
     prompts, samples = prompts * samples, 1
-    slots = gen.max_episode_tokens - prompt_len + 1
+    slots = turns.slots(prompt_len, gen.max_episode_tokens)
   elif train and gen.max_tokens_per_step:  # partial rollouts' rounds: a row a rollout
     prompts, samples, slots = prompts * samples, 1, gen.max_new_tokens
   ways = sharding_lib.batch_size_multiple(mesh)
