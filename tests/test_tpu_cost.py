@@ -188,3 +188,38 @@ def test_kernels_are_counted_by_name_and_interpreted_ones_found():
   assert cost.kernel_flops == 2 * 33554432
   assert cost.compute_s == pytest.approx((2 * 2097152 + 3 * 524288) / 1e9)
   assert cost.roofline_ops == 1
+
+
+OFFLOAD = """HloModule m
+
+%offloaded (p: s32[16]) -> s32[16] {
+  %p = s32[16]{0:T(128)} parameter(0)
+  ROOT %n = s32[16]{0:T(128)} negate(%p), backend_config={"estimated_cycles":"40"}
+}, execution_thread="sparsecore"
+
+%scatter (q: f32[256,128]) -> f32[256,128] {
+  %q = f32[256,128]{1,0:T(8,128)} parameter(0)
+  ROOT %m = f32[256,128]{1,0:T(8,128)} negate(%q)
+}
+
+ENTRY %main (a: s32[16], b: f32[256,128]) -> f32[256,128] {
+  %a = s32[16]{0:T(128)} parameter(0)
+  %b = f32[256,128]{1,0:T(8,128)} parameter(1)
+  %start = ((s32[16]{0:T(128)}), s32[16]{0:T(128)}, u32[]{:S(8)}) call-start(%a), async_execution_thread="sparsecore", to_apply=%offloaded
+  %done = s32[16]{0:T(128)} call-done(%start)
+  ROOT %f = f32[256,128]{1,0:T(8,128)} fusion(%b), kind=kLoop, calls=%scatter, backend_config={"estimated_cycles":"9223372036854775807"}
+}
+"""
+
+
+def test_offloaded_computations_and_the_no_estimate_sentinel_are_read():
+  # A SparseCore computation ends `}, execution_thread="sparsecore"`: its own computation
+  # (the next is not swallowed as its instruction); the offloaded call costs its 40 cycles
+  # (40 ns at 1 GHz). A fusion whose estimate is INT64_MAX (the compiler's "none") is
+  # costed by its bytes instead, and flagged: 256 x 128 f32 read and written, 262,144
+  # bytes at 1 GB/s = 262.144 us.
+  module = tpu_cost.parse(OFFLOAD)
+  assert sorted(module.computations) == ["main", "offloaded", "scatter"]
+  cost = tpu_cost.program_cost(OFFLOAD, CHIP)
+  assert cost.compute_s == pytest.approx(40e-9 + 262.144e-6)
+  assert cost.roofline_ops == 1

@@ -533,7 +533,7 @@ def packed_loss(params, ref_params, batch, *, cfg, loss: LossConfig, sp, mesh=No
   fn = lambda p, m: micro_loss(p, ref_params, m, cfg=cfg, loss=loss, sp=sp)
   shardings = _trained_shardings(cfg, loss, mesh)
   (total, sums), grads = microbatch.accumulate_dynamic(fn, params, packed.micro_batch,
-                                                       packed.count, shardings)
+                                                       packed.count, packed.limit, shardings)
   aux = _diagnostics(total, sums, mask, advantages)
   aux.update(packed.metrics)
   return (total, aux), grads

@@ -65,13 +65,17 @@ def accumulate(loss_fn: Callable, params, micro_batches, grad_shardings=None):
   return (loss, sums), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
-def accumulate_dynamic(loss_fn: Callable, params, micro_batch: Callable, count,
+def accumulate_dynamic(loss_fn: Callable, params, micro_batch: Callable, count, limit: int,
                        grad_shardings=None):
   """`accumulate` over micro_batch(k) for k < count, a traced scalar (packed micro-batches:
   algo/packing.py): a while loop, so the time follows the micro-batches used while every
-  shape stays static. micro_batch(k) builds the k-th micro-batch inside the loop."""
+  shape stays static. micro_batch(k) builds the k-th micro-batch inside the loop. limit:
+  the most micro-batches count can be; the loop's condition states it too (the same loop),
+  so the compiled program carries its bound (runtime/tpu_cost reads it)."""
   zeros, add = _summation(loss_fn, params, jax.eval_shape(micro_batch, 0), grad_shardings)
-  loss, sums, grads = jax.lax.fori_loop(0, count, lambda k, c: add(c, micro_batch(k)), zeros)
+  _, (loss, sums, grads) = jax.lax.while_loop(
+      lambda c: (c[0] < count) & (c[0] < limit),
+      lambda c: (c[0] + 1, add(c[1], micro_batch(c[0]))), (jnp.int32(0), zeros))
   return (loss, sums), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 

@@ -103,6 +103,7 @@ class Packed(NamedTuple):
   micro_batch: Callable
   count: jax.Array
   metrics: dict
+  limit: int  # the most micro-batches count can be (the bins packed into), static
 
 
 def pack(rows, group_size: int, budget: int, shards: int, mesh=None) -> Packed:
@@ -166,4 +167,4 @@ def pack(rows, group_size: int, budget: int, shards: int, mesh=None) -> Packed:
       "padding_fraction_packed": padding_fraction(length_N.sum().astype(jnp.float32),
                                                   count * shards * budget),
       "packed_micro_batches": count}
-  return Packed(micro_batch, count, metrics)
+  return Packed(micro_batch, count, metrics, num_bins)

@@ -301,7 +301,12 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
                                    preferred_element_type=f32)
     return m_new, l, acc
 
-  _, l, acc = jax.lax.fori_loop(0, blocks_read(i, block), one_block, (m, l, acc))
+  # As a fori_loop to blocks_read(i, block), with the cache's block count in the condition
+  # too (never the smaller): the compiled loop then carries its bound (runtime/tpu_cost).
+  n, total = blocks_read(i, block), layer_k.shape[3] // block
+  _, (m, l, acc) = jax.lax.while_loop(lambda c: (c[0] < n) & (c[0] < total),
+                                      lambda c: (c[0] + 1, one_block(c[0], c[1])),
+                                      (jnp.int32(0), (m, l, acc)))
   return (acc / l).astype(dt)
 
 

@@ -4,8 +4,8 @@ reports. The costs come from runtime/tpu_cost.py (the compiled HLO's own estimat
 floors from the run's config:
 
   * the update: 6 x params x tokens of the step (each prompt once, each completion; 4x with
-    LoRA, whose base weights get no gradient; + 2x for a reference forward when beta > 0),
-    over the chips, at the MXU peak;
+    LoRA, whose base weights get no gradient; + 2x for a reference forward when beta > 0;
+    a mixture's active params), over the chips, at the MXU peak;
   * a decode token-step: the weights a chip reads once (compute dtype, split over tensor,
     a mixture's experts over expert) and the K/V of its rows when every slot is live (the
     last token-step; a whole-cache read touches them all every step), at HBM bandwidth.
@@ -58,8 +58,13 @@ def program_line(hlo: str, name: str, chip, config, model_cfg, mesh) -> str:
 
 def update_floor_flops(config, model_cfg) -> float:
   """6 x params x tokens (forward and backward of every token of the step: each prompt once,
-  each completion), 4x with LoRA (no base-weight gradients), + 2x for a reference forward."""
+  each completion), 4x with LoRA (no base-weight gradients), + 2x for a reference forward.
+  A mixture's params are those a token uses: its k of E experts' share of the experts'."""
   params = sum(x.size for x in jax.tree.leaves(decoder.param_structure(model_cfg)))
+  c = model_cfg
+  if c.num_experts:
+    experts = c.num_layers * c.num_experts * 3 * c.d_model * c.moe_mlp_dim
+    params -= experts * (1 - c.num_experts_per_tok / c.num_experts)
   g = config.grpo
   n = g.num_prompts_per_step * g.num_generations_per_prompt
   tokens = g.num_prompts_per_step * config.data.max_prompt_length + n * (

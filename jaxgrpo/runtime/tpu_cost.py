@@ -65,6 +65,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, 
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
          "partition-id", "replica-id", "opt-barrier", "copy-done", "all-gather-done",
          "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done",
+         "call-done",
          "iota", "add-dependency", "domain"}
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                 "collective-permute")
@@ -72,7 +73,7 @@ _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
 _FREE_TARGETS = {"AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked"}
 # An op without estimated_cycles this small (scalar bookkeeping) is taken as free, unflagged.
 _SMALL = 64 * 1024
-_CONTROL = {"while", "conditional", "call", "async-start", "async-update"}
+_CONTROL = {"while", "conditional", "call", "call-start", "async-start", "async-update"}
 _ARRAY = re.compile(r"([a-z0-9]+)\[([\d,]*)\](?:\{([^}]*)\})?")
 
 
@@ -96,7 +97,8 @@ class Op:
   @property
   def cycles(self) -> int | None:
     m = re.search(r'"estimated_cycles":"(\d+)"', self.text)
-    return int(m.group(1)) if m else None
+    # INT64_MAX is the compiler's "no estimate" (SparseCore offloads): taken as absent.
+    return int(m.group(1)) if m and int(m.group(1)) < 2**62 else None
 
   @property
   def target(self) -> str | None:
@@ -121,11 +123,13 @@ class Module:
 
 _HEAD = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
+# A computation's end: `}`, or `}, execution_thread="sparsecore"` (an offloaded one).
+_END = re.compile(r'^\}(, execution_thread="[^"]*")?\s*$')
 
 
 def parse(text: str) -> Module:
   """The computations of an HLO module's text. An instruction may span lines (a kernel's
-  metadata holds newlines): it runs until the next instruction or the computation's `}`."""
+  metadata holds newlines): it runs until the next instruction or the computation's end."""
   comps, entry, current, buf = {}, None, None, []
 
   def flush():
@@ -142,7 +146,7 @@ def parse(text: str) -> Module:
         if m.group(1):
           entry = current
       continue
-    if line == "}":
+    if _END.match(line):
       flush()
       current = None
       continue
@@ -450,7 +454,7 @@ def computation_cost(module: Module, name: str, chip: Chip, memo=None) -> Cost:
       costs = [computation_cost(module, n, chip, memo) for n in names]
       if costs:
         cost.add(max(costs, key=lambda c: c.serial_s))
-    elif op.opcode in ("call", "async-start"):
+    elif op.opcode in ("call", "call-start", "async-start"):  # call-start: an offload
       called = op.attr("to_apply") or op.attr("calls")
       if called:
         cost.add(computation_cost(module, called, chip, memo))
