@@ -53,11 +53,12 @@ def check_fixture():
 
 
 def table_rows(stdout):
-  """program name -> the table's cells after it."""
+  """program name -> the table's cells after it (not the `<program>: kernels ...` lines
+  printed after the table)."""
   rows = {}
   for line in stdout.splitlines():
     for name in PROGRAMS:
-      if line.startswith(name):
+      if line.startswith(name) and not line.startswith(f"{name}:"):
         rows[name] = re.split(r"\s{2,}", line[len(name):].strip())
   return rows
 

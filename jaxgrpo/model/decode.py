@@ -240,10 +240,12 @@ def _write(buffer, new, i, axis: int, layer=None):
 
 
 def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
-            block: int = 0, window=None):
+            block: int = 0, window=None, layer=None):
   """Softmax over the prompt's and the samples' own keys, without concatenating them.
   window: a sliding-window layer's (the prompt's keys beyond it already in prompt_bias):
-  the generated slots more than window - 1 behind slot i are not seen either."""
+  the generated slots more than window - 1 behind slot i are not seen either. layer: the
+  layer whose keys and values layer_k and layer_v hold when they are the stacked caches
+  [num_layers, ...] (read where they lie, never copied out first); None: one layer's."""
   b, hk, g, r, d = q_BxKxGxRxD.shape
   f32 = jnp.float32
   s_prompt = jnp.einsum("bkmd,bkdp->bkmp", q_BxKxGxRxD.reshape(b, hk, g * r, d),
@@ -251,7 +253,9 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
   s_prompt = s_prompt.reshape(b, hk, g, r, -1)
   if block and jnp.ndim(i) == 0:
     return _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block,
-                          window)
+                          window, layer)
+  if layer is not None:
+    layer_k, layer_v = layer_k[layer], layer_v[layer]
   s_gen = jnp.einsum("bkgrd,bkgtd->bkgrt", q_BxKxGxRxD, layer_k, preferred_element_type=f32)
   slots, at = _at_slot(i, s_gen.shape, s_gen.ndim - 1)
   seen = slots <= at
@@ -271,10 +275,12 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
 
 
 def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: int,
-                   window=None):
+                   window=None, layer=None):
   """_attend with the generated keys read block by block up to slot i (online softmax):
   the running max m, sum l and output acc start from the prompt's keys, and each block
-  rescales them by exp(m_old - m_new)."""
+  rescales them by exp(m_old - m_new). Each block is sliced from the stacked caches
+  directly when `layer` is given: slicing the layer out first materialised a copy of it
+  every token-step (the 16k preset's step read 3x its floor; issue 62)."""
   b, hk, g, r, d = q_BxKxGxRxD.shape
   f32, dt = jnp.float32, layer_v.dtype
   m = jnp.max(s_prompt, axis=-1, keepdims=True)
@@ -286,8 +292,8 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
   def one_block(j, carry):
     m, l, acc = carry
     start = j * block
-    k_blk = jax.lax.dynamic_slice_in_dim(layer_k, start, block, axis=3)  # [b,hk,g,blk,d]
-    v_blk = jax.lax.dynamic_slice_in_dim(layer_v, start, block, axis=3)  # [b,hk,g,blk,d]
+    k_blk = _slots(layer_k, layer, start, block)  # [b,hk,g,blk,d]
+    v_blk = _slots(layer_v, layer, start, block)
     s = jnp.einsum("bkgrd,bkgtd->bkgrt", q_BxKxGxRxD, k_blk, preferred_element_type=f32)
     slots = start + jnp.arange(block)
     seen = slots <= i
@@ -303,11 +309,20 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
 
   # As a fori_loop to blocks_read(i, block), with the cache's block count in the condition
   # too (never the smaller): the compiled loop then carries its bound (runtime/tpu_cost).
-  n, total = blocks_read(i, block), layer_k.shape[3] // block
+  n, total = blocks_read(i, block), layer_k.shape[-2] // block
   _, (m, l, acc) = jax.lax.while_loop(lambda c: (c[0] < n) & (c[0] < total),
                                       lambda c: (c[0] + 1, one_block(c[0], c[1])),
                                       (jnp.int32(0), (m, l, acc)))
   return (acc / l).astype(dt)
+
+
+def _slots(cache, layer, start, size: int):
+  """Generated slots start .. start + size of one layer's cache [B, H_kv, G, T, D], or of
+  layer `layer` of the stacked caches [num_layers, B, H_kv, G, T, D], as one slice."""
+  if layer is None:
+    return jax.lax.dynamic_slice_in_dim(cache, start, size, axis=3)
+  sizes = (1, *cache.shape[1:4], size, cache.shape[5])
+  return jax.lax.dynamic_slice(cache, (layer, 0, 0, 0, start, 0), sizes)[0]
 
 
 def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache,
@@ -355,9 +370,10 @@ def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, ca
         behind_BxL < cfg.sliding_window, 0.0, _NEG)[:, None, None]
 
   def layer_step(l, layer: Layer, x, prompt_k, prompt_v, write):
-    """One block (layer l): x [d_model, N] -> x, and what `write(k, v)` returns after it
-    stored this token's key [B, H_kv, G, D] and value: (the caches it carries on, this
-    layer's generated keys and values to attend over)."""
+    """One block (layer l): x [d_model, N] -> x, and the caches `write(k, v)` carries on
+    after it stored this token's key [B, H_kv, G, D] and value; write also says what to
+    attend over: (keys, values, the layer index into them when they are the stacked
+    caches, else None)."""
     h = jnp.einsum("ksem,mn->ksen", layer.qkv, _norm(x, layer.attn_norm, cfg))
     h = h.reshape(hk, r + 2, d, b, g)
     if layer.qkv_bias is not None:
@@ -375,8 +391,8 @@ def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, ca
     q = (qk[:, :r] * q_scale).transpose(3, 0, 4, 1, 2)   # [B, H_kv, G, r, D]
     k = qk[:, r].transpose(2, 0, 3, 1)                     # [B, H_kv, G, D]
     v = v.transpose(2, 0, 3, 1)
-    caches, (layer_k, layer_v) = write(k, v)
-    o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, bias, i, block, window)
+    caches, (layer_k, layer_v, index) = write(k, v)
+    o = _attend(q, layer_k, layer_v, prompt_k, prompt_v, bias, i, block, window, index)
     h = layer.out @ o.transpose(1, 3, 4, 0, 2).reshape(hk * r * d, b * g)
     x = x + (h if layer.post_attn_norm is None else _norm(h, layer.post_attn_norm, cfg))
     xn = _norm(x, layer.mlp_norm, cfg)
@@ -401,7 +417,7 @@ def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, ca
         # whole stacked cache twice per layer per token (issue 62).
         new_k = _write(gen_k, k[:, :, :, None], i, axis=3, layer=l)
         new_v = _write(gen_v, v[:, :, :, None], i, axis=3, layer=l)
-        return (new_k, new_v), (new_k[l], new_v[l])
+        return (new_k, new_v), (new_k, new_v, l)
 
       x, (gen_k, gen_v) = layer_step(l, layer, x, prompt_k, prompt_v, write)
       return (x, gen_k, gen_v), None
@@ -416,7 +432,7 @@ def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, ca
       def write(k, v, l=l):
         layer_k = _write(cache.gen_k[l], k[:, :, :, None], i, axis=3)
         layer_v = _write(cache.gen_v[l], v[:, :, :, None], i, axis=3)
-        return (layer_k, layer_v), (layer_k, layer_v)
+        return (layer_k, layer_v), (layer_k, layer_v, None)
 
       x, (layer_k, layer_v) = layer_step(l, layer, x, cache.prompt_k[l], cache.prompt_v[l],
                                          write)
