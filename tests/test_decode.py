@@ -227,7 +227,7 @@ def test_blocked_decode_reads_only_the_blocks_up_to_the_current_token(stacked):
   _, (ks, vs) = sampling.prefill(params, cfg, prompt_BxL, mask_BxL, stacked, stacked_kv=stacked)
   weights = decode.prepare(params, cfg, stacked)
   prompt_len_B = jnp.sum(mask_BxL, axis=-1)
-  # Slot axes: gen_k and gen_v [..., T, D] (second to last).
+  # Slot axes: gen_k [..., D, T] (last), gen_v [..., T, D] (second to last).
   poison = lambda x, start, axis: x.at[(Ellipsis, slice(start, None)) + (slice(None),) *
                                        (-1 - axis)].set(jnp.nan)
   for block in (4, 0):
@@ -240,7 +240,7 @@ def test_blocked_decode_reads_only_the_blocks_up_to_the_current_token(stacked):
       assert decode.blocks_read(i, 4) == i // 4 + 1
       if after < 12:
         bad = cache._replace(
-            gen_k=jax.tree.map(lambda x: poison(x, after, -2), cache.gen_k),
+            gen_k=jax.tree.map(lambda x: poison(x, after, -1), cache.gen_k),
             gen_v=jax.tree.map(lambda x: poison(x, after, -2), cache.gen_v))
         # Re-run step i on the poisoned cache (its own slot i is rewritten identically).
         again, _ = step(tokens, positions, i, bad)

@@ -20,13 +20,11 @@ number of ops per token decides the speed (BENCHMARKS.md has the figures). Here:
   * the embedding is used as stored, [V, d_model] (a row gather per token, no transposed
     copy per call), and the output projection is one 2-D matmul over [H_kv * r * D] inputs
     (as an einsum over [H_kv, r, D], XLA copied its weight into a new layout every token);
-  * the caches: prompt keys [B, H_kv, D, L] (stored transposed, written once by the
-    prefill), prompt values [B, H_kv, L, D], and the samples' own keys and values both
-    [B, H_kv, G, T, D], slot-major: each token-step writes one row of D per key and value.
-    Stored [.., D, T] (transposed, as the prompt's), a token's key was a [.., D, 1] column
-    with the slots most minor, which TPU's (8, 128) tiles pad 128x (0.7 GB of a 7B
-    token-step's 19 GB by the compiled program; issue 62). The prompt's keys and values are
-    held once per prompt and read by all G samples: a prompt is never copied G times;
+  * the caches are laid out so each attention contraction is a plain batched matmul with no
+    transpose: prompt keys [B, H_kv, D, L] (stored transposed), prompt values
+    [B, H_kv, L, D], and the samples' own keys [B, H_kv, G, D, T] and values
+    [B, H_kv, G, T, D]. The prompt's keys and values are held once per prompt and read by
+    all G samples: a prompt is never copied G times;
   * the softmax over [prompt | generated] keys is taken without concatenating them;
   * with `block` > 0 the generated keys are read a block of `block` slots at a time, only
     up to the block holding the current token, with an online softmax (Milakov and
@@ -90,7 +88,7 @@ class Cache(NamedTuple):
   prompt_k: tuple        # [B, H_kv, D, L]
   prompt_v: tuple        # [B, H_kv, L, D]
   prompt_bias: jax.Array  # [B, 1, 1, L]: 0 on real prompt tokens, -1e30 on left padding
-  gen_k: tuple           # [B, H_kv, G, T, D]
+  gen_k: tuple           # [B, H_kv, G, D, T]
   gen_v: tuple           # [B, H_kv, G, T, D]
 
 
@@ -175,12 +173,12 @@ def init_cache(prompt_k, prompt_v, prompt_mask_BxL, cfg: model_lib.ModelConfig,
   if stacked:
     num = cfg.num_layers
     return Cache(prompt_k=jnp.swapaxes(prompt_k, 3, 4).astype(dt), prompt_v=prompt_v.astype(dt),
-                 prompt_bias=bias, gen_k=jnp.zeros((num, b, hk, g, t, d), dt),
+                 prompt_bias=bias, gen_k=jnp.zeros((num, b, hk, g, d, t), dt),
                  gen_v=jnp.zeros((num, b, hk, g, t, d), dt))
   return Cache(
       prompt_k=tuple(k.transpose(0, 1, 3, 2).astype(dt) for k in prompt_k),
       prompt_v=tuple(v.astype(dt) for v in prompt_v), prompt_bias=bias,
-      gen_k=tuple(jnp.zeros((b, hk, g, t, d), dt) for _ in prompt_k),
+      gen_k=tuple(jnp.zeros((b, hk, g, d, t), dt) for _ in prompt_k),
       gen_v=tuple(jnp.zeros((b, hk, g, t, d), dt) for _ in prompt_v))
 
 
@@ -256,7 +254,7 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
                           window, layer)
   if layer is not None:
     layer_k, layer_v = layer_k[layer], layer_v[layer]
-  s_gen = jnp.einsum("bkgrd,bkgtd->bkgrt", q_BxKxGxRxD, layer_k, preferred_element_type=f32)
+  s_gen = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, layer_k, preferred_element_type=f32)
   slots, at = _at_slot(i, s_gen.shape, s_gen.ndim - 1)
   seen = slots <= at
   if window is not None:
@@ -292,9 +290,9 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
   def one_block(j, carry):
     m, l, acc = carry
     start = j * block
-    k_blk = _slots(layer_k, layer, start, block)  # [b,hk,g,blk,d]
-    v_blk = _slots(layer_v, layer, start, block)
-    s = jnp.einsum("bkgrd,bkgtd->bkgrt", q_BxKxGxRxD, k_blk, preferred_element_type=f32)
+    k_blk = _slots(layer_k, layer, start, block, axis=4)  # [b,hk,g,d,blk]
+    v_blk = _slots(layer_v, layer, start, block, axis=3)  # [b,hk,g,blk,d]
+    s = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, k_blk, preferred_element_type=f32)
     slots = start + jnp.arange(block)
     seen = slots <= i
     if window is not None:
@@ -309,20 +307,22 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
 
   # As a fori_loop to blocks_read(i, block), with the cache's block count in the condition
   # too (never the smaller): the compiled loop then carries its bound (runtime/tpu_cost).
-  n, total = blocks_read(i, block), layer_k.shape[-2] // block
+  n, total = blocks_read(i, block), layer_v.shape[-2] // block
   _, (m, l, acc) = jax.lax.while_loop(lambda c: (c[0] < n) & (c[0] < total),
                                       lambda c: (c[0] + 1, one_block(c[0], c[1])),
                                       (jnp.int32(0), (m, l, acc)))
   return (acc / l).astype(dt)
 
 
-def _slots(cache, layer, start, size: int):
-  """Generated slots start .. start + size of one layer's cache [B, H_kv, G, T, D], or of
-  layer `layer` of the stacked caches [num_layers, B, H_kv, G, T, D], as one slice."""
+def _slots(cache, layer, start, size: int, axis: int):
+  """Generated slots start .. start + size along `axis` (a layer's: 4 for the keys
+  [B, H_kv, G, D, T], 3 for the values [B, H_kv, G, T, D]) of one layer's cache, or of
+  layer `layer` of the stacked caches [num_layers, ...], as one slice."""
   if layer is None:
-    return jax.lax.dynamic_slice_in_dim(cache, start, size, axis=3)
-  sizes = (1, *cache.shape[1:4], size, cache.shape[5])
-  return jax.lax.dynamic_slice(cache, (layer, 0, 0, 0, start, 0), sizes)[0]
+    return jax.lax.dynamic_slice_in_dim(cache, start, size, axis=axis)
+  starts, sizes = [layer] + [0] * (cache.ndim - 1), [1, *cache.shape[1:]]
+  starts[1 + axis], sizes[1 + axis] = start, size
+  return jax.lax.dynamic_slice(cache, starts, sizes)[0]
 
 
 def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache,
@@ -415,7 +415,7 @@ def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, ca
         # XLA updates them in place and reads the layer where it lies. Reading gen_k[l]
         # before writing kept the old buffer alive: the compiled TPU program copied the
         # whole stacked cache twice per layer per token (issue 62).
-        new_k = _write(gen_k, k[:, :, :, None], i, axis=3, layer=l)
+        new_k = _write(gen_k, k[..., None], i, axis=4, layer=l)
         new_v = _write(gen_v, v[:, :, :, None], i, axis=3, layer=l)
         return (new_k, new_v), (new_k, new_v, l)
 
@@ -430,7 +430,7 @@ def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, ca
     gen_k, gen_v = [], []
     for l, layer in enumerate(w.layers):
       def write(k, v, l=l):
-        layer_k = _write(cache.gen_k[l], k[:, :, :, None], i, axis=3)
+        layer_k = _write(cache.gen_k[l], k[..., None], i, axis=4)
         layer_v = _write(cache.gen_v[l], v[:, :, :, None], i, axis=3)
         return (layer_k, layer_v), (layer_k, layer_v, None)
 
@@ -465,7 +465,7 @@ def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, ca
   n, e = tokens_NxE.shape
   dt = model_lib.DTYPES[cfg.dtype]
   prompt_mask_NxL = cache.prompt_bias[:, 0, 0] == 0.0
-  slots = (cache.gen_k if stacked else cache.gen_k[0]).shape[-2]
+  slots = (cache.gen_k if stacked else cache.gen_k[0]).shape[-1]
   j_E = jnp.arange(e, dtype=jnp.int32)
   positions_NxE = (jnp.sum(prompt_mask_NxL, -1).astype(jnp.int32) + slot_N)[:, None] + j_E
   new_NxE = j_E < new_len_N[:, None]
@@ -484,7 +484,7 @@ def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, ca
 
   def layer(l, x, p, prompt_k, prompt_v, gen_k, gen_v):
     """One block over the new tokens: x, and their keys and values [N, E, H_kv, D]."""
-    seen_k = jnp.concatenate([jnp.swapaxes(prompt_k, 2, 3), gen_k[:, :, 0]],
+    seen_k = jnp.concatenate([jnp.swapaxes(prompt_k, 2, 3), jnp.swapaxes(gen_k[:, :, 0], 2, 3)],
                              axis=2)  # [N, H_kv, S, D]
     seen_v = jnp.concatenate([prompt_v, gen_v[:, :, 0]], axis=2)
     x, (k, v) = block.apply({"params": p}, x, positions_NxE[:, None], seen_k, seen_v, seen_NxS,
@@ -497,7 +497,7 @@ def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, ca
       x, gen_k, gen_v = carry
       l, p, prompt_k, prompt_v = xs
       x, k, v = layer(l, x, p, prompt_k, prompt_v, gen_k[l], gen_v[l])
-      gen_k = gen_k.at[l, rows_Nx1, :, 0, write_NxE, :].set(k, mode="drop")
+      gen_k = gen_k.at[l, rows_Nx1, :, 0, :, write_NxE].set(k, mode="drop")
       gen_v = gen_v.at[l, rows_Nx1, :, 0, write_NxE, :].set(v, mode="drop")
       return (x, gen_k, gen_v), None
 
@@ -510,7 +510,7 @@ def extend(params, cfg: model_lib.ModelConfig, tokens_NxE, new_len_N, slot_N, ca
       p = jax.tree.map(lambda a, l=l: a[l], params["layers"])
       x, k, v = layer(l, x, p, cache.prompt_k[l], cache.prompt_v[l], cache.gen_k[l],
                       cache.gen_v[l])
-      gen_k.append(cache.gen_k[l].at[rows_Nx1, :, 0, write_NxE, :].set(k, mode="drop"))
+      gen_k.append(cache.gen_k[l].at[rows_Nx1, :, 0, :, write_NxE].set(k, mode="drop"))
       gen_v.append(cache.gen_v[l].at[rows_Nx1, :, 0, write_NxE, :].set(v, mode="drop"))
     gen_k, gen_v = tuple(gen_k), tuple(gen_v)
   last_NxD = jnp.take_along_axis(x[:, 0], jnp.maximum(new_len_N - 1, 0)[:, None, None],

@@ -295,7 +295,7 @@ def cache_shardings(mesh: Mesh, stacked: bool = False) -> decode.Cache:
       prompt_k=logical_sharding(mesh, *layers, "batch", "cache_heads", None, "length"),
       prompt_v=logical_sharding(mesh, *layers, "batch", "cache_heads", "length", None),
       prompt_bias=logical_sharding(mesh, "batch", None, None, "length"),
-      gen_k=logical_sharding(mesh, *layers, "batch", "cache_heads", "samples", "length", None),
+      gen_k=logical_sharding(mesh, *layers, "batch", "cache_heads", "samples", None, "length"),
       gen_v=logical_sharding(mesh, *layers, "batch", "cache_heads", "samples", "length", None))
 
 

@@ -299,7 +299,7 @@ class Engine(engine_api.Engine):
         prompt_k=tuple(jnp.zeros((s, hk, d, p), dt) for _ in range(c.num_layers)),
         prompt_v=tuple(jnp.zeros((s, hk, p, d), dt) for _ in range(c.num_layers)),
         prompt_bias=jnp.zeros((s, 1, 1, p), jnp.float32),
-        gen_k=tuple(jnp.zeros((s, hk, 1, t, d), dt) for _ in range(c.num_layers)),
+        gen_k=tuple(jnp.zeros((s, hk, 1, d, t), dt) for _ in range(c.num_layers)),
         gen_v=tuple(jnp.zeros((s, hk, 1, t, d), dt) for _ in range(c.num_layers)))
     return DecodeState(cache=cache, logits_SxV=jnp.zeros((s, c.vocab_size), jnp.float32),
                        prompt_len_S=zeros_s, step_S=zeros_s, live_S=jnp.zeros((s,), bool),
