@@ -19,11 +19,12 @@ has `scored_N` False: GRPO leaves it out of the loss and out of its group's mean
 A reward's failure never stops a run. Each reward call runs in a worker process
 (`reward_workers`) with a time limit (`reward_timeout_s`); the rows are split into one call
 per worker, so the rewards run side by side. A call that raises or times out (its worker
-is killed and replaced) is retried row by row, each row a call with the same time limit, so
-only the rows that raise or are slow lose their score. The retries of one scoring run for
-at most RETRY_ROUNDS x reward_timeout_s (room for that many slow rows per worker): rows not
-retried by then are lost as timed out, so a step's rewards take at most about
-(RETRY_ROUNDS + 2) x reward_timeout_s however many rows are slow. A call that returns the
+is killed and replaced) is retried row by row: each worker runs its share of those rows
+side by side, each row in a process of its own with the same time limit
+(workers.fan_out, up to workers.FAN_OUT at once), so exactly the rows that raise or are
+slow lose their score, however many they are. With R rewards, N rows and W workers a
+step's scoring takes at most R x (1 + ceil(N / (W x FAN_OUT))) x reward_timeout_s, plus
+the start-up of replaced workers: 2 R x reward_timeout_s while N <= 16 W. A call that returns the
 wrong number of values, or a value that is not a number, a dict with a score or None: those
 rows score None for that reward, an error. `errors[name]` flags
 them (the trainer logs `reward_errors/<name>`, the fraction of rows), the first traceback
@@ -44,7 +45,6 @@ import math
 import os
 import pickle
 import sys
-import time
 from typing import Any, Mapping
 
 import numpy as np
@@ -75,8 +75,8 @@ class Scores:
   env_N: np.ndarray | None = None
 
 
-# The row-by-row retries of a scoring may run for this many reward_timeout_s (module doc).
-RETRY_ROUNDS = 4
+# A warning names at most this many of the rows a reward lost, then counts the rest.
+MAX_NAMED_ROWS = 16
 
 
 def resolve_workers(workers: int) -> int:
@@ -172,20 +172,34 @@ class Scorer:
     return out
 
   def _run(self, calls: list[tuple[str, int, int]], completions, answers, columns,
-           deadline: float | None = None):
-    """The results of reward calls (name, first row, end row), in order; the workers start
-    none after `deadline` (WorkerPool.run)."""
-    results, payloads, remote = [None] * len(calls), [], []
+           alone: bool = False):
+    """The results of reward calls (name, first row, end row), in order. alone: the calls
+    are single rows retried; the workers run them side by side, a process each
+    (workers.fan_out), each worker its contiguous share."""
+    results, tasks, remote = [None] * len(calls), [], []
     for i, (name, a, b) in enumerate(calls):
       task = (reward_call, (rewards.get(name), completions[a:b], answers[a:b],
                             {k: v[a:b] for k, v in columns.items()}), {})
       if self._pool is None or name in self._inline:
         results[i] = workers_lib.call(task)
       else:
-        payloads.append(pickle.dumps(task))
+        tasks.append(task)
         remote.append(i)
-    for i, result in zip(remote, self._pool.run(payloads, deadline) if payloads else []):
-      results[i] = result
+    if not tasks:
+      return results
+    if not alone:
+      for i, result in zip(remote, self._pool.run([pickle.dumps(t) for t in tasks])):
+        results[i] = result
+      return results
+    shares = min(self.workers, len(tasks))
+    bounds = [(len(tasks) * c // shares, len(tasks) * (c + 1) // shares) for c in range(shares)]
+    # A worker's own limit covers its share's waves and one more for forking and collecting.
+    limits = [(workers_lib.fan_out_waves(b - a) + 1) * self.timeout_s for a, b in bounds]
+    payloads = [pickle.dumps((workers_lib.fan_out, (tasks[a:b], self.timeout_s,
+                                                    "reward_timeout_s"), {})) for a, b in bounds]
+    for (a, b), (status, out) in zip(bounds, self._pool.run(payloads, limits)):
+      for j in range(a, b):  # a share that failed as a whole (its worker died) fails each row
+        results[remote[j]] = out[j - a] if status == "ok" else (status, out)
     return results
 
   def __call__(self, tokens_NxT, lengths_N, batch: Mapping[str, Any], repeats: int,
@@ -218,7 +232,6 @@ class Scorer:
     values = {name: np.full(n, np.nan) for name in self.weights}
     errors = {name: np.zeros(n, bool) for name in self.weights}
     extras, preds, first_error = {}, [None] * n, {}
-    skipped = {name: 0 for name in self.weights}  # rows the retry budget left unscored
 
     def take(name, a, b, result):
       """Writes one call's result; returns the rows to retry one by one, if any."""
@@ -230,12 +243,9 @@ class Scorer:
         first_error.setdefault(name, out)
         return []
       if status != "ok":
-        if b - a > 1 and status != "skipped":  # each row alone: only its culprits are lost
+        if b - a > 1:  # each row alone: only its culprits are lost
           return [(name, r, r + 1) for r in range(a, b)]
         errors[name][a:b] = True
-        if status == "skipped":
-          skipped[name] += b - a
-          return []
         first_error.setdefault(name, out)
         return []
       for r, item in zip(range(a, b), out):
@@ -256,11 +266,9 @@ class Scorer:
     for call, result in zip(calls, self._run(calls, completions, answers, columns)):
       retry += take(*call, result)
     if retry:
-      deadline = time.monotonic() + RETRY_ROUNDS * self.timeout_s
-      for call, result in zip(retry, self._run(retry, completions, answers, columns,
-                                               deadline)):
+      for call, result in zip(retry, self._run(retry, completions, answers, columns, True)):
         take(*call, result)
-    self._report(errors, first_error, n, label, skipped)
+    self._report(errors, first_error, n, label)
     scored_N, total = np.zeros(n, bool), np.zeros(n)
     for name, weight in self.weights.items():  # in the config's order, in float64
       ok = ~np.isnan(values[name])
@@ -295,25 +303,23 @@ class Scorer:
         start = i
     return out
 
-  def _report(self, errors, first_error, n: int, label: str, skipped) -> None:
+  def _report(self, errors, first_error, n: int, label: str) -> None:
     for name, rows in errors.items():
       if not rows.any():
         continue
-      where = f" at {label}" if label else ""
-      if skipped[name]:  # said every time: rows lost that were not slow themselves
-        where += (f" ({skipped[name]} of them never retried: the retries' budget of "
-                  f"{RETRY_ROUNDS} x reward_timeout_s = {RETRY_ROUNDS * self.timeout_s:g} s "
-                  "ran out on slow rows; raise reward_timeout_s or speed up the reward)")
+      lost = np.flatnonzero(rows)
+      named = ", ".join(map(str, lost[:MAX_NAMED_ROWS])) + (
+          f" and {len(lost) - MAX_NAMED_ROWS} more" if len(lost) > MAX_NAMED_ROWS else "")
+      head = (f"warning: reward {name!r} failed on {len(lost)} of {n} rows "
+              f"(row{'s' * (len(lost) > 1)} {named}){f' at {label}' if label else ''}")
       text = first_error.get(name, "")
       if name not in self._reported:
         self._reported.add(name)
-        self._log(f"warning: reward {name!r} failed on {int(rows.sum())} of {n} rows{where}; "
-                  f"they score None for it (its first error, in full; later ones in one "
-                  f"line):\n{text.rstrip()}")
+        self._log(f"{head}; they score None for it (its first error, in full; later ones in "
+                  f"one line):\n{text.rstrip()}")
       else:
         last = [line for line in text.strip().splitlines() if line.strip()][-1:] or [""]
-        self._log(f"warning: reward {name!r} failed on {int(rows.sum())} of {n} rows{where}: "
-                  f"{last[0].strip()}")
+        self._log(f"{head}: {last[0].strip()}")
 
   def answers_equal(self, a: Any, b: Any) -> bool:
     """Whether two of the voting reward's answers are the same answer (None equals

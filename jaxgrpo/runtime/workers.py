@@ -12,6 +12,8 @@ or, from the pool, ("timeout", why).
 from __future__ import annotations
 
 import collections
+import gc
+import math
 from multiprocessing import connection
 import os
 import pickle
@@ -31,6 +33,83 @@ def call(task, catch=Exception):
     return ("ok", fn(*args, **kwargs))
   except catch:  # pylint: disable=broad-except
     return ("error", traceback.format_exc())
+
+
+# How many rows one worker runs side by side when it runs them one by one (fan_out): a slow
+# row then costs its own time limit, not the time of the rows queued behind it. Each is a
+# forked child that shares the worker's memory until it writes; 16 keeps a CPU-bound
+# reward's children from starving each other on a laptop and bounds the copied pages.
+FAN_OUT = 16
+
+
+def fan_out_waves(rows: int, width: int = FAN_OUT) -> int:
+  """How many time limits a fan_out of `rows` rows can take at most."""
+  return max(1, math.ceil(rows / width))
+
+
+def fan_out(tasks: list, timeout_s: float, timeout_key: str = "its time limit",
+            width: int = FAN_OUT) -> list[tuple]:
+  """Runs in a worker: each task (fn, args, kwargs) in a child forked for it, up to `width`
+  at once, each limited to timeout_s from its own start. Returns each task's result, in
+  order: ("ok", value), ("error", traceback) or ("timeout", why).
+
+  Why fork here: the worker is a plain Python process (no jax, no threads of ours), so a
+  fork is safe and cheap (the user's modules are already imported), and a child can be
+  killed; threads could not be, and math-verify's time limits (signal.alarm) work only in
+  a process's main thread. Without fork (Windows) the tasks run one after another here,
+  under the worker's own limit for the whole call."""
+  if not hasattr(os, "fork"):
+    return [call(t, BaseException) for t in tasks]
+  results: list[tuple | None] = [None] * len(tasks)
+  queue, running = collections.deque(range(len(tasks))), {}  # reader -> (i, pid, start)
+  gc.freeze()  # the children's collections leave the parent's objects unwritten (unshared)
+  sys.stdout.flush()
+  sys.stderr.flush()  # what is buffered now would otherwise be written by every child too
+  while queue or running:
+    while queue and len(running) < width:
+      i = queue.popleft()
+      read_fd, write_fd = os.pipe()
+      pid = os.fork()
+      if pid == 0:  # the child: one call, its answer, and out without the parent's exit hooks
+        os.close(read_fd)
+        out = connection.Connection(write_fd, readable=False)
+        try:
+          result = call(tasks[i], BaseException)
+          try:
+            out.send(result)
+          except Exception:  # pylint: disable=broad-except
+            out.send(("error", traceback.format_exc()))  # a value that does not pickle
+          sys.stdout.flush()
+          sys.stderr.flush()
+        finally:
+          os._exit(0)  # pylint: disable=protected-access
+      os.close(write_fd)
+      running[connection.Connection(read_fd, writable=False)] = (i, pid, time.monotonic())
+    end = min(start for _, _, start in running.values()) + timeout_s
+    ready = connection.wait(list(running), timeout=max(0.0, end - time.monotonic()))
+    now = time.monotonic()
+    for reader in list(running):
+      i, pid, start = running[reader]
+      if reader in ready:
+        try:
+          results[i] = reader.recv()
+        except (EOFError, OSError):  # it exited in the call (os._exit, a crash)
+          code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+          results[i] = ("error", f"the call's process died (exit code {code}) during the "
+                                 "call\n")
+          pid = None
+      elif now - start >= timeout_s:
+        os.kill(pid, 9)
+        results[i] = ("timeout", f"the call did not return within {timeout_key}="
+                                 f"{timeout_s:g} s (its process was killed)\n")
+      else:
+        continue
+      reader.close()
+      if pid is not None:
+        os.waitpid(pid, 0)
+      del running[reader]
+  gc.unfreeze()
+  return results
 
 
 # What a worker says once its start-up task ran (its first message).
@@ -116,10 +195,11 @@ class WorkerPool:
     self._workers[w] = self._start()
     self._ready[w] = False
 
-  def run(self, payloads: list[bytes], deadline: float | None = None) -> list[tuple]:
+  def run(self, payloads: list[bytes], limits: list[float] | None = None) -> list[tuple]:
     """Each payload's result, in order: ("ok", values), ("error", traceback) or
-    ("timeout", why). deadline (time.monotonic()): no call starts after it; the ones not
-    started by then answer ("skipped", why) (a started call keeps its own time limit)."""
+    ("timeout", why). limits: each call's own time limit in seconds (a fan_out's spans its
+    waves), else timeout_s."""
+    limits = limits or [self.timeout_s] * len(payloads)
     results: list[tuple | None] = [None] * len(payloads)
     queue, idle, busy = collections.deque(range(len(payloads))), collections.deque(
         range(len(self._workers))), {}
@@ -133,9 +213,6 @@ class WorkerPool:
                        "the call\n")
 
     while queue or busy:
-      while queue and deadline is not None and time.monotonic() >= deadline:
-        results[queue.popleft()] = ("skipped", "not started: the calls' time budget was "
-                                               "spent on slower ones\n")
       while idle and queue:
         w, i = idle.popleft(), queue.popleft()
         try:
@@ -148,13 +225,13 @@ class WorkerPool:
         busy[w] = (i, time.monotonic(), self._ready[w])
       if not busy:
         continue
-      ends = [start + (self.timeout_s if ready else STARTUP_LIMIT_S)
-              for _, start, ready in busy.values()]
+      ends = [start + (limits[i] if ready else STARTUP_LIMIT_S)
+              for i, start, ready in busy.values()]
       answered = connection.wait([self._workers[w][2] for w in busy],
                                  timeout=max(0.0, min(ends) - time.monotonic()))
       for w in list(busy):
         i, start, ready = busy[w]
-        limit = self.timeout_s if ready else STARTUP_LIMIT_S
+        limit = limits[i] if ready else STARTUP_LIMIT_S
         if self._workers[w][2] in answered:
           try:
             answer = self._workers[w][2].recv()
@@ -167,10 +244,14 @@ class WorkerPool:
               continue
             results[i] = answer
         elif time.monotonic() - start >= limit:
-          results[i] = ("timeout", f"the call did not return within {self.timeout_key}="
-                                   f"{self.timeout_s:g} s (its worker was replaced)\n" if ready
-                        else f"the worker did not start within {STARTUP_LIMIT_S:g} s (its "
-                             "start-up imports config.user_modules)\n")
+          if not ready:
+            why = (f"the worker did not start within {STARTUP_LIMIT_S:g} s (its start-up "
+                   "imports config.user_modules)")
+          elif limit == self.timeout_s:
+            why = f"the call did not return within {self.timeout_key}={limit:g} s"
+          else:
+            why = f"the call did not return within its limit of {limit:g} s"
+          results[i] = ("timeout", why + (" (its worker was replaced)\n" if ready else "\n"))
           self._replace(w)
         else:
           continue
