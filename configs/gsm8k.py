@@ -224,7 +224,9 @@ def get_config(arg=None):
     # the update packs rollouts into micro-batches by tokens ('auto': for Qwen2.5-7B on
     # v5p:2x2x2 one longest sequence's 16,784 tokens a chip, 36.4 GiB; rows padded to the
     # longest in sub-groups of 4 needed 65.7), so short completions cost their own length;
-    # validation runs 8 prompts at a time (22.1 GiB; all 1,320 would need 886). Compaction
+    # the validation batch stays 'auto' (on any slice the most prompts whose val sampler
+    # fits; sizes whose KV cache alone overflows are not compiled: all 1,320 prompts would
+    # need 886 GiB a chip and took 26 minutes to compile). Compaction
     # is off: its copies of a 16k cache do not fit (train sampler 129.5 GiB with 3 stages,
     # 73.3 without; BENCHMARKS.md). The decode reads the generated keys in blocks of 512,
     # only up to the current token's: at 16k a step's K/V reads, not the weights, bound the
@@ -239,7 +241,6 @@ def get_config(arg=None):
     c.generation.gather_weights = False
     del c.grpo["micro_batch_tokens"]  # re-typed: the key ships as the number 0
     c.grpo.micro_batch_tokens = "auto"
-    c.grpo.val_batch_size = "8"  # as the command line gives a number: the key ships 'auto'
     c.grpo.mask_truncated_completions = True
   if "cpu" in presets:
     c.mesh.fsdp = 1

@@ -13,7 +13,10 @@ abstract values (the same functions `build.training` uses, nothing allocated), a
   * the validation batch: the largest `grpo.val_batch_size` among doubling multiples of
     the data axes and the processes, and the whole validation set, whose val sampler fits
     beside the train state it does not take as an argument (optimizer moments, reference
-    policy), which stays on the chips all run.
+    policy), which stays on the chips all run. A size whose generated keys and values
+    alone (`val_cache_bytes`, a floor of its memory) overflow is not compiled: at 16k
+    tokens the whole validation set's sampler needed 886 GiB a chip and took 26 minutes
+    to compile only to be refused.
 
 The limit is `mesh.memory_limit_gib` when set, else the device's own (`memory_stats()`'s
 `bytes_limit`, which TPUs and GPUs report); CPU reports none, and without a limit `auto` is
@@ -200,6 +203,20 @@ def val_batch_sizes(mesh, num_val_prompts: int) -> list[int]:
   return sizes + ([whole] if whole > sizes[-1] else [])
 
 
+def val_cache_bytes(config, model_cfg, prompts: int) -> int:
+  """A floor of the val sampler's bytes per chip for `prompts` prompts: the generated
+  tokens' keys and values (prompts x k samples x the generated tokens, every layer, in the
+  compute dtype), whose rows split over the data axes only (a context axis's chips repeat
+  their rows while sampling) and whose KV heads split over `tensor` at most."""
+  g, gen = config.grpo, config.generation
+  slots = (max(0, gen.max_episode_tokens - config.data.max_prompt_length)
+           if gen.max_episode_tokens else gen.max_new_tokens)
+  per_token = (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim *
+               jnp.dtype(model_lib.DTYPES[model_cfg.dtype]).itemsize)
+  shards = sharding_lib.data_parallel_rows(config.mesh) * config.mesh.tensor
+  return prompts * g.val_num_generations_per_prompt * slots * per_token // shards
+
+
 def choose(sizes: Sequence[int], measure: Callable[[int], Memory], limit: int,
            report: Callable[[int, Memory], None] | None = None):
   """(the largest size whose measured peak fits `limit`, or None; {size: Memory} compiled).
@@ -297,8 +314,12 @@ def resolve(config, model_cfg, tokenizer, mesh, num_val_prompts: int, limit=None
   if config_lib.any_auto(g) and limit is None:
     limit = memory_limit(config, mesh)
   if g.val_batch_size == AUTO and "val_batch_size" in keys:
-    choices.append(choose_size("val_batch_size", val_batch_sizes(mesh, num_val_prompts),
-                               config, model_cfg, tokenizer, mesh, limit, report))
+    sizes = val_batch_sizes(mesh, num_val_prompts)
+    if limit is not None:  # sizes whose cache alone overflows are not compiled (the smallest is)
+      sizes = sizes[:1] + [s for s in sizes[1:]
+                           if val_cache_bytes(config, model_cfg, s) < limit]
+    choices.append(choose_size("val_batch_size", sizes, config, model_cfg, tokenizer, mesh,
+                               limit, report))
   if g.micro_batch_size == AUTO and "micro_batch_size" in keys:
     choices.append(choose_size("micro_batch_size", micro_batch_sizes(config, mesh), config,
                                model_cfg, tokenizer, mesh, limit, report))
