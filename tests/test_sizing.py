@@ -109,6 +109,22 @@ def test_val_batch_sizes_stop_at_the_validation_set():
   assert sizing.val_batch_sizes(mesh, 1319) == [8, 16, 32, 64, 128, 256, 512, 1024, 1320]
 
 
+def test_a_validation_batch_whose_cache_alone_overflows_is_not_compiled():
+  """Issue 60: at 16k tokens the 'auto' search compiled the whole validation set's sampler
+  first (26 minutes, to learn it needed 886 GiB a chip). The generated keys and values are a
+  floor of its memory: arith3 has 2 layers x 4 KV heads x 32 dims, K and V in float32, so
+  2 x 2 x 4 x 32 x 4 = 2048 bytes a token; 2 samples x 64 tokens a prompt = 256 KiB, over
+  8 data shards = 32 KiB a prompt a chip."""
+  config, model_cfg, tokenizer, mesh = _setup()
+  config = sizing._with(config, val_batch_size="auto")
+  assert sizing.val_cache_bytes(config, model_cfg, 32) == 32 * 32 * 1024
+  limit = 20 * 10**6  # 512 prompts' cache is 16.8 MB, 1024's 33.6: 1024 and 1320 are skipped
+  _, (choice,) = sizing.resolve(config, model_cfg, tokenizer, mesh, 1319, limit=limit,
+                                keys=("val_batch_size",))
+  assert max(choice.tried) <= 512 and list(choice.tried)[0] == 512  # the largest kept first
+  assert choice.size in choice.tried and choice.tried[choice.size].peak <= limit
+
+
 @pytest.mark.parametrize("sizes, gib, chosen, order", [
     # The val sampler of configs/gsm8k.py on v5e (16 GiB), GiB per chip as launch/
     # compile_check.py measured them: Qwen2.5-1.5B on 2x4 is not even monotone (1024 prompts
