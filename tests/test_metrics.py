@@ -152,6 +152,23 @@ def test_a_step_with_no_row_scored_says_so_and_the_last_line_is_its_own(tmp_path
   assert "loss" not in lines[-1] and "nan" not in lines[-1]
 
 
+def test_the_progress_line_shows_the_long_response_metrics_a_run_logs(tmp_path):
+  """Issue 60: packing's padding and partial rollouts' live fraction and staleness were
+  only in the logs. Shown when logged, after the episode counts, before the throughput."""
+  stream = io.StringIO()
+  with metrics.MetricsWriter(str(tmp_path), trackers=(), plots=False, total_steps=2,
+                             stream=stream) as w:
+    w.write(1, "train", {"reward_mean": 0.5, "padding_fraction_packed": 0.07,
+                         "padding_fraction_padded": 0.8, "rollout/live_fraction": 0.68,
+                         "staleness_mean": 0.4, "rollout_tokens_per_s": 10.0, "loss": 0.25})
+    w.write(2, "train", {"reward_mean": 0.5, "loss": 0.25})
+  lines = stream.getvalue().splitlines()
+  assert lines[0].endswith("| reward_mean=0.5 padding_fraction_packed=0.07 "
+                           "rollout/live_fraction=0.68 staleness_mean=0.4 "
+                           "rollout_tokens_per_s=10 loss=0.25"), lines[0]
+  assert "fraction" not in lines[1]  # a run that does not log them shows none
+
+
 class _FakeTTY(io.StringIO):
 
   def isatty(self):

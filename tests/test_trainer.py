@@ -93,6 +93,50 @@ def rows(workdir, split):
   return [r for r in metrics_lib.read_metrics(str(workdir)) if r["split"] == split]
 
 
+def test_a_run_that_trains_nothing_says_why_once_and_counts_the_steps(smoke, tmp_path, capsys):
+  """Issue 60: with every completion truncated under mask_truncated_completions the update
+  trained no row, and the progress line showed loss=0 step after step, no warning. Two new
+  tokens cannot hold an answer and its end token, so every row is truncated (and scores 0:
+  every group is flat too); the first such step warns with both reasons."""
+  setup = variant(smoke, tmp_path, max_num_steps=3, val_at_start=False, val_period=0,
+                  val_at_end=False, mask_truncated_completions=True)
+  setup.config.generation.max_new_tokens = 2
+  setup.config.logging.trackers = ""
+  assert trainer.run(setup) == 0
+  assert [r["trained_rows"] for r in rows(tmp_path, "train")] == [0, 0, 0]
+  out, err = capsys.readouterr()
+  assert "; 3 of them trained no row (see the warning" in out.strip().splitlines()[-1]
+  warnings = [line for line in err.splitlines() if "trained no row" in line]
+  assert len(warnings) == 1 and warnings[0].startswith("warning: step 1 trained no row: ")
+  assert ("every row was truncated at generation.max_new_tokens=2 and "
+          "grpo.mask_truncated_completions=True") in warnings[0]
+  assert "every group's rewards were equal" in warnings[0]
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["steps_without_training"] == 3
+
+
+def test_trained_rows_are_in_the_loss_and_in_a_group_with_a_signal():
+  """Hand-made: groups of 2. Group 0 differs (both rows train), group 1 is flat (neither),
+  group 2 differs but its second row is truncated (masked: only the first trains) and
+  group 3 differs only through an unscored row (its one scored row: flat)."""
+  from jaxgrpo.algo import grpo  # pylint: disable=g-import-not-at-top
+  rewards_N = np.array([1, 0, 1, 1, 1, 0, 1, 0], np.float32)
+  scored_N = np.array([1, 1, 1, 1, 1, 1, 1, 0], bool)
+  truncated_N = np.array([0, 0, 0, 0, 0, 1, 0, 0], bool)
+  np.testing.assert_array_equal(grpo.trained_rows(rewards_N, scored_N, truncated_N, 2, True),
+                                [1, 1, 0, 0, 1, 0, 0, 0])
+  np.testing.assert_array_equal(grpo.trained_rows(rewards_N, scored_N, truncated_N, 2, False),
+                                [1, 1, 0, 0, 1, 1, 0, 0])
+  config = ml_collections.ConfigDict({"grpo": {"mask_truncated_completions": True},
+                                      "generation": {"max_new_tokens": 64}})
+  why = trainer.untrained_why({"reward_unscored_fraction": 1.0}, config)
+  assert why.startswith("no reward scored any row")
+  why = trainer.untrained_why({"reward_unscored_fraction": 0.0, "truncated_fraction": 0.5,
+                               "zero_std_group_fraction": 0.5}, config)
+  assert why.startswith("every row of a group whose rewards differ was truncated at "
+                        "generation.max_new_tokens=64")
+
+
 def test_early_stop_after_a_met_validation_saves_that_step(smoke, tmp_path):
   # accuracy >= 0 holds at the first validation, which (no val_at_start) is at step 2.
   setup = variant(smoke, tmp_path, val_at_start=False, val_period=2, max_num_steps=3,

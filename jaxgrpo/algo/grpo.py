@@ -144,6 +144,19 @@ def flat_groups(rewards_BxG, scored_BxG=None):
   return (rewards_BxG == rewards_BxG[:, :1]).all(axis=1)
 
 
+def trained_rows(rewards_N, scored_N, truncated_N, group_size: int,
+                 mask_truncated: bool) -> np.ndarray:
+  """Host-side, numpy: the rows whose policy-gradient term the update trains, bool [N]: in
+  the loss (scored, and not truncated under mask_truncated_completions: `loss_mask`) and
+  in a group whose scored rewards differ (a flat group's advantages are all 0). A row whose
+  reward equals its group's mean exactly counts too: it is in the loss, with advantage 0."""
+  rewards_N, scored_N = np.asarray(rewards_N), np.asarray(scored_N, bool)
+  signal_N = ~np.repeat(flat_groups(rewards_N.reshape(-1, group_size),
+                                    scored_N.reshape(-1, group_size)), group_size)
+  in_loss_N = scored_N & ~(np.asarray(truncated_N, bool) & mask_truncated)
+  return in_loss_N & signal_N
+
+
 def group_advantages(rewards_N, group_size: int, scale_rewards: str, scored_N=None):
   """Â_i = (r_i - mean_group(r)) / std, rewards reshaped to (B, G) on device (rows b*G+g).
 

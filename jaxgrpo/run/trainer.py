@@ -84,10 +84,38 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
       state, aux = update(state, update_batch, ref_params)
     aux = jax.device_get(aux)
   t_update = time.perf_counter() - t1
+  trained_N = grpo.trained_rows(rows_N, scored_N, truncated_all_N, g,
+                                c.grpo.mask_truncated_completions)
+  extra["trained_rows"] = int(trained_N.sum())
   return state, _step_metrics(
       g, rows_N, correct_N, lengths_all_N, truncated_all_N, scored_N, dict(zip(names, parts)),
       dict(zip(names, parts[len(names):])), dict(zip(extras, parts[2 * len(names):])), aux,
       generated=generated, times=(t_rollout, t_reward, t_update), extra=extra)
+
+
+def untrained_why(step_metrics, config) -> str:
+  """Why a step's update trained no row (trained_rows 0), from its metrics, and what to
+  change: the progress line's warning the first time it happens."""
+  g, n = config.grpo, config.generation.max_new_tokens
+  if step_metrics.get("reward_unscored_fraction") == 1.0:
+    return ("no reward scored any row (reward_errors/<name> says which failed; a reward that "
+            "returns None for every row scores nothing)")
+  why = []
+  masked = g.mask_truncated_completions and step_metrics.get("truncated_fraction", 0) > 0
+  if masked and step_metrics["truncated_fraction"] == 1.0:
+    why.append(f"every row was truncated at generation.max_new_tokens={n} and "
+               "grpo.mask_truncated_completions=True leaves truncated rows out of the loss "
+               "(raise max_new_tokens, or set mask_truncated_completions=False)")
+  if step_metrics.get("zero_std_group_fraction") == 1.0:
+    why.append("every group's rewards were equal, so every advantage is 0 (the task is too "
+               "hard or too easy for the policy: more grpo.num_generations_per_prompt, "
+               "grpo.dynamic_sampling='filter', or a reward with partial credit)")
+  if not why and masked:
+    why.append(f"every row of a group whose rewards differ was truncated at "
+               f"generation.max_new_tokens={n}, and grpo.mask_truncated_completions=True "
+               "leaves truncated rows out of the loss (raise max_new_tokens, or set "
+               "mask_truncated_completions=False)")
+  return "; and ".join(why) or "no row reached the loss"
 
 
 def _step_metrics(g, rows_N, correct_N, lengths_N, truncated_N, scored_N, values, errors,
@@ -173,6 +201,7 @@ class _Run:
         os.path.join(setup.workdir, checkpoint.DIR_NAME), max_to_keep=ck.max_to_keep,
         best_metric=ck.best_metric, best_to_keep=ck.best_to_keep)
     self.start, self.resumed_from = 0, None
+    self.untrained_steps = 0  # steps whose update trained no row (this process's steps)
     if setup.resume:
       self.start, self.state, self.resumed_from = _resume(setup, self.checkpoints, self.state,
                                                           self.source)
@@ -253,6 +282,12 @@ class _Run:
                       {"step": step, "row_ids": np.concatenate(
                           consumed).tolist() if consumed else []})
       faults.maybe_inject_sigterm(step)  # test hook (faults.py): a preemption at step N
+      if step_metrics["trained_rows"] == 0:
+        self.untrained_steps += 1
+        if self.untrained_steps == 1 and self.primary:  # once: the summary counts the rest
+          print(f"warning: step {step} trained no row: {untrained_why(step_metrics, c)}; "
+                "the final summary counts such steps (trained_rows in metrics.jsonl)",
+                file=sys.stderr, flush=True)
       self.writer.write(step, "train", step_metrics)
       try:
         faults.check_finite(step_metrics, step)
@@ -305,7 +340,8 @@ class _Run:
     summary.update(wall_time_s=round(time.time() - self.t_start, 2), compilations=compilations,
                    peak_rss_mib=peak_rss_mib(), resumed_from=self.resumed_from,
                    resumed_step=self.start if self.resumed_from else None,
-                   steps_this_run=step - self.start, preempted=preemption.name or None)
+                   steps_this_run=step - self.start, preempted=preemption.name or None,
+                   steps_without_training=self.untrained_steps)
     summary["history"] = _history(self.previous_summary, self.start, step, summary)
     summary.update(_best(logged, self.c.checkpoint.best_metric, self.kept))
     if self.fault:
@@ -491,6 +527,9 @@ def _summary_line(summary, workdir, preempted="") -> str:
   elif "final_val_accuracy" in summary:  # e.g. stopped (Ctrl-C) before a second validation
     line += (f"; {whose}val accuracy {summary['final_val_accuracy']:.3f} at step "
              f"{summary['final_val_step']}; no later validation")
+  if summary.get("steps_without_training"):
+    line += (f"; {summary['steps_without_training']} of them trained no row (see the "
+             "warning; trained_rows in metrics.jsonl)")
   if summary["checkpoint"]:
     line += f"; checkpoint {summary['checkpoint']}"
   n = summary["compilations"]

@@ -33,8 +33,11 @@ from jaxgrpo.runtime import trackers as trackers_lib
 JSONL_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 # Shown on the train progress line when present, in this order; the rest live in the logs.
-# (turns_mean and tool_calls_mean: only multi-turn episodes log them.)
+# Only the modes that log them show them: turns_mean and tool_calls_mean multi-turn
+# episodes, padding_fraction_packed the packed update (grpo.micro_batch_tokens),
+# rollout/live_fraction and staleness_mean partial rollouts (long responses' two levers).
 KEY_METRICS = ("reward_mean", "accuracy", "turns_mean", "tool_calls_mean",
+               "padding_fraction_packed", "rollout/live_fraction", "staleness_mean",
                "rollout_tokens_per_s", "loss")
 _RESERVED = ("step", "split", "time")
 
