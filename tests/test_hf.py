@@ -333,6 +333,32 @@ def test_every_end_id_of_the_model_stops_a_completion(pretrained):
   assert int(out.lengths_N[0]) == p + 1 and not bool(out.truncated_N[0]), name
 
 
+def test_an_end_id_the_tokenizer_cannot_produce_is_named_at_start_up(tmp_path, capsys,
+                                                                    monkeypatch):
+  """Issue 60: an eos_token_id beyond the tokenizer's ids was dropped in silence (where
+  transformers stops there). It is still left out of the stop ids (it decodes to nothing),
+  and the start-up says so, naming the id and the file."""
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  folder = tmp_path / "qwen2"
+  shutil.copytree(os.path.join(FIXTURES, "qwen2"), folder)
+  path = folder / "generation_config.json"
+  generation = json.loads(path.read_text())
+  listed = generation["eos_token_id"]
+  generation["eos_token_id"] = (listed if isinstance(listed, list) else [listed]) + [999_999]
+  path.write_text(json.dumps(generation))
+  tok = hf.hf_tokenizer(str(folder))
+  assert tok.unusable_end_ids == [(999_999, str(path))] and 999_999 not in tok.stop_ids
+  config = ml_collections.ConfigDict({"model": {
+      "checkpoint": "", "hf_checkpoint": str(folder), "param_dtype": "float32",
+      "dtype": "float32", "moe_matmul": "auto"}, "data": {"source": "jsonl"}})
+  monkeypatch.setattr(loading, "check_architecture", lambda *a: None)  # no keys set here
+  loading.load_policy(config)
+  err = capsys.readouterr().err
+  assert (f"warning: {path} lists end token id 999999 (eos_token_id), which the tokenizer "
+          f"cannot produce (its ids are 0-{tok.vocab_size - 1}); it is ignored") in err
+
+
 def test_a_shard_named_in_the_index_but_missing_is_one_line(tmp_path):
   # An interrupted download: the index names model-00002-of-00002.safetensors, which is not
   # there. The check names the file instead of failing inside safetensors.

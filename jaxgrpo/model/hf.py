@@ -512,15 +512,22 @@ def hf_tokenizer(folder: str) -> Tokenizer:
   except (FileNotFoundError, ValueError) as e:
     raise PretrainedError(f"{folder}/tokenizer_config.json: {e}") from None
   # The end ids the model's files list (the token ids only: no sampling setting is read).
-  ends = {tok.eos_id}
+  # One the tokenizer cannot produce is left out (it decodes to nothing) and recorded in
+  # tok.unusable_end_ids as (id, file): transformers would stop at it, so the start-up
+  # says so (loading.load_policy) rather than sampling past it in silence.
+  ends, unusable = {tok.eos_id}, []
   for name in (HF_CONFIG, "generation_config.json"):
     path = os.path.join(folder, name)
     if os.path.isfile(path):
       with open(path) as f:
         ids = json.load(f).get("eos_token_id")
-      ends.update(i for i in (ids if isinstance(ids, list) else [ids])
-                  if isinstance(i, int) and 0 <= i < tok.vocab_size)
+      for i in (ids if isinstance(ids, list) else [ids]):
+        if isinstance(i, int) and 0 <= i < tok.vocab_size:
+          ends.add(i)
+        elif i is not None and (i, path) not in unusable:
+          unusable.append((i, path))
   tok.stop_ids = (tok.eos_id,) + tuple(sorted(ends - {tok.eos_id}))
+  tok.unusable_end_ids = unusable
   return tok
 
 

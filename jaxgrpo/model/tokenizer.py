@@ -55,6 +55,8 @@ class Tokenizer:
     # Every id that ends a completion for the sampler: eos_id, plus any other end ids the
     # model's files list (Qwen instruct: <|im_end|> and <|endoftext|>).
     self.stop_ids: tuple[int, ...] = (self.eos_id,)
+    # End ids a model folder lists that this tokenizer cannot produce: (id, file) (hf.py).
+    self.unusable_end_ids: list[tuple] = []
     self.bos_id = None if bos_token is None else _token_id(hf, bos_token, "bos_token", source)
     self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
     self.unk_id = _unk_id(hf)

@@ -389,6 +389,11 @@ def load_policy(config):
     if m.hf_checkpoint:
       cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype)
       cfg, params = dataclasses.replace(cfg, dtype=m.dtype, moe_matmul=m.moe_matmul), None
+      for end_id, path in tokenizer.unusable_end_ids if _primary() else ():
+        print(f"warning: {path} lists end token id {end_id!r} (eos_token_id), which the "
+              f"tokenizer cannot produce (its ids are 0-{tokenizer.vocab_size - 1}); it is "
+              f"ignored: completions end only at {list(tokenizer.stop_ids)} (transformers "
+              "would also stop at it)", file=sys.stderr, flush=True)
     else:
       cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
       cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype,
