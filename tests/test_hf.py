@@ -1,13 +1,16 @@
 """Checkpoint folders: round trip, the shipped warm-start, and one-line errors naming the file."""
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 
 import jax
 import numpy as np
 import pytest
 
+from jaxgrpo import config as config_lib
 from jaxgrpo.run import artifacts
 from jaxgrpo.model import hf
 from jaxgrpo.model import decoder as model_lib
@@ -357,6 +360,51 @@ def test_an_end_id_the_tokenizer_cannot_produce_is_named_at_start_up(tmp_path, c
   err = capsys.readouterr().err
   assert (f"warning: {path} lists end token id 999999 (eos_token_id), which the tokenizer "
           f"cannot produce (its ids are 0-{tok.vocab_size - 1}); it is ignored") in err
+
+
+@pytest.mark.parametrize("change,message", [
+    # A key the family needs, missing: named as the file spells it, not as ours (moe_mlp_dim).
+    ({"moe_intermediate_size": None}, "missing key 'moe_intermediate_size'"),
+    # A value the model refuses: its key and the one it is checked against, spelled alike.
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9: must be 1 to num_experts=4"),
+    ({"num_attention_heads": 3}, "num_attention_heads=3 must be a multiple of "
+                                 "num_key_value_heads=2"),
+])
+def test_errors_about_a_folder_name_its_config_json_keys(tmp_path, change, message):
+  """Issue 60: a Qwen3-MoE config.json without moe_intermediate_size said `missing key
+  'moe_mlp_dim'`, and too many experts per token `model.num_experts_per_tok ... model.
+  num_experts`, keys the user's file does not have."""
+  folder = tmp_path / "moe"
+  shutil.copytree(os.path.join(FIXTURES, "qwen3_moe"), folder)
+  config = json.loads((folder / "config.json").read_text())
+  config.update(change)
+  (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                  if v is not None}))
+  with pytest.raises(hf.PretrainedError) as e:
+    hf.hf_model_config(str(folder))
+  assert str(e.value).startswith(f"{folder / 'config.json'}: ") and message in str(e.value)
+  assert "model." not in str(e.value) and "moe_mlp_dim" not in str(e.value)
+
+
+def test_a_checkpoint_value_that_does_not_split_over_the_mesh_names_its_key():
+  """The config check sees only the architecture keys a config sets; a Hugging Face
+  folder's own values were not checked against the mesh (a traceback from device_put). The
+  qwen2 fixture has 2 KV heads: mesh.tensor=4 cannot split them."""
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(FIXTURES, "qwen2")
+  cfg, _ = hf.inspect_hf(folder, need_weights=False)
+  assert cfg.num_kv_heads == 2
+  model = {name: None for name in dataclasses.asdict(cfg)}
+  model.update(hf_checkpoint=folder, checkpoint="")
+  config = ml_collections.ConfigDict({"model": model, "mesh": {
+      "data": 1, "dcn_data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}})
+  with pytest.raises(config_lib.ConfigError, match=re.escape(
+      f"{folder}/config.json: num_key_value_heads=2 does not split over the mesh; allowed: "
+      "a multiple of mesh.tensor=4")):
+    loading.check_architecture(config, cfg)
+  config.mesh.tensor = 2
+  loading.check_architecture(config, cfg)  # 2 heads over 2 chips
 
 
 def test_a_shard_named_in_the_index_but_missing_is_one_line(tmp_path):

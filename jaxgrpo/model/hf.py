@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -150,6 +151,40 @@ def is_hf_folder(path: str) -> bool:
   return os.path.isfile(os.path.join(resolve(path), HF_CONFIG))
 
 
+# Our ModelConfig field -> the config.json key it is read from: an error about a Hugging
+# Face folder names the key as the folder spells it (Gemma 3's differ: GEMMA3_KEYS).
+HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
+           "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+           "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+           "mlp_dim": "intermediate_size", "norm_eps": "rms_norm_eps",
+           "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
+           "num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
+           "moe_mlp_dim": "moe_intermediate_size", "norm_topk_prob": "norm_topk_prob",
+           "hidden_act": "hidden_act", "sliding_window": "sliding_window",
+           "query_pre_attn_scalar": "query_pre_attn_scalar"}
+GEMMA3_KEYS = {**HF_KEYS, "hidden_act": "hidden_activation",
+               "rope_local_theta": "rope_local_base_freq",
+               "sliding_window_pattern": "sliding_window_pattern"}
+
+
+def hf_key(name: str, folder: str | None = None) -> str:
+  """Our field `name` as the config.json of `folder` spells it (HF_KEYS)."""
+  keys = HF_KEYS
+  if folder is not None:
+    try:
+      with open(os.path.join(resolve(folder), HF_CONFIG)) as f:
+        if "Gemma3" in str((json.load(f).get("architectures") or [""])[0]):
+          keys = GEMMA3_KEYS
+    except (OSError, ValueError):
+      pass
+  return keys.get(name, name)
+
+
+def _in_hf_spelling(message: str, keys: dict) -> str:
+  """A ModelConfig error (`model.<field>=...`) with each field as config.json spells it."""
+  return re.sub(r"model\.(\w+)", lambda m: keys.get(m.group(1), m.group(0)), message)
+
+
 def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfig:
   """config.json -> ModelConfig. Sampling settings in generation_config.json are never read:
   sampling is always the run config's explicit profile."""
@@ -174,7 +209,7 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
     raise PretrainedError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
   if arch == "Gemma3ForCausalLM":
     return _config(hf, path, dtype, qk_norm=True, qkv_bias=False, tie_default=True,
-                   **_gemma3(hf, path))
+                   keys=GEMMA3_KEYS, **_gemma3(hf, path))
   if hf.get("hidden_act", "silu") != "silu":
     raise PretrainedError(f"{path}: hidden_act={hf['hidden_act']!r}; allowed: 'silu'")
   if hf.get("use_sliding_window"):
@@ -208,7 +243,7 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
     moe = dict(num_experts=num, num_experts_per_tok=hf.get("num_experts_per_tok"),
                moe_mlp_dim=hf.get("moe_intermediate_size"),
                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
-    missing = [k for k, v in moe.items() if v is None]
+    missing = [HF_KEYS[k] for k, v in moe.items() if v is None]
     if missing:
       raise PretrainedError(f"{path}: missing key {missing[0]!r} (a Qwen3-MoE config names "
                             "num_experts, num_experts_per_tok and moe_intermediate_size)")
@@ -216,7 +251,7 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
                  rope_theta=float(theta), **scaling, **moe)
 
 
-def _config(hf: dict, path: str, dtype: str, *, tie_default: bool, **family):
+def _config(hf: dict, path: str, dtype: str, *, tie_default: bool, keys=HF_KEYS, **family):
   """The ModelConfig of config.json's shared keys and a family's own (`family`)."""
   try:
     heads = hf["num_attention_heads"]
@@ -231,7 +266,7 @@ def _config(hf: dict, path: str, dtype: str, *, tie_default: bool, **family):
   except KeyError as e:
     raise PretrainedError(f"{path}: missing key {e}") from None
   except ValueError as e:
-    raise PretrainedError(f"{path}: {e}") from None
+    raise PretrainedError(f"{path}: {_in_hf_spelling(str(e), keys)}") from None
 
 
 def _gemma3(hf: dict, path: str) -> dict:

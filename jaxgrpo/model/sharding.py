@@ -325,32 +325,46 @@ def _check_val_batch(c, num_devices: int) -> None:
                        f"a multiple of {rows} (mesh data x fsdp x expert)")
 
 
+def shape_problems(mesh_config, arch) -> list[tuple[str, Any, str]]:
+  """(model key, value, allowed) for each architecture value that does not split over the
+  mesh (`arch`: model keys to values, None where unset), in the order they are checked:
+  the config's own keys at validation, a checkpoint's values once it is read
+  (loading.check_architecture)."""
+  out = []
+  tensor, fsdp, expert = mesh_config.tensor, mesh_config.fsdp, mesh_config.expert
+  heads, kv_heads = arch.get("num_heads"), arch.get("num_kv_heads")
+  if heads and kv_heads and heads % kv_heads:
+    out.append(("num_heads", heads, f"a multiple of model.num_kv_heads={kv_heads}"))
+  if tensor > 1:
+    for key in ("num_kv_heads", "num_heads", "mlp_dim", "vocab_size"):
+      if arch.get(key) is not None and arch[key] % tensor:
+        out.append((key, arch[key], f"a multiple of mesh.tensor={tensor}"))
+  d_model, experts = arch.get("d_model"), arch.get("num_experts")
+  if fsdp > 1 and d_model is not None and d_model % fsdp:
+    out.append(("d_model", d_model, f"a multiple of mesh.fsdp={fsdp}"))
+  if expert > 1 and d_model is not None and d_model % (fsdp * expert):
+    out.append(("d_model", d_model, f"a multiple of mesh.fsdp x mesh.expert={fsdp * expert} "
+                                    "(dense weights split over both)"))
+  moe_dim = arch.get("moe_mlp_dim")
+  if experts and moe_dim is not None and tensor > 1 and moe_dim % tensor:
+    out.append(("moe_mlp_dim", moe_dim, f"a multiple of mesh.tensor={tensor}"))
+  return out
+
+
 @config_checks.register(order=31)
 def _check_model_shapes(c, num_devices: int) -> None:
   """Divisibility rules for the architecture keys that are set (a checkpoint's own values are
-  checked again once it is read)."""
+  checked again once it is read: loading.check_architecture)."""
   del num_devices
   m = c.model
-  sizes = (c.mesh.data * c.mesh.dcn_data, c.mesh.fsdp, c.mesh.tensor)
-  if m.num_heads and m.num_kv_heads and m.num_heads % m.num_kv_heads:
-    config_checks.fail("model.num_heads", m.num_heads, f"a multiple of model.num_kv_heads={m.num_kv_heads}")
-  if sizes[2] > 1:
-    for key in ("num_kv_heads", "num_heads", "mlp_dim", "vocab_size"):
-      if m[key] is not None and m[key] % sizes[2]:
-        config_checks.fail(f"model.{key}", m[key], f"a multiple of mesh.tensor={sizes[2]}")
-  if sizes[1] > 1 and m.d_model is not None and m.d_model % sizes[1]:
-    config_checks.fail("model.d_model", m.d_model, f"a multiple of mesh.fsdp={sizes[1]}")
-  if c.mesh.expert > 1:
-    if m.num_experts is not None and (not m.num_experts or m.num_experts % c.mesh.expert):
-      config_checks.fail("mesh.expert", c.mesh.expert,
-                         "1, or a divisor of model.num_experts="
-                         f"{m.num_experts} (each chip of an expert group holds "
-                         "num_experts / expert experts)")
-    if m.d_model is not None and m.d_model % (c.mesh.fsdp * c.mesh.expert):
-      config_checks.fail("model.d_model", m.d_model, "a multiple of mesh.fsdp x mesh.expert="
-                         f"{c.mesh.fsdp * c.mesh.expert} (dense weights split over both)")
-  if m.num_experts and m.moe_mlp_dim is not None and sizes[2] > 1 and m.moe_mlp_dim % sizes[2]:
-    config_checks.fail("model.moe_mlp_dim", m.moe_mlp_dim, f"a multiple of mesh.tensor={sizes[2]}")
+  if c.mesh.expert > 1 and m.num_experts is not None and (
+      not m.num_experts or m.num_experts % c.mesh.expert):
+    config_checks.fail("mesh.expert", c.mesh.expert,
+                       "1, or a divisor of model.num_experts="
+                       f"{m.num_experts} (each chip of an expert group holds "
+                       "num_experts / expert experts)")
+  for key, value, allowed in shape_problems(c.mesh, m.to_dict())[:1]:
+    config_checks.fail(f"model.{key}", value, allowed)
   for key in ("top_k", "val_top_k"):
     if m.vocab_size is not None and c.generation[key] > m.vocab_size:
       config_checks.fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="

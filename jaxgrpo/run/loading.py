@@ -424,6 +424,16 @@ def check_architecture(config, cfg) -> None:
           f"config.model.{name}={m[name]!r}: the checkpoint {m[key]} has {value!r}; "
           f"allowed: {value!r} or None (take the checkpoint's), or model.{key}='' for a "
           "random init")
+  # The checkpoint's own values against the mesh (the config check saw only the keys set),
+  # named as its file spells them.
+  from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
+  for name, value, allowed in sharding.shape_problems(config.mesh, dataclasses.asdict(cfg))[:1]:
+    if m.hf_checkpoint:
+      where = f"{os.path.join(m.hf_checkpoint, hf.HF_CONFIG)}: {hf.hf_key(name, m.hf_checkpoint)}"
+    else:
+      where = f"{m.checkpoint} (its model.json): {name}"
+    raise config_lib.ConfigError(f"{where}={value!r} does not split over the mesh; allowed: "
+                                 f"{allowed} (the checkpoint's value is fixed: change config.mesh)")
 
 
 _PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"
