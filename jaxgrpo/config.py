@@ -91,11 +91,13 @@ def _dtype(v):
 
 
 def _optional(check):
-  """None (unset) or a value `check` accepts."""
+  """None (unset) or a value `check` accepts. On the command line None is typed as `none`
+  (config_flags hands a string key `=None` over as the text; _check_keys reads it)."""
   def optional(v):
     if v is not None:
       problem = check(v)
       return problem and f"None or {problem}"
+  optional.takes_none = True
   return optional
 
 
@@ -264,6 +266,9 @@ def _check_keys(prefix: str, section: Any, schema: dict[str, Any]):
     if isinstance(check, dict):
       _check_keys(f"{prefix}{key}.", section[key], check)
     elif check is not None:
+      if (getattr(check, "takes_none", False) and isinstance(section[key], str)
+          and section[key].strip().lower() == "none"):
+        section[key] = None  # --config.checkpoint.best_metric=none
       problem = check(section[key])
       if problem:
         _fail(f"{prefix}{key}", section[key], problem)
@@ -480,6 +485,14 @@ def check_overrides(config, given: set[str]) -> list[str]:
     source = config.data.source
   except (AttributeError, KeyError):
     return notes  # a config without the section: the validator names what is missing
+  ck, g = config.get("checkpoint"), config.get("grpo")
+  if ("grpo.val_period" in given and g is not None and not g.get("val_period")
+      and ck is not None and ck.get("best_metric") not in (None, "none", "None")
+      and "checkpoint.best_metric" not in given):
+    notes.append(f"checkpoint.best_metric=None (the config file's {ck.best_metric!r}: best "
+                 "checkpoints are kept at validations, and grpo.val_period=0 runs none "
+                 "during training)")
+    ck.best_metric = None
   if "data.train_path" in given and source == "arithmetic" and "data.source" not in given:
     config.data.source = "jsonl"
     notes.append("data.source='jsonl' (the config file's 'arithmetic' generates its data; "

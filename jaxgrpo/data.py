@@ -317,7 +317,7 @@ def _prepare(rows: Sequence[dict[str, Any]], row_ids: Sequence[int], tokenizer: 
   # `row`: every column reaches the rewards (scorer.Scorer).
   return [{"prompt": p, "ids": ids, "row_id": i, "row": rows[i], "question": rows[i]["question"],
            "answer": rows[i]["answer"],
-           "source": str(rows[i]["source"]) if "source" in rows[i] else None}
+           "source": source_of(rows[i])}
           for p, ids, i in zip(prompts, ids_list, row_ids)]
 
 
@@ -480,12 +480,26 @@ def val_files(val_path: str) -> list[tuple[str | None, str]]:
   return out
 
 
+# The columns that name a row's source, first found wins: ours, and verl's (its Parquet
+# files carry `data_source`, e.g. "openai/gsm8k").
+SOURCE_COLUMNS = ("source", "data_source")
+
+
+def source_of(row: dict[str, Any]) -> str | None:
+  """A row's validation source (SOURCE_COLUMNS), None when it names none."""
+  for column in SOURCE_COLUMNS:
+    if row.get(column) is not None:
+      return str(row[column])
+  return None
+
+
 def source_names(rows: Sequence[dict[str, Any]]) -> list[str]:
   """The sorted source names of validation rows ([] when no row names one). A row without a
-  `source` in a set where others have one counts as source 'other'."""
-  if not any("source" in r for r in rows):
+  source in a set where others have one counts as source 'other'."""
+  names = [source_of(r) for r in rows]
+  if all(n is None for n in names):
     return []
-  return sorted({str(r.get("source", "other")) for r in rows})
+  return sorted({n or "other" for n in names})
 
 
 def make_sources(data_config: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -525,8 +539,8 @@ def make_sources(data_config: Any) -> tuple[list[dict[str, Any]], list[dict[str,
     for name, path in val_files(val_path):
       rows = load_rows(path, **keys)
       rows = rows[:num_val] if num_val > 0 else rows
-      if name is not None:  # a row's own `source` column wins over its file's name
-        rows = [{**r, "source": r.get("source", name)} for r in rows]
+      if name is not None:  # a row's own source column wins over its file's name
+        rows = [{**r, "source": source_of(r) or name} for r in rows]
       val += rows
   else:
     if not 0 < num_val < len(train):

@@ -222,7 +222,12 @@ def _parse(argv):
                      "subset of update, train, val")
   if _NUM_SLICES.value < 1:
     raise CheckError(f"--num_slices={_NUM_SLICES.value}: allowed: an integer >= 1")
-  return setup.apply_auto(_CONFIG.value, autos)
+  config = setup.apply_auto(_CONFIG.value, autos)
+  # The training command's own reading of the overrides (an idle one refused, a file's
+  # best-checkpoint rule stepping aside for val_period=0): the same config it would run.
+  for note in config_lib.check_overrides(config, config_lib.overridden_keys(argv)):
+    print(f"compile_check: {note}", file=sys.stderr, flush=True)
+  return config
 
 
 def _topology(name: str, num_slices: int):

@@ -418,6 +418,25 @@ def test_several_validation_files_are_sources(tmp_path):
     data.val_files("x=a.jsonl,x=b.jsonl")
 
 
+def test_verls_data_source_column_names_a_rows_source(tmp_path):
+  """Issue 60: verl's files name each row's source in `data_source`; only `source` was read,
+  so a verl user's multi-source validation collapsed to one row of metrics in silence."""
+  rows = [{"q": "1+1", "a": "2", "data_source": "openai/gsm8k"},
+          {"q": "2+2", "a": "4", "data_source": "math"},
+          {"q": "3+3", "a": "6", "data_source": "math", "source": "mine"},  # ours wins
+          {"q": "4+4", "a": "8"}]
+  with open(tmp_path / "val.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  _, val = data.make_sources(types.SimpleNamespace(
+      source="jsonl", train_path=str(tmp_path / "val.jsonl"), val_path=str(tmp_path / "val.jsonl"),
+      question_key="q", answer_key="a", num_val_examples=0))
+  assert [data.source_of(r) for r in val] == ["openai/gsm8k", "math", "mine", None]
+  assert data.source_names(val) == ["math", "mine", "openai/gsm8k", "other"]
+  tok = Tokenizer.char_level("0123456789+=")
+  batches = data.validation_batches(val, tok, 4, 8)
+  assert batches[0]["sources"] == ["openai/gsm8k", "math", "mine", None]
+
+
 # verl's GSM8K layout (examples/data_preprocess/gsm8k.py): the prompt is chat messages.
 VERL_CHAT_ROWS = [
     {"data_source": "openai/gsm8k", "ability": "math",

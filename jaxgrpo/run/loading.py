@@ -35,8 +35,9 @@ def load_data(config, tokenizer) -> Data:
   if config.grpo.max_val_samples:  # the first rows of each source: a mixture keeps every part
     kept, counts = [], collections.Counter()
     for row in val_rows:
-      counts[row.get("source")] += 1
-      if counts[row.get("source")] <= config.grpo.max_val_samples:
+      source = data_lib.source_of(row)
+      counts[source] += 1
+      if counts[source] <= config.grpo.max_val_samples:
         kept.append(row)
     val_rows = kept
   val_sources = data_lib.source_names(val_rows)
