@@ -80,7 +80,11 @@ def get_config(arg=None):
       prompt_template=("{question}\nPlease reason step by step, and put your final answer "
                        "within \\boxed{{}}."),
       use_chat_template=True, max_prompt_length=400, num_digits=3, num_train_examples=0,
-      num_val_examples=0))
+      num_val_examples=0,
+      # The date a chat template's strftime_now renders (Llama 3.1 writes "Today Date" into
+      # every prompt): '' is the day the run starts, then kept in its config.json, so a
+      # resume or an evaluation on another day renders the same prompts; or YYYY-MM-DD.
+      chat_template_date=""))
 
   # math-verify against the reference's final answer; a small bonus for a \boxed{} answer
   # can be switched on with --config.rewards.format=0.1.

@@ -64,6 +64,7 @@ def get_config(arg=None):
   c.data = ml_collections.ConfigDict(dict(
       source="arithmetic", train_path="", val_path="", question_key="question",
       answer_key="answer", prompt_template="{question}", use_chat_template=False,
+      chat_template_date="",  # with a chat template: the date it renders ('' = run start)
       max_prompt_length=9,
       num_digits=3, num_train_examples=20_000, num_val_examples=500))
 

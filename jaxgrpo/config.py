@@ -13,6 +13,7 @@ copy. `num_devices` is passed in, so validation needs no device.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -90,6 +91,17 @@ def _dtype(v):
   return _choice("float32", "bfloat16")(v)
 
 
+def _date(v):
+  """'' (the run's start, resolved then: run/loading.chat_template_date) or YYYY-MM-DD."""
+  if v == "":
+    return None
+  try:
+    datetime.date.fromisoformat(v)
+  except (TypeError, ValueError):
+    return "'' (the day the run starts) or a date, YYYY-MM-DD"
+  return None
+
+
 def _optional(check):
   """None (unset) or a value `check` accepts. On the command line None is typed as `none`
   (config_flags hands a string key `=None` over as the text; _check_keys reads it)."""
@@ -163,7 +175,7 @@ SCHEMA: dict[str, Any] = {
     "data": {
         "source": _choice("arithmetic", "jsonl"), "train_path": _str, "val_path": _str,
         "question_key": _str, "answer_key": _str, "prompt_template": _str,
-        "use_chat_template": _bool,
+        "use_chat_template": _bool, "chat_template_date": _date,
         "max_prompt_length": _int(1), "num_digits": _int(1), "num_train_examples": _int(0),
         "num_val_examples": _int(0)},
     "rewards": None,  # name -> weight, checked against the reward registry below

@@ -244,3 +244,24 @@ def test_the_readmes_evaluate_examples_name_checkpoints_a_default_run_keeps():
   readme = open(os.path.join(cli.ROOT, "README.md")).read()
   named = [int(n) for n in re.findall(r"runs/arith(?::|\S* --step=)(\d+)", readme)]
   assert named and set(named) <= kept, (named, sorted(kept))
+
+
+def test_only_keys_that_move_validation_are_said_to_differ():
+  """Issue 60: evaluate said validation differed because the run had
+  generation.max_tokens_per_step=512 (training rollouts' budget; validation never reads it,
+  and the numbers were identical). Only a key that moves validation's numbers is named."""
+  import types  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import evaluator  # pylint: disable=g-import-not-at-top
+  here = {"data": {"val_path": "v.jsonl"}, "rewards": {"math": 1.0},
+          "generation": {"temperature": 1.0, "max_tokens_per_step": 0, "decode_block_size": 0,
+                         "compact_stages": 0, "val_temperature": 0.6},
+          "grpo": {"val_num_generations_per_prompt": 4}}
+  run = json.loads(json.dumps(here))
+  run["generation"].update(temperature=0.8, max_tokens_per_step=512, decode_block_size=256,
+                           compact_stages=2)
+  side = types.SimpleNamespace(run_config=run, config=ml_collections.ConfigDict(here))
+  assert evaluator._differences(side) == []  # pylint: disable=protected-access
+  run["generation"]["val_temperature"] = 0.3
+  assert evaluator._differences(side) == [  # pylint: disable=protected-access
+      "generation.val_temperature=0.6 (the run validated with 0.3)"]

@@ -254,6 +254,34 @@ def test_tokenizer_and_chat_template_match_transformers(pretrained):
   assert template.render(facts["chat_messages_multi"]) == facts["chat_prompt_multi"]
 
 
+def test_a_dated_chat_template_renders_the_runs_date_on_any_day(tmp_path):
+  """Issue 60: Llama 3.1's template writes `Today Date: <strftime_now>` into every prompt, so
+  a resume or an evaluation on another day rendered other prompts. The run fixes the date
+  when it starts (data.chat_template_date, kept in its config.json) and reuses it."""
+  import datetime  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import chat  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import loading, setup  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(FIXTURES, "..", "templates", "llama3.1")
+  messages = [{"role": "user", "content": "1+1?"}]
+  dated = chat.ChatTemplate.from_folder(folder, datetime.date(2026, 12, 5))
+  assert dated.reads_date and "05 Dec 2026" in dated.render(messages)
+  today = datetime.date.today().strftime("%d %b %Y")
+  assert today in chat.ChatTemplate.from_folder(folder).render(messages)  # transformers' way
+  # '' is fixed at the start: today for a new run, the recorded date for a resumed one.
+  values = {"data": {"use_chat_template": True, "chat_template_date": ""},
+            "checkpoint": {"resume": "auto"}}
+  assert loading.chat_template_date(json.loads(json.dumps(values)))["data"][
+      "chat_template_date"] == datetime.date.today().isoformat()
+  (tmp_path / "config.json").write_text(json.dumps(
+      {"data": {"use_chat_template": True, "chat_template_date": "2026-12-05"}}))
+  resumed = setup._with_chat_template_date(ml_collections.ConfigDict(values), str(tmp_path))  # pylint: disable=protected-access
+  assert resumed.data.chat_template_date == "2026-12-05"
+  # Without a chat template nothing is dated (the key stays '', config.json unchanged).
+  values["data"]["use_chat_template"] = False
+  assert loading.chat_template_date(values)["data"]["chat_template_date"] == ""
+
+
 def test_transformers_4_config_layout_reads_the_same(pretrained, tmp_path):
   # transformers 5 writes rope_parameters; hub checkpoints carry rope_theta / rope_scaling.
   name, folder, _, _, policy = pretrained

@@ -6,7 +6,10 @@ transformers compiles the template in an immutable sandbox with `trim_blocks` an
 `lstrip_blocks`, adds a `tojson` filter and the globals `raise_exception` and
 `strftime_now`, and passes the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as
 variables. The same is done here, with `tools` (a multi-turn environment's tool schemas);
-`documents` and other extras are not supported.
+`documents` and other extras are not supported. Where we deviate: `strftime_now` renders a
+fixed date (`date`, the run's data.chat_template_date), not the clock's, so a prompt that
+shows today's date (Llama 3.1's "Today Date") is the same on a resume or an evaluation on
+another day.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ def _raise(message):
 class ChatTemplate:
   """`render(messages, add_generation_prompt=True)` -> the prompt text."""
 
-  def __init__(self, source: str, template: str, special_tokens: dict[str, Any]):
+  def __init__(self, source: str, template: str, special_tokens: dict[str, Any],
+               date: datetime.date | None = None):
+    """date: what strftime_now renders (midnight of it); None: the clock's now, as
+    transformers does."""
     self.source = source
     env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
@@ -39,7 +45,11 @@ class ChatTemplate:
         sort_keys=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii,
                                     separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    now = (lambda: datetime.datetime.combine(date, datetime.time())) if date else \
+        datetime.datetime.now
+    env.globals["strftime_now"] = lambda fmt: now().strftime(fmt)
+    # Whether the template reads the date at all (a run records it only then).
+    self.reads_date = "strftime_now" in template
     try:
       self._template = env.from_string(template)
     except jinja2.exceptions.TemplateError as e:
@@ -51,7 +61,7 @@ class ChatTemplate:
     self.text = template
 
   @classmethod
-  def from_folder(cls, folder: str) -> "ChatTemplate":
+  def from_folder(cls, folder: str, date: datetime.date | None = None) -> "ChatTemplate":
     path = os.path.join(folder, "tokenizer_config.json")
     try:
       with open(path) as f:
@@ -65,7 +75,7 @@ class ChatTemplate:
       raise ChatTemplateError(f"{path}: no chat_template")
     text = lambda v: v.get("content") if isinstance(v, dict) else v
     special = {k: text(v) for k, v in settings.items() if k.endswith("_token")}
-    return cls(path, template, special)
+    return cls(path, template, special, date)
 
   def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
              tools: list[dict] | None = None) -> str:

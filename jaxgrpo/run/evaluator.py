@@ -55,6 +55,12 @@ TRAINING_ONLY = ("seed", "optim.", "checkpoint.", "logging.", "model.remat",
                      "max_generation_batches", "dynamic_sampling_metric")))
 # What validation reads: a --workdir evaluation names the ones that differ from the run's.
 VALIDATION_KEYS = ("data.", "rewards.", "generation.", "grpo.val_", "grpo.max_val_samples")
+# Keys under VALIDATION_KEYS that never move validation's numbers: the training profile
+# (validation samples with the val_* keys, resolved), training rollouts' own budget, and
+# layouts that give the same tokens (tested: decode blocks, compaction).
+NOT_VALIDATION = ("generation.temperature", "generation.top_p", "generation.top_k",
+                  "generation.max_tokens_per_step", "generation.decode_block_size",
+                  "generation.compact_stages", "data.num_train_examples")
 USER_ERRORS = loading.USER_ERRORS + (artifacts.ExportError,)
 
 
@@ -220,6 +226,8 @@ def _side(raw, spec, overrides) -> Side:
         "checkpoint" if model["checkpoint"] else "random_init")
     checkpoint = {"kind": source, "path": model.get(source)}
   values["model"] = model
+  # A chat template's date: the run's recorded one (its prompts), else today's.
+  values = loading.chat_template_date(values, run.to_dict() if run is not None else None)
   config = setup.validate(ml_collections.ConfigDict(values), jax.device_count())
   model_cfg, host_params, tokenizer = loading.load_policy(config)
   if restore and not config.model.lora_rank:
@@ -306,7 +314,8 @@ def _differences(side) -> list[str]:
       name = f"{section}.{key}"
       if value == "auto" and name == "grpo.val_batch_size":
         continue  # chosen on the devices; no batch size moves validation's numbers
-      if name.startswith(VALIDATION_KEYS) and run.get(section, {}).get(key, value) != value:
+      if (name.startswith(VALIDATION_KEYS) and name not in NOT_VALIDATION
+          and run.get(section, {}).get(key, value) != value):
         out.append(f"{name}={value!r} (the run validated with {run[section][key]!r})")
   return out
 

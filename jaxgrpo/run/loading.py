@@ -8,6 +8,7 @@ user's input is one of USER_ERRORS, raised before anything compiles.
 from __future__ import annotations
 
 import collections
+import datetime
 import dataclasses
 import os
 import string
@@ -29,6 +30,18 @@ class Data:
   template: object  # data.prompt_template, or a ChatPrompt around it
 
 
+def chat_template_date(values: dict, saved: dict | None = None) -> dict:
+  """The config values (a dict, before validation) with data.chat_template_date fixed: ''
+  becomes the day a recorded run started (`saved`, its config.json, when it recorded one)
+  or today's, so every prompt a chat template dates is the same for the run's whole life.
+  Only with a chat template; a config without the key is left as it is."""
+  data = values.get("data", {})
+  if data.get("chat_template_date") == "" and data.get("use_chat_template"):
+    recorded = ((saved or {}).get("data") or {}).get("chat_template_date")
+    data["chat_template_date"] = recorded or datetime.date.today().isoformat()
+  return values
+
+
 def load_data(config, tokenizer) -> Data:
   """The training and validation rows (max_val_samples applied), checked on the host."""
   train_rows, val_rows = data_lib.make_sources(config.data)
@@ -48,7 +61,9 @@ def load_data(config, tokenizer) -> Data:
   if d.use_chat_template:
     from jaxgrpo.model import chat  # pylint: disable=g-import-not-at-top
     try:
-      chat_template = chat.ChatTemplate.from_folder(hf.resolve(config.model.hf_checkpoint))
+      chat_template = chat.ChatTemplate.from_folder(
+          hf.resolve(config.model.hf_checkpoint),
+          datetime.date.fromisoformat(d.chat_template_date) if d.chat_template_date else None)
     except chat.ChatTemplateError as e:
       raise config_lib.ConfigError(f"config.data.use_chat_template=True: {e}") from None
     tools = env_tools(config)

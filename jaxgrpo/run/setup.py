@@ -185,7 +185,7 @@ def prepare(argv) -> Setup:
   from jaxgrpo import data as data_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.algo import dynamic
   from jaxgrpo.run import loading
-  config = validate(raw, jax.device_count())
+  config = validate(_with_chat_template_date(raw, workdir), jax.device_count())
   _check_trackers(config)
   if jax.process_index() == 0:
     m = config.mesh
@@ -228,6 +228,27 @@ def prepare(argv) -> Setup:
             f"kept as {kept})", flush=True)
   return Setup(config, workdir, model_cfg, host_params, tokenizer, train_batches, val_batches,
                resume, data.val_sources, data)
+
+
+def _with_chat_template_date(raw, workdir: str):
+  """raw with data.chat_template_date fixed (loading.chat_template_date): a resumed run's
+  recorded date, else process 0's today (every host renders the same prompts, even when a
+  pod starts across midnight)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.runtime import distributed  # pylint: disable=g-import-not-at-top
+  saved, path = None, os.path.join(workdir, "config.json")
+  if (raw.get("checkpoint") or {}).get("resume") == "auto" and os.path.isfile(path):
+    try:
+      with open(path) as f:
+        saved = json.load(f)
+    except (OSError, ValueError):
+      saved = None  # the resume's own reading of the folder reports it
+  values = loading.chat_template_date(raw.to_dict(), saved)
+  date = values.get("data", {}).get("chat_template_date")
+  if date is not None:
+    values["data"]["chat_template_date"] = distributed.gather_objects(date)[0]
+  return ml_collections.ConfigDict(values)
 
 
 def _check_lora_rank(config, model_cfg) -> None:
