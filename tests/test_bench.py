@@ -371,3 +371,20 @@ def test_long_tail_bench_runs_synchronous_and_partial_side_by_side(tmp_path):
   # What re-prefilling the carried rows would cost: 4 rows of 4 + 8 tokens, timed.
   assert (reprefill["mode"], reprefill["rows"], reprefill["tokens"]) == ("re-prefill", 4, 12)
   assert reprefill["prefill_s"] > 0 and reprefill["partial_round_s"] > 0
+
+
+def test_every_subcommands_help_names_each_flags_default():
+  """Issue 60: `bench long-tail --help` showed no defaults (flags without help text)."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.bench import cli as bench_cli  # pylint: disable=g-import-not-at-top
+  parser = bench_cli.build_parser()
+  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  assert "long-tail" in sub.choices
+  for name, subparser in sub.choices.items():
+    text = subparser.format_help()
+    for action in subparser._actions:  # pylint: disable=protected-access
+      if action.option_strings and action.default not in (None, argparse.SUPPRESS) and \
+          not isinstance(action, argparse._HelpAction):  # pylint: disable=protected-access
+        assert action.help and "default" in action.help, (name, action.dest)
+    if name == "long-tail":
+      assert "--prompts PROMPTS     default: 8" in text

@@ -125,9 +125,11 @@ def test_context_parallelism_splits_packed_rows_only():
   # would split nothing; with one, each chip of a context pair holds half a packed row.
   c = math_config()
   c.mesh.context = 2
-  with pytest.raises(config_lib.ConfigError, match=r"config.mesh.context=2: allowed: 1 unless "
-                     r"grpo.micro_batch_tokens is set"):
-    config_lib.validate(c, num_devices=8)
+  # On one device too (issue 60: it named the device count, not the missing token budget).
+  for devices in (8, 1):
+    with pytest.raises(config_lib.ConfigError, match=r"config.mesh.context=2: allowed: 1 "
+                       r"unless grpo.micro_batch_tokens is set"):
+      config_lib.validate(c, num_devices=devices)
   c.grpo.micro_batch_tokens = 15
   with pytest.raises(config_lib.ConfigError, match=r"micro_batch_tokens=15: allowed: a multiple "
                      r"of mesh.context=2"):

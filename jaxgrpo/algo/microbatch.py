@@ -136,13 +136,21 @@ def _check_micro_batch(g, rows: int):
           f"sub-group of a divisor of {gen}; dividing the batch's {batch} rollouts), or 0")
 
 
+@config_checks.register(order=15)
+def _check_context_needs_packing(c, num_devices: int) -> None:
+  """Before the mesh is resolved (order 20): a context axis without packing is refused for
+  what it lacks, not for the devices it would need (mesh.context=2 on one device)."""
+  del num_devices
+  context = c.mesh.context
+  if context > 1 and not c.grpo.micro_batch_tokens:
+    config_checks.fail("mesh.context", context, "1 unless grpo.micro_batch_tokens is set "
+                       "(context parallelism splits the update's packed rows; docs/scaling.md)")
+
+
 def _check_micro_batch_tokens(c):
   """Packed micro-batches (algo/packing.py): a budget that holds the longest sequence,
   instead of (not beside) micro-batches of rows; context parallelism splits packed rows."""
   g, context = c.grpo, c.mesh.context
-  if context > 1 and not g.micro_batch_tokens:
-    config_checks.fail("mesh.context", context, "1 unless grpo.micro_batch_tokens is set "
-                       "(context parallelism splits the update's packed rows; docs/scaling.md)")
   if not g.micro_batch_tokens:
     return
   if g.micro_batch_size not in (0, "auto"):

@@ -52,7 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
   a.add_argument("--preset", choices=sorted(common.PRESETS), default="tiny")
   a.add_argument("--out", default=None, help="also append the JSON lines to this file")
   a.set_defaults(run=run_all)
+  for subparser in sub.choices.values():
+    _show_defaults(subparser)
   return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+  """Every flag's help names its default (`--help` of each subcommand): a flag without help
+  text gets one, where argparse's ArgumentDefaultsHelpFormatter would show nothing."""
+  for action in parser._actions:  # pylint: disable=protected-access
+    if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
+        or isinstance(action, argparse._HelpAction)):  # pylint: disable=protected-access
+      continue
+    if action.help is None:
+      action.help = "default: %(default)s"
+    elif "%(default)" not in action.help and "default" not in action.help:
+      action.help += " (default: %(default)s)"
 
 
 def main(argv=None) -> list[dict]:

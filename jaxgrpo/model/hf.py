@@ -133,6 +133,9 @@ HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 SUPPORTED = {"Qwen2ForCausalLM": (False, True, False), "Qwen3ForCausalLM": (True, False, False),
              "LlamaForCausalLM": (False, False, False),
              "Qwen3MoeForCausalLM": (True, False, True), "Gemma3ForCausalLM": (True, False, False)}
+# Every `architectures` a folder's config.json may name: the families above, and Gemma 3's
+# text-and-vision folders, whose text model is read (hf_model_config).
+ARCHITECTURES = (*SUPPORTED, "Gemma3ForConditionalGeneration")
 HF_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                   "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Gemma3ForCausalLM": "gemma3_text"}
@@ -203,7 +206,7 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
                                     k in ("final_logit_softcapping", "attn_logit_softcapping")}}
   if arch not in SUPPORTED:
     raise PretrainedError(f"{path}: architecture {arch!r} is not supported; allowed: "
-                          f"{', '.join(SUPPORTED)}")
+                          f"{', '.join(ARCHITECTURES)}")
   qk_norm, qkv_bias, experts = SUPPORTED[arch]
   if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
     raise PretrainedError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
@@ -397,8 +400,9 @@ def to_hf(x: np.ndarray, how: str) -> np.ndarray:
 
 
 # A text-and-vision folder (Gemma3ForConditionalGeneration) keeps its language model under a
-# prefix: `language_model.model.` in the hub's files (transformers 4.x), `model.language_model.`
-# as transformers 5 saves it; the vision tower's tensors are not read.
+# prefix: `language_model.model.` in the hub's files and as transformers 5.25 saves it,
+# `model.language_model.` as the in-memory module tree of other versions names it (a folder
+# saved from one); both are read. The vision tower's tensors are not read.
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 
