@@ -433,6 +433,12 @@ def test_a_checkpoint_value_that_does_not_split_over_the_mesh_names_its_key():
     loading.check_architecture(config, cfg)
   config.mesh.tensor = 2
   loading.check_architecture(config, cfg)  # 2 heads over 2 chips
+  # A config key that disagrees with the folder names the file's key beside its own.
+  config.model.num_kv_heads = 4
+  with pytest.raises(config_lib.ConfigError, match=re.escape(
+      f"config.model.num_kv_heads=4: the checkpoint {folder} has 2 (its config.json's "
+      "num_key_value_heads)")):
+    loading.check_architecture(config, cfg)
 
 
 def test_a_shard_named_in_the_index_but_missing_is_one_line(tmp_path):

@@ -436,8 +436,10 @@ def check_architecture(config, cfg) -> None:
   key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
   for name, value in dataclasses.asdict(cfg).items():
     if name not in NOT_ARCHITECTURE and m[name] is not None and m[name] != value:
+      spelled = (f" (its {hf.HF_CONFIG}'s {hf.hf_key(name, m.hf_checkpoint)})"
+                 if m.hf_checkpoint and name in hf.HF_KEYS else "")
       raise config_lib.ConfigError(
-          f"config.model.{name}={m[name]!r}: the checkpoint {m[key]} has {value!r}; "
+          f"config.model.{name}={m[name]!r}: the checkpoint {m[key]} has {value!r}{spelled}; "
           f"allowed: {value!r} or None (take the checkpoint's), or model.{key}='' for a "
           "random init")
   # The checkpoint's own values against the mesh (the config check saw only the keys set),
