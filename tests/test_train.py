@@ -744,7 +744,11 @@ def test_readme_verl_gsm8k_parquet_trains_as_is(tmp_path):
              .replace("python -m", f"{sys.executable} -m", 1))
   proc = run_bash(command, tmp_path / "w")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "finished 2 steps" in proc.stdout and "warning" not in proc.stderr
+  # The fixture is a tiny random model: its steps may train no row, which the run says
+  # (issue 60); no other warning (the rows, their messages and columns read as they are).
+  warnings = [l for l in proc.stderr.splitlines() if "warning" in l]
+  assert "finished 2 steps" in proc.stdout
+  assert all("trained no row" in l for l in warnings), warnings
   template = chat.ChatTemplate.from_folder(os.path.join(ROOT, "tests", "fixtures", "hf", "qwen2"))
   samples = [json.loads(l) for l in open(tmp_path / "w" / "val_samples" / "step_2.jsonl")]
   assert [s["prompt"] for s in samples] == [template.render(r["prompt"]) for r in rows]
