@@ -401,6 +401,14 @@ def _while(key: str, idle: Callable[[Any], bool]) -> Callable[[Any], str | None]
   return test
 
 
+def _packs(value) -> bool:
+  """grpo.micro_batch_tokens packs: 'auto' or a number > 0. A config that ships 'auto'
+  types the key as text, so a command-line 0 arrives as '0' (validate reads it as 0)."""
+  if isinstance(value, str) and value.strip().isdigit():
+    return int(value) > 0
+  return bool(value)
+
+
 def _weights_whole(c) -> str | None:
   """Why generation.gather_weights does nothing: no native decode, or weights that a mesh
   splits otherwise than by rows (tensor, expert keep their split), or none split (fsdp 1)."""
@@ -465,7 +473,7 @@ MODE_KEYS: tuple[tuple[tuple[str, ...], Callable[[Any], str | None], str], ...] 
      "--config.generation.max_tokens_per_step=512 (partial rollouts)"),
     # Packing replaces micro-batches of rows (a number for both is refused by algo/
     # microbatch.py; an 'auto' one would step aside unseen).
-    (("grpo.micro_batch_size",), _while("grpo.micro_batch_tokens", bool),
+    (("grpo.micro_batch_size",), _while("grpo.micro_batch_tokens", _packs),
      "--config.grpo.micro_batch_tokens=0 (packing replaces micro-batches of rows)"),
     (("generation.val_temperature", "generation.val_top_p", "generation.val_top_k",
       *(f"grpo.{k}" for k in ("val_num_generations_per_prompt", "val_batch_size",

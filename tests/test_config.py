@@ -653,3 +653,16 @@ def test_none_typed_on_the_command_line_unsets_an_optional_key():
   config.checkpoint.best_metric = "bogus"
   with pytest.raises(config_lib.ConfigError, match="best_metric='bogus'"):
     setup.validate(config, 1)
+
+
+def test_micro_batch_rows_act_when_a_text_typed_token_budget_is_zero():
+  """The long preset ships micro_batch_tokens='auto' (a text key), so the command line's 0
+  arrives as '0': `--config.grpo.micro_batch_tokens=0 --config.grpo.micro_batch_size=8` was
+  refused as an idle override (found once compile_check read overrides as train does)."""
+  c = _shipped("gsm8k", "long")
+  c.grpo.micro_batch_tokens, c.grpo.micro_batch_size = "0", "8"  # both text-typed there
+  assert config_lib.check_overrides(c, {"grpo.micro_batch_size",
+                                        "grpo.micro_batch_tokens"}) == []
+  c.grpo.micro_batch_tokens = "512"
+  with pytest.raises(config_lib.ConfigError, match="micro_batch_size: ignored while"):
+    config_lib.check_overrides(c, {"grpo.micro_batch_size"})
