@@ -1,4 +1,4 @@
-"""episodes.py: multi-turn episodes, a scripted policy against scripted environments."""
+"""run/episodes.py: multi-turn episodes, a scripted policy against scripted environments."""
 
 import json
 import os
@@ -12,7 +12,8 @@ import pytest
 
 from cli import ROOT, command, run_train, xla_flags  # tests/cli.py
 from cli import env as cli_env  # tests/cli.py
-from jaxgrpo import envs, episodes, plugins
+from jaxgrpo import envs, plugins
+from jaxgrpo.run import episodes
 from jaxgrpo.runtime import metrics as metrics_lib
 from jaxgrpo.model.tokenizer import Tokenizer
 from jaxgrpo.rollout import sampling, turns

@@ -233,6 +233,8 @@ LONG_FUNCTION_EXCEPTIONS = {}
 
 
 def test_no_function_over_80_lines_in_run():
+  # The episode driver is in run/ (issue 61: its Runner.run was 163 lines at the top level).
+  assert "jaxgrpo.run.episodes" in _modules() and "jaxgrpo.episodes" not in _modules()
   long = []
   for module, path in _modules().items():
     if not module.startswith("jaxgrpo.run."):

@@ -118,7 +118,8 @@ def stop_ids(c, tokenizer) -> tuple[int, ...]:
   strings' (env.stop_strings and the environment's own; checked by loading.check_env)."""
   if not c.env.name:
     return tokenizer.stop_ids
-  from jaxgrpo import envs, episodes  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import envs  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import episodes  # pylint: disable=g-import-not-at-top
   strings = [s for s in c.env.stop_strings.split(",") if s] + list(
       envs.stop_strings(c.env.name, c.env.kwargs))
   return tuple(dict.fromkeys(tokenizer.stop_ids + episodes.stop_ids(tokenizer, strings)))
@@ -158,7 +159,8 @@ def make_runner(c, engine, tokenizer, template=None):
   render the observations that are chat messages, and its add_bos is the prompts' own."""
   if not c.env.name:
     return None
-  from jaxgrpo import episodes, scorer  # pylint: disable=g-import-not-at-top
+  from jaxgrpo import scorer  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import episodes  # pylint: disable=g-import-not-at-top
   e = c.env
   return episodes.Runner(
       engine, tokenizer, env_name=e.name, env_kwargs=e.kwargs, max_turns=e.max_turns,

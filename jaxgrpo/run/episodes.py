@@ -41,7 +41,6 @@ import dataclasses
 import pickle
 import sys
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -192,161 +191,159 @@ class Runner:
     g = num_samples
     tokens_BxL, mask_BxL = np.asarray(prompt_tokens_BxL), np.asarray(prompt_mask_BxL, bool)
     b = len(tokens_BxL)
-    n = b * g
     if row_ids_B is None:
       row_ids_B = np.arange(b, dtype=np.int32) + jax.process_index() * b
     row_ids_B = np.asarray(row_ids_B, np.int64)
     episode_ids = (row_ids_B[:, None] * g + np.arange(g)[None]).reshape(-1).astype(np.int32)
-    comp = [[] for _ in range(n)]
-    trained = [[] for _ in range(n)]
-    logps = [[] for _ in range(n)]
-    env_reward = np.zeros(n, np.float32)
-    rewarded = np.zeros(n, bool)
-    turn_rewards: list[list[float | None]] = [[] for _ in range(n)]
-    failed = np.zeros(n, bool)
-    truncated = np.zeros(n, bool)
-    done = np.zeros(n, bool)
-    turns = np.zeros(n, np.int32)
-    calls = np.zeros(n, np.int32)
-    tool_errors = np.zeros(n, np.int32)
-    correct = np.full(n, np.nan, np.float32)
-    obs_tokens = np.zeros(n, np.int32)
-    info: dict[str, np.ndarray] = {}
-    observations = cut = unencodable = 0
-    t_env = t_rollout = 0.0
-
-    # Resets: one per episode, seeded from (seed, step, row, sample).
-    t0 = time.perf_counter()
-    results = self._calls([
-        (envs.call_reset, (self.env_name, self.env_kwargs, rows[i // g],
-                           episode_seed(self.seed, step, int(row_ids_B[i // g]), i % g)))
-        for i in range(n)])
-    t_env += time.perf_counter() - t0
-    states: list[Any] = [None] * n
-    has_state = np.zeros(n, bool)  # reset returned a state: close(state) is owed
-    closed = np.zeros(n, bool)
-    own_prompts: list[list[int] | None] = [None] * n
-    for i, (status, value) in enumerate(results):
-      if status != "ok":
-        self._failure(f"{label} reset of episode {i}", value)
-        failed[i] = done[i] = True
-        continue
-      states[i], prompt = value
-      has_state[i] = True
-      if prompt is not None:
-        own_prompts[i] = self.tokenizer.encode(prompt, add_bos=self.add_bos)
-    new_prompts = self._own_prompts(own_prompts, g, failed, done, label)
-    t_env += self._close(states, done & has_state & ~closed, closed, label)
+    call = _Call.empty(b * g)
+    new_prompts = self._reset(call, rows, g, step, row_ids_B, label)
     if new_prompts is not None:
       tokens_BxL, mask_BxL = data.pad_left(new_prompts, self.engine.pad_id,
                                            self.max_prompt_length)
-
     # The episodes' KV cache (turns.py): each prompt prefilled once for its G episodes, but
     # for its last token, which turn 0 appends. Each turn then appends a row's new tokens
     # (`new`: the last turn's last sampled token and the observation) at its slot (`slot`:
     # its tokens after the prompt's last already in the cache) and samples the turn.
     t0 = time.perf_counter()
     cache = self.engine.start(name, params, tokens_BxL, mask_BxL, g)
-    t_rollout += time.perf_counter() - t0
+    call.t_rollout += time.perf_counter() - t0
     last_B = [int(np.asarray(tokens_BxL)[r][np.asarray(mask_BxL, bool)[r]][-1]) for r in range(b)]
-    new = [[last_B[i // g]] for i in range(n)]
-    slot = np.zeros(n, np.int32)
+    call.new = [[last_B[i // g]] for i in range(b * g)]
     for turn in range(self.max_turns):
-      if not distributed.any_process(bool((~done).any())):
+      if not distributed.any_process(bool((~call.done).any())):
         break
-      t0 = time.perf_counter()
-      rollout, cache = self.engine.turn(
-          name, params, cache, slot, [[] if done[i] else new[i] for i in range(n)],
-          key=jax.random.fold_in(key, turn), row_ids_B=episode_ids, active_B=~done)
-      out_tokens, out_logp, out_len, out_trunc = (np.asarray(x) for x in sharding_lib.to_local(
-          (rollout.tokens_NxT, rollout.logp_NxT, rollout.lengths_N, rollout.truncated_N)))
-      t_rollout += time.perf_counter() - t0
-      pending = []
-      for i in np.flatnonzero(~done):
-        k, room = int(out_len[i]), self.room - len(comp[i])
-        take = min(k, room)
-        comp[i] += out_tokens[i, :take].tolist()
-        trained[i] += [True] * take
-        logps[i] += out_logp[i, :take].tolist()
-        turns[i] += 1
-        # The turn's tokens but its last are in the cache now (the decode loop fed them).
-        slot[i] += len(new[i]) + k - 1
-        new[i] = [int(out_tokens[i, k - 1])]
-        if take < k or bool(out_trunc[i]):  # out of tokens, or the turn did not end
-          truncated[i] = done[i] = True
-        else:
-          pending.append(i)
-      t0 = time.perf_counter()
-      results = self._calls([
-          (envs.call_step, (self.env_name, self.env_kwargs, states[i],
-                            self.tokenizer.decode(out_tokens[i, :out_len[i]],
-                                                  skip_special=False)))
-          for i in pending])
-      t_env += time.perf_counter() - t0
-      for i, (status, value) in zip(pending, results):
-        if status != "ok":
-          self._failure(f"{label} turn {turn} of episode {i}", value)
-          failed[i] = done[i] = True
-          continue
-        states[i], (observation, reward, finished, step_info) = value
-        turn_rewards[i].append(reward)
-        if reward is not None:
-          env_reward[i] += reward
-          rewarded[i] = True
-        calls[i] += int(_number(step_info.get("tool_calls", 0)))
-        tool_errors[i] += int(_number(step_info.get("tool_errors", 0)))
-        if _is_number(step_info.get("correct")) or isinstance(step_info.get("correct"), bool):
-          correct[i] = float(step_info["correct"])
-        for k, v in step_info.items():
-          if k not in ("tool_calls", "tool_errors", "correct") and _is_number(v):
-            info.setdefault(f"env/{k}", np.full(n, np.nan))
-            info[f"env/{k}"][i] = np.nan_to_num(info[f"env/{k}"][i]) + float(v)
-        if finished:
-          done[i] = True
-          continue
-        if turn == self.max_turns - 1:  # out of turns, not finished: no turn would read
-          truncated[i] = done[i] = True  # an observation, so none is appended
-          continue
-        if observation:
-          try:
-            rendered = self.renderer.render(observation, out_tokens[i, :out_len[i]].tolist())
-          except observations_lib.ObservationError as e:
-            self._failure(f"{label} turn {turn} of episode {i}", f"ObservationError: {e}\n")
-            failed[i] = done[i] = True
-            continue
-          ids = rendered.ids
-          observations += 1
-          cut += rendered.cut
-          unencodable += self._check_encodable(rendered.text, label)
-          room = self.room - len(comp[i])
-          comp[i] += ids[:room]
-          new[i] += ids[:room]
-          trained[i] += [False] * min(len(ids), room)
-          logps[i] += [0.0] * min(len(ids), room)
-          obs_tokens[i] += min(len(ids), room)
-          if len(ids) >= room:  # no room left for the next turn
-            truncated[i] = done[i] = True
-      t_env += self._close(states, done & has_state & ~closed, closed, label)
+      cache, out_tokens, out_len, pending = self._turn(call, name, params, cache,
+                                                       jax.random.fold_in(key, turn),
+                                                       episode_ids)
+      self._step(call, pending, out_tokens, out_len, turn, label)
+      call.t_env += self._close(call.states, call.done & call.has_state & ~call.closed,
+                                call.closed, label)
     # Episodes still going after the last turn: truncated.
-    t_env += self._close(states, has_state & ~closed, closed, label)
+    call.t_env += self._close(call.states, call.has_state & ~call.closed, call.closed, label)
+    return self._episodes(call, new_prompts)
 
-    t = self.room
+  def _reset(self, call: "_Call", rows, g: int, step: int, row_ids_B, label: str):
+    """One reset per episode, seeded from (seed, step, row, sample); the prompts the
+    environments returned (`_own_prompts`), or None."""
+    n = len(call.done)
+    t0 = time.perf_counter()
+    results = self._calls([
+        (envs.call_reset, (self.env_name, self.env_kwargs, rows[i // g],
+                           episode_seed(self.seed, step, int(row_ids_B[i // g]), i % g)))
+        for i in range(n)])
+    call.t_env += time.perf_counter() - t0
+    own_prompts: list[list[int] | None] = [None] * n
+    for i, (status, value) in enumerate(results):
+      if status != "ok":
+        self._failure(f"{label} reset of episode {i}", value)
+        call.failed[i] = call.done[i] = True
+        continue
+      call.states[i], prompt = value
+      call.has_state[i] = True
+      if prompt is not None:
+        own_prompts[i] = self.tokenizer.encode(prompt, add_bos=self.add_bos)
+    new_prompts = self._own_prompts(own_prompts, g, call.failed, call.done, label)
+    call.t_env += self._close(call.states, call.done & call.has_state & ~call.closed,
+                              call.closed, label)
+    return new_prompts
+
+  def _turn(self, call: "_Call", name: str, params, cache, key, episode_ids):
+    """One turn on the device for every live episode: its tokens kept up to the room left
+    (an episode out of tokens, or whose turn did not end, is truncated). Returns (cache,
+    the turn's tokens and lengths, the episodes whose environments step now)."""
+    done, new = call.done, call.new
+    t0 = time.perf_counter()
+    rollout, cache = self.engine.turn(
+        name, params, cache, call.slot, [[] if done[i] else new[i] for i in range(len(done))],
+        key=key, row_ids_B=episode_ids, active_B=~done)
+    out_tokens, out_logp, out_len, out_trunc = (np.asarray(x) for x in sharding_lib.to_local(
+        (rollout.tokens_NxT, rollout.logp_NxT, rollout.lengths_N, rollout.truncated_N)))
+    call.t_rollout += time.perf_counter() - t0
+    pending = []
+    for i in np.flatnonzero(~done):
+      k, room = int(out_len[i]), self.room - len(call.comp[i])
+      take = min(k, room)
+      call.comp[i] += out_tokens[i, :take].tolist()
+      call.trained[i] += [True] * take
+      call.logps[i] += out_logp[i, :take].tolist()
+      call.turns[i] += 1
+      # The turn's tokens but its last are in the cache now (the decode loop fed them).
+      call.slot[i] += len(new[i]) + k - 1
+      new[i] = [int(out_tokens[i, k - 1])]
+      if take < k or bool(out_trunc[i]):  # out of tokens, or the turn did not end
+        call.truncated[i] = done[i] = True
+      else:
+        pending.append(i)
+    return cache, out_tokens, out_len, pending
+
+  def _step(self, call: "_Call", pending, out_tokens, out_len, turn: int, label: str):
+    """The environments of the episodes whose turn ended read it: their rewards, counts and
+    info are kept, and each observation is appended for the next turn."""
+    t0 = time.perf_counter()
+    results = self._calls([
+        (envs.call_step, (self.env_name, self.env_kwargs, call.states[i],
+                          self.tokenizer.decode(out_tokens[i, :out_len[i]],
+                                                skip_special=False)))
+        for i in pending])
+    call.t_env += time.perf_counter() - t0
+    for i, (status, value) in zip(pending, results):
+      if status != "ok":
+        self._failure(f"{label} turn {turn} of episode {i}", value)
+        call.failed[i] = call.done[i] = True
+        continue
+      call.states[i], (observation, reward, finished, step_info) = value
+      call.record(i, reward, step_info)
+      if finished:
+        call.done[i] = True
+        continue
+      if turn == self.max_turns - 1:  # out of turns, not finished: no turn would read
+        call.truncated[i] = call.done[i] = True  # an observation, so none is appended
+        continue
+      if observation:
+        self._append(call, i, observation, out_tokens[i, :out_len[i]].tolist(),
+                     f"{label} turn {turn} of episode {i}", label)
+
+  def _append(self, call: "_Call", i: int, observation, turn_ids, where: str, label: str):
+    """Episode i's observation as tokens (observations.py), appended up to the room left
+    (none left: the episode is truncated); one that cannot be rendered fails it."""
+    try:
+      rendered = self.renderer.render(observation, turn_ids)
+    except observations_lib.ObservationError as e:
+      self._failure(where, f"ObservationError: {e}\n")
+      call.failed[i] = call.done[i] = True
+      return
+    ids = rendered.ids
+    call.observations += 1
+    call.cut += rendered.cut
+    call.unencodable += self._check_encodable(rendered.text, label)
+    room = self.room - len(call.comp[i])
+    call.comp[i] += ids[:room]
+    call.new[i] += ids[:room]
+    call.trained[i] += [False] * min(len(ids), room)
+    call.logps[i] += [0.0] * min(len(ids), room)
+    call.obs_tokens[i] += min(len(ids), room)
+    if len(ids) >= room:  # no room left for the next turn
+      call.truncated[i] = call.done[i] = True
+
+  def _episodes(self, call: "_Call", new_prompts) -> Episodes:
+    """The call's episodes as arrays of the completion region's width."""
+    n, t = len(call.done), self.room
     tokens = np.full((n, t), self.engine.pad_id, np.int32)
     mask, trained_mask = np.zeros((n, t), bool), np.zeros((n, t), bool)
     logp = np.zeros((n, t), np.float32)
     for i in range(n):
-      k = len(comp[i])
-      tokens[i, :k], mask[i, :k] = comp[i], True
-      trained_mask[i, :k], logp[i, :k] = trained[i], logps[i]
+      k = len(call.comp[i])
+      tokens[i, :k], mask[i, :k] = call.comp[i], True
+      trained_mask[i, :k], logp[i, :k] = call.trained[i], call.logps[i]
     return Episodes(
         tokens_NxT=tokens, mask_NxT=mask, trained_NxT=trained_mask, logp_NxT=logp,
-        lengths_N=mask.sum(1).astype(np.int32), truncated_N=truncated & ~failed,
-        env_reward_N=env_reward, env_rewarded_N=rewarded, turn_rewards=turn_rewards, failed_N=failed, correct_N=correct,
-        turns_N=turns,
-        tool_calls_N=calls, tool_errors_N=tool_errors, observation_tokens_N=obs_tokens,
-        observations=observations, observations_cut=cut,
-        observations_unencodable=unencodable, prompts=new_prompts, info=info,
-        rollout_s=t_rollout, env_s=t_env)
+        lengths_N=mask.sum(1).astype(np.int32), truncated_N=call.truncated & ~call.failed,
+        env_reward_N=call.env_reward, env_rewarded_N=call.rewarded,
+        turn_rewards=call.turn_rewards, failed_N=call.failed, correct_N=call.correct,
+        turns_N=call.turns, tool_calls_N=call.calls, tool_errors_N=call.tool_errors,
+        observation_tokens_N=call.obs_tokens, observations=call.observations,
+        observations_cut=call.cut, observations_unencodable=call.unencodable,
+        prompts=new_prompts, info=call.info, rollout_s=call.t_rollout, env_s=call.t_env)
 
   def _close(self, states, which, closed, label: str) -> float:
     """close(state) of the episodes `which` marks (their environments' optional hook), once:
@@ -406,6 +403,68 @@ class Runner:
         first = None
       out.append(first if first is not None else [self.engine.pad_id])
     return out
+
+
+@dataclasses.dataclass
+class _Call:
+  """What one `Runner.run` accumulates for its N episodes, on the host, until `_episodes`
+  makes them arrays: each episode's tokens, trained flags and log-probs so far, its
+  environment's state, and the counts the metrics read."""
+
+  comp: list                  # per episode: tokens after the prompt (turns and observations)
+  trained: list               # per episode: whether each of them was sampled
+  logps: list                 # per episode: each token's sampler log-prob (0: observation)
+  new: list                   # per episode: tokens the next turn appends to the cache
+  slot: np.ndarray            # int32: tokens after the prompt's last already in the cache
+  states: list                # per episode: its environment's state
+  has_state: np.ndarray       # reset returned a state: close(state) is owed
+  closed: np.ndarray          # close(state) was called
+  env_reward: np.ndarray
+  rewarded: np.ndarray
+  turn_rewards: list
+  failed: np.ndarray
+  truncated: np.ndarray
+  done: np.ndarray
+  turns: np.ndarray
+  calls: np.ndarray
+  tool_errors: np.ndarray
+  correct: np.ndarray
+  obs_tokens: np.ndarray
+  info: dict
+  observations: int = 0
+  cut: int = 0
+  unencodable: int = 0
+  t_env: float = 0.0
+  t_rollout: float = 0.0
+
+  @classmethod
+  def empty(cls, n: int) -> "_Call":
+    lists = lambda: [[] for _ in range(n)]
+    flags = lambda: np.zeros(n, bool)
+    counts = lambda: np.zeros(n, np.int32)
+    return cls(comp=lists(), trained=lists(), logps=lists(), new=lists(),
+               slot=counts(), states=[None] * n, has_state=flags(), closed=flags(),
+               env_reward=np.zeros(n, np.float32), rewarded=flags(), turn_rewards=lists(),
+               failed=flags(), truncated=flags(), done=flags(), turns=counts(),
+               calls=counts(), tool_errors=counts(), correct=np.full(n, np.nan, np.float32),
+               obs_tokens=counts(), info={})
+
+  def record(self, i: int, reward, step_info: dict) -> None:
+    """Episode i's step: its reward (None: this step gave none) and what its info counts."""
+    self.turn_rewards[i].append(reward)
+    if reward is not None:
+      self.env_reward[i] += reward
+      self.rewarded[i] = True
+    self.calls[i] += int(_number(step_info.get("tool_calls", 0)))
+    self.tool_errors[i] += int(_number(step_info.get("tool_errors", 0)))
+    correct = step_info.get("correct")
+    if _is_number(correct) or isinstance(correct, bool):
+      self.correct[i] = float(correct)
+    n = len(self.done)
+    for k, v in step_info.items():
+      if k not in ("tool_calls", "tool_errors", "correct") and _is_number(v):
+        self.info.setdefault(f"env/{k}", np.full(n, np.nan))
+        self.info[f"env/{k}"][i] = np.nan_to_num(self.info[f"env/{k}"][i]) + float(v)
 
 
 def _is_number(v) -> bool:
