@@ -398,14 +398,14 @@ def test_splash_on_a_mesh_equals_the_einsum_path():
   batch = (prompt, prompt_mask, completion, completion_mask)
   batch = tuple(jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)) for x in batch)
 
-  def loss(p, implementation):
-    logits = model.score_groups(p, cfg, *batch, scan_layers=True, attention=implementation)
+  def loss(p, implementation):  # as the update runs it: on the mesh, activations pinned
+    logits = model.score_groups(p, cfg, *batch, scan_layers=True, attention=implementation,
+                                mesh=mesh, pin=True)
     real = batch[3][..., None]
     return jnp.sum(jax.nn.log_softmax(logits) * jnp.cos(jnp.arange(logits.shape[-1])) * real)
 
-  with sharding.activation_sharding(mesh):
-    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    (loss_s, g_s), (loss_x, g_x) = grad(params, "splash"), grad(params, "xla")
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  (loss_s, g_s), (loss_x, g_x) = grad(params, "splash"), grad(params, "xla")
   assert_same_loss_and_grads((loss_s, g_s), (loss_x, g_x))
 
 
@@ -482,15 +482,14 @@ def test_context_parallel_packed_forward_and_backward_equal_one_device():
   want_loss, want_grads = grad(params, "xla")
   mesh = sharding.make_mesh({"data": 2, "context": 2, "tensor": 2})
   on_mesh = sharding.shard_params(params, cfg, mesh)
-  with sharding.activation_sharding(mesh):
-    hidden, _ = jax.jit(lambda p: model.score_packed(p, cfg, tokens, positions, segments,
-                                                     scan_layers=True, attention="xla"))(on_mesh)
-    assert hidden.sharding.spec[1] == "context", hidden.sharding  # the positions split
-    for implementation in ("xla", "splash"):
-      # A new jit, traced under the mesh (the activations' constraints are read then).
-      got_loss, got_grads = _packed_loss_grad(cfg, tokens, positions, segments)(
-          on_mesh, implementation)
-      assert_same_loss_and_grads((got_loss, got_grads), (want_loss, want_grads))
+  hidden, _ = jax.jit(lambda p: model.score_packed(p, cfg, tokens, positions, segments,
+                                                   scan_layers=True, attention="xla",
+                                                   mesh=mesh, pin=True))(on_mesh)
+  assert hidden.sharding.spec[1] == "context", hidden.sharding  # the positions split
+  for implementation in ("xla", "splash"):
+    got_loss, got_grads = _packed_loss_grad(cfg, tokens, positions, segments, mesh)(
+        on_mesh, implementation)
+    assert_same_loss_and_grads((got_loss, got_grads), (want_loss, want_grads))
 
 
 def assert_same_loss_and_grads(got, want):
@@ -501,12 +500,13 @@ def assert_same_loss_and_grads(got, want):
       a, b, rtol=0, atol=1e-4 * float(np.abs(b).max())), got[1], want[1])
 
 
-def _packed_loss_grad(cfg, tokens, positions, segments):
+def _packed_loss_grad(cfg, tokens, positions, segments, mesh=None):
   """jit(value_and_grad) of a loss over packed rows' real positions (a fixed projection of
-  every log-probability), by attention implementation (static)."""
+  every log-probability), by attention implementation (static); on `mesh` as the update
+  runs it (activations pinned), or on one device."""
   def loss(p, implementation):
     h, head = model.score_packed(p, cfg, tokens, positions, segments, scan_layers=True,
-                                 attention=implementation)
+                                 attention=implementation, mesh=mesh, pin=mesh is not None)
     real = (segments > 0)[..., None]
     return jnp.sum(jax.nn.log_softmax(h @ head) * jnp.cos(jnp.arange(cfg.vocab_size)) * real)
   return jax.jit(jax.value_and_grad(loss), static_argnums=1)

@@ -245,3 +245,20 @@ def test_no_function_over_80_lines_in_run():
         if lines > 80 and f"{module}.{node.name}" not in LONG_FUNCTION_EXCEPTIONS:
           long.append(f"{module}.{node.name}: {lines} lines")
   assert long == []
+
+
+def test_no_ambient_state_reaches_the_model():
+  """Issue 61: the meshes reached the model through three ContextVars (the activations' pin
+  mesh, a sampler's expert mesh, packed rows' sequence split), set around each trace, so a
+  new engine that forgot the context silently lost expert parallelism. They are module
+  attributes and arguments now; nothing in model/ holds a ContextVar or enters flax's
+  ambient logical-rules context."""
+  offenders = []
+  for module, path in _modules().items():
+    if not module.startswith("jaxgrpo.model."):
+      continue
+    text = open(path).read()
+    for needle in ("ContextVar", "contextvars", "logical_axis_rules"):
+      if needle in text:
+        offenders.append(f"{module}: {needle}")
+  assert offenders == []

@@ -309,7 +309,8 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   result is a tuple of [N, T] arrays in the same order.
   chunk > 0: project `chunk` positions at a time, never holding the [N, T, V] logits
   (logprobs.chunked_logprobs). remat: what each layer keeps for the backward pass;
-  scan_layers, attention, mesh: model.Decoder's. with_router_stats: (log-probs, a mixture's
+  scan_layers, attention, mesh: model.Decoder's; with a mesh (the update step's) the
+  activations are pinned on it (Decoder.pin). with_router_stats: (log-probs, a mixture's
   router statistics over the batch's tokens, decoder.router_stats).
   """
   if "segments_RxS" in batch:  # packed rows (algo/packing.py)
@@ -324,13 +325,13 @@ def completion_logprobs(params, cfg: model_lib.ModelConfig, batch, group_size: i
   args = (params, cfg, batch["prompt_tokens_BxL"], batch["prompt_mask_BxL"], completion_BxGxT,
           batch["completion_mask_NxT"].reshape(b, group_size, t))
   opts = dict(remat=remat, scan_layers=scan_layers, attention=attention,
-              with_router_stats=with_router_stats, mesh=mesh)
+              with_router_stats=with_router_stats, mesh=mesh, pin=mesh is not None)
   stats = None
   if chunk:
     hidden = model_lib.score_hidden(*args, **opts)
     (hidden_BxGxTxD, head_DxV), stats = hidden if with_router_stats else (hidden, None)
     out = logprobs.chunked_logprobs(hidden_BxGxTxD.reshape(n, t, -1), head_DxV,
-                                   batch["completion_tokens_NxT"], sps, chunk)
+                                   batch["completion_tokens_NxT"], sps, chunk, mesh=mesh)
   else:
     logits_BxGxTxV = model_lib.score_groups(*args, **opts)
     if with_router_stats:
@@ -346,11 +347,12 @@ def _packed_logprobs(params, cfg, batch, sp, *, chunk, remat, scan_layers, atten
   predicts (0 where it predicts none: the loss's mask leaves those)."""
   hidden_RxSxD, head_DxV = model_lib.score_packed(
       params, cfg, batch["tokens_RxS"], batch["positions_RxS"], batch["segments_RxS"],
-      remat=remat, scan_layers=scan_layers, attention=attention, mesh=mesh)
+      remat=remat, scan_layers=scan_layers, attention=attention, mesh=mesh,
+      pin=mesh is not None)
   sps = sp if isinstance(sp, tuple) else (sp,)
   targets = batch["targets_RxS"]
   if chunk:
-    out = logprobs.chunked_logprobs(hidden_RxSxD, head_DxV, targets, sps, chunk)
+    out = logprobs.chunked_logprobs(hidden_RxSxD, head_DxV, targets, sps, chunk, mesh=mesh)
   else:
     logits = jnp.einsum("rsd,dv->rsv", hidden_RxSxD, head_DxV).astype(jnp.float32)
     out = tuple(distribution.token_logprobs(logits, targets, p) for p in sps)
@@ -606,12 +608,14 @@ def compile_update(state: TrainState, ref_params, *, cfg, loss: LossConfig, sp, 
   compilation, so a caller can count recompiles (a new batch shape, dtype or sharding).
   """
 
+  if loss.mesh is None:  # the model's forward gets the step's mesh: it pins rows on it
+    loss = dataclasses.replace(loss, mesh=mesh)
+
   def step_fn(state, batch, ref):
     if on_trace is not None:
       on_trace()  # Python side effect: runs while tracing, never in the compiled step
-    with sharding_lib.activation_sharding(mesh):  # rows over the data axes (decoder.constrain)
-      return update_step(state, batch, ref, cfg=cfg, loss=loss, sp=sp, optimizer=optimizer,
-                         lr_schedule=lr_schedule, mesh=mesh)
+    return update_step(state, batch, ref, cfg=cfg, loss=loss, sp=sp, optimizer=optimizer,
+                       lr_schedule=lr_schedule, mesh=mesh)
 
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   ref_sh = None if ref_params is None else jax.tree.map(lambda x: x.sharding, ref_params)

@@ -326,13 +326,14 @@ def _slots(cache, layer, start, size: int, axis: int):
 
 
 def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache,
-         block: int = 0):
+         block: int = 0, mesh=None):
   """Logits [B, G, V] (float32) for the tokens fed at decode step i, and the cache with
   their keys and values written at slot i. All G samples of prompt b sit at
   positions_B[b] (prompt length + i - 1). i is a scalar (every row at the same step, the
   sampler) or one step per row, i_B (the JetStream adapter's slots). block > 0 (a scalar i
   only; the cache made with the same block): read the generated keys a block at a time, up
-  to slot i's block (see the module docstring).
+  to slot i's block (see the module docstring). mesh: the sampler's, on which a mixture's
+  experts run expert-parallel (decoder.experts_layer).
 
   Activations are feature-major, x [d_model, N] with N = B*G rows as columns, so every
   projection is weight @ activations: XLA's CPU matmul measured up to 3x faster with the
@@ -341,11 +342,11 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   # Named so the compiled program's ops say which belong to a token-step (runtime/tpu_cost:
   # the compile check's bytes and time per decode step).
   with jax.named_scope("decode_step"):
-    return _step(w, cfg, tokens_BxG, positions_B, i, cache, block)
+    return _step(w, cfg, tokens_BxG, positions_B, i, cache, block, mesh)
 
 
 def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cache: Cache,
-          block: int):
+          block: int, mesh):
   b, g = tokens_BxG.shape
   hk, r, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
   f32 = jnp.float32
@@ -398,7 +399,7 @@ def _step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, ca
     xn = _norm(x, layer.mlp_norm, cfg)
     if layer.router is not None:  # the training forward's own mixture call, rows [N, d]
       h = model_lib.experts_layer(xn.T, layer.router, layer.gate, layer.up, layer.down,
-                                  cfg)[0].T
+                                  cfg, mesh)[0].T
     else:
       h = layer.down @ (model_lib.ACTIVATIONS[cfg.hidden_act](layer.gate @ xn) * (layer.up @ xn))
     x = x + (h if layer.post_mlp_norm is None else _norm(h, layer.post_mlp_norm, cfg))

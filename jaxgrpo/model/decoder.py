@@ -29,13 +29,20 @@ by the same names (sharding.py maps them to mesh axes). Under FSDP (weights spli
 by computing whole-batch activations on every chip, so per-chip memory grew as chips were
 added (tests/test_sharding.py measures it). Pinned to rows over the data axes, with the
 model dimension whole, every chip gathers a layer's weights and computes its own rows, as
-MaxText does. `sharding.activation_sharding(mesh)` switches the pinning on while a step is
-traced; outside it (a forward without a mesh: tests, `Policy.logits`) nothing changes.
+MaxText does. The pinning is on where a forward is told so (`pin`: the update step's
+forward, on its mesh); a sampler's forward and one without a mesh (tests, `Policy.logits`)
+keep the placement the partitioner chooses.
+
+Nothing reaches the model through ambient state: the program's mesh (`mesh`: the
+attention kernels' shard_map, a mixture's expert parallelism, the platform), whether to
+pin activations on it (`pin`) and whether a packed row's positions split over `context`
+(`split_sequence`) are module attributes, passed by the one call that builds the program.
+A mixture's layers run expert-parallel on any program's mesh, so every engine gets them by
+construction.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
@@ -47,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo.model import attention as attention_lib
+from jaxgrpo.model import axes as axes_lib
 from jaxgrpo.model import moe as moe_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -58,20 +66,14 @@ NO_WINDOW = 1 << 30
 
 
 # --- Where activations live. ----------------------------------------------------------------
-# The mesh `constrain` pins activations to, set while a step is traced (jax's own mesh
-# context cannot be entered inside jit, where the trace happens).
-ACTIVATION_MESH: contextvars.ContextVar = contextvars.ContextVar("activation_mesh",
-                                                                default=None)
-
-
-def constrain(x, *logical_axes):
-  """Pins an activation's layout by logical axis names (sharding.RULES: `batch` over the data
-  axes, `act_mlp` / `act_vocab` over `tensor`, an unnamed axis whole); a no-op unless a
-  mesh is set (module docstring)."""
-  mesh = ACTIVATION_MESH.get()
+def constrain(x, mesh, *logical_axes):
+  """Pins an activation's layout by logical axis names (axes.RULES: `batch` over the data
+  axes, `act_mlp` / `act_vocab` over `tensor`, an unnamed axis whole) on `mesh`; a no-op
+  without one (module docstring: the update's forward pins, samplers do not). The rules go
+  in explicitly: no flax rules context is needed around the trace."""
   if mesh is None:
     return x
-  return nn.with_logical_constraint(x, logical_axes, mesh=mesh)
+  return nn.with_logical_constraint(x, logical_axes, rules=axes_lib.RULES, mesh=mesh)
 
 
 def platform_of(mesh) -> str:
@@ -84,29 +86,18 @@ def platform_of(mesh) -> str:
   return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
-# Set while a sampler is traced (sharding.expert_parallel): a mixture's layers run
-# expert-parallel on it, while the sampler's other activations keep GSPMD's placement.
-EXPERT_MESH: contextvars.ContextVar = contextvars.ContextVar("expert_mesh", default=None)
-
-
-# Set while the packed forward is traced (Decoder.score_packed): its [R, S, ...] activations
-# also split their positions S over the mesh's `context` axis (context parallelism).
-SEQUENCE_SPLIT: contextvars.ContextVar = contextvars.ContextVar("sequence_split",
-                                                                default=False)
-
-
-def _middle(ndim: int) -> tuple:
+def _middle(ndim: int, split_sequence: bool = False) -> tuple:
   """Logical names of an activation's axes between the rows and the last: the positions of
-  a packed row split over `context` while SEQUENCE_SPLIT is set, else whole."""
-  if SEQUENCE_SPLIT.get() and ndim == 3:
+  a packed row split over `context` with split_sequence, else whole."""
+  if split_sequence and ndim == 3:
     return ("act_length",)
   return (None,) * (ndim - 2)
 
 
-def constrain_rows(x):
+def constrain_rows(x, mesh, split_sequence: bool = False):
   """`constrain` for a [rows..., D] activation: split by its first (batch) axis (and a
-  packed row's positions over `context`, under SEQUENCE_SPLIT)."""
-  return constrain(x, "batch", *_middle(x.ndim), None)
+  packed row's positions over `context`, with split_sequence)."""
+  return constrain(x, mesh, "batch", *_middle(x.ndim, split_sequence), None)
 
 
 # --- The layers as one stack. --------------------------------------------------------------
@@ -371,6 +362,9 @@ class Attention(nn.Module):
   # The program's mesh: splash runs its kernel under shard_map on it (rows over the data
   # axes), compiled for its devices; None: one device (attention.splash).
   mesh: Any = None
+  # Packed rows whose positions split over `context` (Decoder.split_sequence): splash
+  # splits its queries too.
+  split_sequence: bool = False
 
   def setup(self):
     c = self.cfg
@@ -421,7 +415,7 @@ class Attention(nn.Module):
     q, k, v = self._qkv(x_BxTxD, positions_BxT, layer)
     if self.attention == "splash":  # causal, real tokens segment 1 and pads 0: no [B, T, S]
       o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, self.mesh,
-                               split_queries=SEQUENCE_SPLIT.get())
+                               split_queries=self.split_sequence)
       return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
     causal_TxT = jnp.tril(jnp.ones((t, t), bool))
     if mask_BxT.dtype == jnp.bool_:
@@ -470,6 +464,9 @@ class MLP(nn.Module):
   down [E, F, d_model] under the same names."""
 
   cfg: ModelConfig
+  mesh: Any = None             # the program's: a mixture's experts run expert-parallel on it
+  pin: bool = False            # pin the hidden activation's layout on it (Decoder.pin)
+  split_sequence: bool = False  # packed rows' positions over `context` (Decoder's)
 
   @nn.compact
   def __call__(self, x):
@@ -481,7 +478,8 @@ class MLP(nn.Module):
     up = _param(self, "up", (c.d_model, c.mlp_dim), ("embed", "mlp"), c)
     down = _param(self, "down", (c.mlp_dim, c.d_model), ("mlp", "embed"), c)
     h = ACTIVATIONS[c.hidden_act](dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
-    h = constrain(h, "batch", *_middle(h.ndim), "act_mlp")
+    h = constrain(h, self.mesh if self.pin else None, "batch",
+                  *_middle(h.ndim, self.split_sequence), "act_mlp")
     return dense(h, down.astype(dt))
 
   def _experts(self, x):
@@ -493,22 +491,23 @@ class MLP(nn.Module):
     up = _param(self, "up", (e, c.d_model, f), ("expert", "expert_embed", "mlp"), c)
     down = _param(self, "down", (e, f, c.d_model), ("expert", "mlp", "expert_embed"), c)
     y, probs, chosen = experts_layer(x, router, gate.astype(dt), up.astype(dt),
-                                     down.astype(dt), c)
+                                     down.astype(dt), c, self.mesh, self.split_sequence)
     # For the router's load-balancing loss (moe.balance_loss); recorded only when the
     # caller makes "intermediates" mutable (grpo.router_aux_loss_coef > 0).
     self.sow("intermediates", "router", (probs, chosen))
     return y
 
 
-def experts_layer(x, router, gate, up, down, cfg: ModelConfig):
-  """moe.moe with the model's settings, expert-parallel while a mesh is set (`constrain`'s, or
-  a sampler's EXPERT_MESH): the one call the training forward and the sampler's decode step
-  share."""
-  mesh = ACTIVATION_MESH.get() or EXPERT_MESH.get()
+def experts_layer(x, router, gate, up, down, cfg: ModelConfig, mesh=None,
+                  split_sequence: bool = False):
+  """moe.moe with the model's settings, expert-parallel on the program's `mesh` when there
+  is one (the update's and every sampler's alike): the one call the training forward and
+  the sampler's decode step share."""
   matmul = moe_lib.resolve_matmul(cfg.moe_matmul, platform_of(mesh))
   row_spec = None
   if mesh is not None:
-    row_spec = nn.logical_to_mesh_axes(("batch", *_middle(x.ndim), None))
+    row_spec = nn.logical_to_mesh_axes(("batch", *_middle(x.ndim, split_sequence), None),
+                                       axes_lib.RULES)
     ways = math.prod(mesh.shape[a] for a in jax.tree.leaves(tuple(row_spec)))
     if x.shape[0] % ways:  # rows that do not split (never in a step): GSPMD's placement
       mesh = row_spec = None
@@ -524,29 +523,35 @@ class Block(nn.Module):
 
   cfg: ModelConfig
   attention: str = "xla"
-  mesh: Any = None  # Attention's
+  mesh: Any = None  # the program's (Decoder's docstring)
+  pin: bool = False
+  split_sequence: bool = False
 
   def setup(self):
     self.attn_norm = RMSNorm(self.cfg, self.cfg.d_model)
-    self.attn = Attention(self.cfg, self.attention, self.mesh)
+    self.attn = Attention(self.cfg, self.attention, self.mesh, self.split_sequence)
     self.mlp_norm = RMSNorm(self.cfg, self.cfg.d_model)
-    self.mlp = MLP(self.cfg)
+    self.mlp = MLP(self.cfg, self.mesh, self.pin, self.split_sequence)
     if self.cfg.post_norms:
       self.post_attn_norm = RMSNorm(self.cfg, self.cfg.d_model)
       self.post_mlp_norm = RMSNorm(self.cfg, self.cfg.d_model)
 
+  def rows(self, x):
+    """constrain_rows with this program's pinning (none unless `pin`)."""
+    return constrain_rows(x, self.mesh if self.pin else None, self.split_sequence)
+
   def _mlp(self, x):
-    h = self.mlp(constrain_rows(self.mlp_norm(x)))
+    h = self.mlp(self.rows(self.mlp_norm(x)))
     return x + (self.post_mlp_norm(h) if self.cfg.post_norms else h)
 
   def __call__(self, x, positions, mask, layer=0):
-    h, kv = self.attn(constrain_rows(self.attn_norm(x)), positions, mask, layer)
+    h, kv = self.attn(self.rows(self.attn_norm(x)), positions, mask, layer)
     x = x + (self.post_attn_norm(h) if self.cfg.post_norms else h)
     return self._mlp(x), kv
 
   def extend(self, x, positions, prompt_k, prompt_v, prompt_mask, mask,
              return_kv: bool = False, layer=0, prompt_positions=None):
-    h = self.attn.extend(constrain_rows(self.attn_norm(x)), positions, prompt_k, prompt_v,
+    h = self.attn.extend(self.rows(self.attn_norm(x)), positions, prompt_k, prompt_v,
                          prompt_mask, mask, return_kv, layer, prompt_positions)
     h, kv = h if return_kv else (h, None)
     x = x + (self.post_attn_norm(h) if self.cfg.post_norms else h)
@@ -561,7 +566,7 @@ def _prefill_layer(block, x, positions, mask, layer):
 
 def _packed_layer(block, x, positions, segments, layer):
   """One layer over packed rows, as a scan body (no K/V kept: nothing reads them)."""
-  return constrain_rows(block(x, positions, segments, layer)[0]), None
+  return block.rows(block(x, positions, segments, layer)[0]), None
 
 
 def _train_layer(block, carry, positions_p, mask_p, positions_c, mask_c, layer):
@@ -571,7 +576,7 @@ def _train_layer(block, carry, positions_p, mask_p, positions_c, mask_c, layer):
   x_next, (k, v) = block(x_p, positions_p, mask_p, layer)
   x_c = block.extend(x_c, positions_c, k, v, mask_p, mask_c, layer=layer,
                      prompt_positions=positions_p)
-  return (constrain_rows(x_next), constrain_rows(x_c)), None
+  return (block.rows(x_next), block.rows(x_c)), None
 
 
 class Decoder(nn.Module):
@@ -581,8 +586,11 @@ class Decoder(nn.Module):
   layer keeps for the backward pass. scan_layers: run the layers as a loop over one
   compiled body (True) or unrolled (False); see `layers.over_layers`. attention: a name of
   ATTENTION, or None for the platform's (`resolve_attention`). mesh: the program's, passed
-  explicitly to the attention kernels (splash's shard_map) and deciding the platform of
-  every None above (`platform_of`); None: one device.
+  explicitly to the attention kernels (splash's shard_map) and a mixture's experts (expert
+  parallelism), and deciding the platform of every None above (`platform_of`); None: one
+  device. pin: activations pinned to rows over the data axes on `mesh` (the update step's
+  forward; module docstring). split_sequence: packed rows' positions also split over the
+  mesh's `context` axis (context parallelism: `score_packed` sets it).
   """
 
   cfg: ModelConfig
@@ -590,6 +598,8 @@ class Decoder(nn.Module):
   scan_layers: bool | None = None  # None: by the platform (resolve_scan_layers)
   attention: str | None = None  # None: by the platform (resolve_attention)
   mesh: Any = None
+  pin: bool = False
+  split_sequence: bool = False
 
   def setup(self):
     c = self.cfg
@@ -600,18 +610,19 @@ class Decoder(nn.Module):
     # One block's parameters, stacked [num_layers, ...] by the scan.
     self.layers = Block(c, attention_lib.resolve_attention(
         self.attention, platform_of(self.mesh), c.dtype, windowed=bool(c.sliding_window)),
-                        self.mesh)
+                        self.mesh, self.pin, self.split_sequence)
     self.final_norm = RMSNorm(c, c.d_model)
 
   def _embed(self, tokens):
     # Under FSDP the table's model dimension is split over `fsdp`, like the rows: the lookup
     # gathers the table (as a layer's weights are) rather than the rows' activations.
-    table = constrain(self.embedding, "vocab", None)
+    table = constrain(self.embedding, self._pinned(), "vocab", None)
     return embed(table, tokens, self.cfg)
 
   def _logits(self, x):
     logits = dense(self.final_norm(x), self._head())
-    logits = constrain(logits, "batch", *([None] * (logits.ndim - 2)), "act_vocab")
+    logits = constrain(logits, self._pinned(), "batch", *([None] * (logits.ndim - 2)),
+                       "act_vocab")
     return logits.astype(jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, return_kv: bool | str = False):
@@ -669,8 +680,8 @@ class Decoder(nn.Module):
     prompt_len_B = jnp.sum(prompt_mask_BxL, axis=-1).astype(jnp.int32)
     t = completion_BxGxT.shape[-1]
     positions_BxGxT = prompt_len_B[:, None, None] + jnp.arange(t, dtype=jnp.int32)
-    x_p = constrain_rows(self._embed(prompt_tokens_BxL))
-    x_c = constrain_rows(self._embed(completion_BxGxT))
+    x_p = self.layers.rows(self._embed(prompt_tokens_BxL))
+    x_c = self.layers.rows(self._embed(completion_BxGxT))
 
     body = _train_layer
     if self.remat != "none":
@@ -686,18 +697,19 @@ class Decoder(nn.Module):
     """(final-normed hidden states [R, S, D], head [D, V]) of packed rows (algo/packing.py):
     several sequences end to end in each row, each attending causally to itself only
     (segment ids; 0 marks padding) with its own positions. Position s predicts the token
-    at s + 1 of its sequence."""
-    token = SEQUENCE_SPLIT.set(True)  # positions over `context` (a no-op where it is 1)
-    try:
-      x = constrain_rows(self._embed(tokens_RxS))
-      body = _packed_layer
-      if self.remat != "none":  # as in _score_hidden
-        body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
-      layers = over_layers(body, self.cfg.num_layers, self._scan(), 2)
-      x, _ = layers(self.layers, x, positions_RxS, segments_RxS, self._layer_ids())
-      return constrain_rows(self.final_norm(x)), self._head()
-    finally:
-      SEQUENCE_SPLIT.reset(token)
+    at s + 1 of its sequence. The module function `score_packed` builds the Decoder with
+    split_sequence, so the positions also split over `context` (a no-op where it is 1)."""
+    x = self.layers.rows(self._embed(tokens_RxS))
+    body = _packed_layer
+    if self.remat != "none":  # as in _score_hidden
+      body = nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=not self._scan())
+    layers = over_layers(body, self.cfg.num_layers, self._scan(), 2)
+    x, _ = layers(self.layers, x, positions_RxS, segments_RxS, self._layer_ids())
+    return self.layers.rows(self.final_norm(x)), self._head()
+
+  def _pinned(self):
+    """The mesh activations are pinned on: the program's when `pin`, else None."""
+    return self.mesh if self.pin else None
 
   def _layer_ids(self):
     return jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
@@ -732,10 +744,11 @@ def forward(params, cfg: ModelConfig, tokens_BxT, mask_BxT, scan_layers: bool | 
       {"params": params}, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
 
 
-def _apply(cfg, remat, scan_layers, attention, params, *args, method, masks=None, mesh=None):
+def _apply(cfg, remat, scan_layers, attention, params, *args, method, masks=None, mesh=None,
+           pin: bool = False, split_sequence: bool = False):
   """Decoder.apply; with `masks` (the real-token masks of the rows each layer's mixture
   routes, in the order it routes them) also the router's statistics (`router_stats`)."""
-  model = Decoder(cfg, remat, scan_layers, attention, mesh)
+  model = Decoder(cfg, remat, scan_layers, attention, mesh, pin, split_sequence)
   if masks is None:
     return model.apply({"params": params}, *args, method=method)
   out, state = model.apply({"params": params}, *args, method=method, mutable=["intermediates"])
@@ -762,33 +775,37 @@ def router_stats(sown, masks, num_experts: int):
 def score_groups(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
                  scan_layers: bool | None = None, attention: str | None = None,
-                 with_router_stats: bool = False, mesh=None):
+                 with_router_stats: bool = False, mesh=None, pin: bool = False):
   """Teacher-forced logits of G completions per prompt, the prompt computed once.
-  with_router_stats: (logits, router_stats over the prompt and completion tokens)."""
+  with_router_stats: (logits, router_stats over the prompt and completion tokens). pin:
+  activations pinned on `mesh` (the update's forward: Decoder)."""
   masks = (prompt_mask_BxL, completion_mask_BxGxT) if with_router_stats else None
   return _apply(cfg, remat, scan_layers, attention, params, prompt_tokens_BxL,
                 prompt_mask_BxL, completion_BxGxT, completion_mask_BxGxT,
-                method=Decoder.score_groups, masks=masks, mesh=mesh)
+                method=Decoder.score_groups, masks=masks, mesh=mesh, pin=pin)
 
 
 def score_hidden(params, cfg: ModelConfig, prompt_tokens_BxL, prompt_mask_BxL,
                  completion_BxGxT, completion_mask_BxGxT, remat: str = "none",
                  scan_layers: bool | None = None, attention: str | None = None,
-                 with_router_stats: bool = False, mesh=None):
+                 with_router_stats: bool = False, mesh=None, pin: bool = False):
   """(hidden [B, G, T, D], head [D, V]): `score_groups` before the output projection."""
   masks = (prompt_mask_BxL, completion_mask_BxGxT) if with_router_stats else None
   return _apply(cfg, remat, scan_layers, attention, params, prompt_tokens_BxL,
                 prompt_mask_BxL, completion_BxGxT, completion_mask_BxGxT,
-                method=Decoder.score_hidden, masks=masks, mesh=mesh)
+                method=Decoder.score_hidden, masks=masks, mesh=mesh, pin=pin)
 
 
 def score_packed(params, cfg: ModelConfig, tokens_RxS, positions_RxS, segments_RxS,
                  remat: str = "none", scan_layers: bool | None = None,
-                 attention: str | None = None, with_router_stats: bool = False, mesh=None):
-  """(hidden [R, S, D], head [D, V]) of packed rows: Decoder.score_packed."""
+                 attention: str | None = None, with_router_stats: bool = False, mesh=None,
+                 pin: bool = False):
+  """(hidden [R, S, D], head [D, V]) of packed rows: Decoder.score_packed, the positions
+  split over the mesh's `context` axis."""
   masks = (segments_RxS > 0,) if with_router_stats else None
   return _apply(cfg, remat, scan_layers, attention, params, tokens_RxS, positions_RxS,
-                segments_RxS, method=Decoder.score_packed, masks=masks, mesh=mesh)
+                segments_RxS, method=Decoder.score_packed, masks=masks, mesh=mesh, pin=pin,
+                split_sequence=True)
 
 
 def init_params(cfg: ModelConfig, rng):

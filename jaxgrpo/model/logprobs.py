@@ -20,9 +20,10 @@ from jaxgrpo.model import distribution
 from jaxgrpo.model import decoder as model_lib
 
 
-def chunked_logprobs(hidden_NxTxD, head_DxV, tokens_NxT, sps, chunk: int):
+def chunked_logprobs(hidden_NxTxD, head_DxV, tokens_NxT, sps, chunk: int, mesh=None):
   """log p(token) under each profile of `sps` (a tuple of SamplingParams), one [N, T] array
-  each, projecting `chunk` positions of every row at a time.
+  each, projecting `chunk` positions of every row at a time. mesh: the update step's, on
+  which each chunk's logits are pinned (rows over the data axes, vocab over tensor).
 
   Positions are padded up to a multiple of `chunk` (the padding's values are dropped), so
   any chunk size works. Chunks run in a `lax.map`, i.e. one after the other.
@@ -40,7 +41,7 @@ def chunked_logprobs(hidden_NxTxD, head_DxV, tokens_NxT, sps, chunk: int):
   @jax.checkpoint  # the backward recomputes this chunk's logits rather than storing them
   def one(head, hidden_NxKxD, tokens_NxK):
     logits = model_lib.dense(hidden_NxKxD, head).astype(jnp.float32)
-    logits = model_lib.constrain(logits, "batch", None, "act_vocab")
+    logits = model_lib.constrain(logits, mesh, "batch", None, "act_vocab")
     return tuple(distribution.token_logprobs(logits, tokens_NxK, sp) for sp in sps)
 
   outs = jax.lax.map(lambda xs: one(head_DxV, *xs), (hidden_CxNxKxD, tokens_CxNxK))

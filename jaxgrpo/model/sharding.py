@@ -19,16 +19,15 @@ On several hosts (multi-controller JAX) each process holds only its rows of a ba
 `to_global` assembles the global arrays from every process's rows and `to_local` gives a
 process its rows of a global array back.
 
-Model code names axes logically (`embed`, `q_heads`, `mlp`, ...); `RULES` maps those names to
-mesh axes in one place, the way maxtext and t5x do, so a new layout is a rules change, not a
-model change. Parameters are created already sharded: `init_sharded` takes the shapes from
+Model code names axes logically (`embed`, `q_heads`, `mlp`, ...); `RULES` (model/axes.py)
+maps those names to mesh axes in one place, the way maxtext and t5x do, so a new layout is a
+rules change, not a model change. Parameters are created already sharded: `init_sharded` takes the shapes from
 `jax.eval_shape` and jits only the initialisers with `out_shardings`, so no host ever holds
 the whole model and the forward pass is never compiled to create it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Mapping, Sequence
 
@@ -40,40 +39,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgrpo.model import decode
 from jaxgrpo.model import decoder as model_lib
+# The mesh's axes and the logical names' rules live in model/axes.py (the model code reads
+# them too); they are this module's vocabulary.
+from jaxgrpo.model.axes import BATCH_AXES, MESH_AXES, RULES
 from jaxgrpo.runtime import config_checks
-
-# tensor innermost: the fastest links. `expert` splits a mixture's experts (model/moe.py)
-# and, for everything else, is one more data axis (MaxText's layout).
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
-BATCH_AXES = ("data", "fsdp", "expert")
-
-# Logical name -> mesh axis (or axes, or None for replicated).
-RULES: tuple[tuple[str, Any], ...] = (
-    # Parameters.
-    ("vocab", "tensor"),
-    # A dense weight's model dimension is split over fsdp and expert (with expert=1 this is
-    # fsdp); an expert's over fsdp only, since its expert axis already takes `expert`.
-    ("embed", ("fsdp", "expert")),
-    ("expert_embed", "fsdp"),
-    ("expert", "expert"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("norm", None),
-    ("layers", None),  # the stacked layers' leading axis: every chip holds every layer's share
-    # Activations and caches. The model dimension of an activation has no name (whole on
-    # every chip): under FSDP each chip gathers a layer's weights and computes its own rows.
-    ("batch", BATCH_AXES),
-    ("act_length", "context"),  # a packed row's positions (decoder.constrain_rows)
-    ("act_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-    ("samples", None),
-    ("cache_heads", "tensor"),
-    ("length", None),
-)
-
 
 MESH_KEYS = MESH_AXES + ("dcn_data",)
 # Keys of the config's mesh section that shape no axis: the memory 'auto' batch sizes plan
@@ -158,30 +127,6 @@ def logical_sharding(mesh: Mesh, *logical_axes: str | None) -> NamedSharding:
   """NamedSharding for an array whose axes carry the given logical names."""
   spec = nn.logical_to_mesh_axes(logical_axes, RULES)
   return NamedSharding(mesh, spec)
-
-
-@contextlib.contextmanager
-def activation_sharding(mesh: Mesh):
-  """Within it, `decoder.constrain` pins activations to RULES on `mesh` (trace under it)."""
-  token = model_lib.ACTIVATION_MESH.set(mesh)
-  try:
-    with nn.logical_axis_rules(RULES):
-      yield
-  finally:
-    model_lib.ACTIVATION_MESH.reset(token)
-
-
-@contextlib.contextmanager
-def expert_parallel(mesh: Mesh):
-  """Within it, a mixture of experts' layers run expert-parallel on `mesh` (model/moe.py;
-  trace a sampler under it). Unlike `activation_sharding`, no other activation is pinned:
-  the samplers keep the placement they were measured with."""
-  token = model_lib.EXPERT_MESH.set(mesh)
-  try:
-    with nn.logical_axis_rules(RULES):
-      yield
-  finally:
-    model_lib.EXPERT_MESH.reset(token)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

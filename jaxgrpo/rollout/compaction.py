@@ -192,7 +192,8 @@ def _loop(stage: Stage, buffers, ctx: Context, next_size: int | None):
     # row) or after the row's earlier turns (episodes: one slot per row).
     slot = s.i - 1 if ctx.offset_Dxn is None else s.offset_DxM.reshape(-1) + s.i - 1
     logits, cache = decode.step(ctx.weights, ctx.cfg, s.token_DxM.reshape(d * m, 1),
-                                s.prompt_len_DxM.reshape(-1) + slot, slot, s.cache, ctx.block)
+                                s.prompt_len_DxM.reshape(-1) + slot, slot, s.cache, ctx.block,
+                                ctx.mesh)
     u = None
     if ctx.u_TxDxn is not None:
       u_Dxn = jax.lax.dynamic_index_in_dim(ctx.u_TxDxn, s.i, keepdims=False)

@@ -353,7 +353,7 @@ class Engine(engine_api.Engine):
     step = i + live.astype(jnp.int32)
     # Feed the drawn token (idle slots feed pad into their own rows, which nothing reads).
     logits, cache = decode.step(weights, self.cfg, token[:, None], state.prompt_len_S + col,
-                                col, state.cache)
+                                col, state.cache, mesh=self._mesh)
     new_state = state.replace(
         cache=cache, logits_SxV=logits[:, 0], step_S=step,
         live_S=live & ~ended & (step < t), tokens_SxT=keep(state.tokens_SxT, token),

@@ -163,7 +163,7 @@ def round_(params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL, r
     slot = jnp.maximum(count - 1, 0)
     fed = tokens[rows, slot]
     logits, cache = decode.step(weights, cfg, fed.reshape(n, 1), prompt_len_N + slot, slot,
-                                cache)
+                                cache, mesh=mesh)
     at = jnp.minimum(count, t - 1)
     u_N = None if sp.greedy else u[rows, at]
     new, logp, _ = distribution.draw(logits[:, 0], u_N, sp)
@@ -197,11 +197,10 @@ def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_
   def traced(params, state, refill, tokens, mask, ids, active, limit, budget, key):
     if on_trace is not None:
       on_trace()  # once per trace, i.e. once per compilation
-    with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
-      return round_(params, state, refill, tokens, mask, ids, active, limit, budget, key,
-                    cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                    scan_layers=scan_layers, attention=attention,
-                    gather_weights=gather_weights)
+    return round_(params, state, refill, tokens, mask, ids, active, limit, budget, key,
+                  cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
+                  scan_layers=scan_layers, attention=attention,
+                  gather_weights=gather_weights)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   rep = sharding_lib.replicated(mesh)

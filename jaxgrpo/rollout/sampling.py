@@ -224,7 +224,7 @@ def decode_loop(weights, cache, logits_BxV, prompt_len_B, key, row_ids_B, *, cfg
     # The token fed at step i sits at position prompt_length + slot.
     slot = offset_B + i - 1
     logits, cache = decode.step(weights, cfg, token.reshape(pb, pg), prompt_len_B + slot, slot,
-                                cache, decode_block)
+                                cache, decode_block, mesh)
     new, logp, raw = pick(logits, i, done)
     buffers = record(buffers, i, new, logp, raw, done)
     if stops is not None:
@@ -275,11 +275,10 @@ def compile_sampler(cfg: model_lib.ModelConfig, profile: Profile, *, eos_id, pad
   def traced(params, tokens, mask, key, row_ids):
     if on_trace is not None:
       on_trace()  # runs once per trace, i.e. once per compilation
-    with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
-      return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile,
-                    eos_id=eos_id, pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
-                    scan_layers=scan_layers, attention=attention, decode_block=decode_block,
-                    compact_stages=compact_stages, gather_weights=gather_weights)
+    return sample(params, tokens, mask, key, row_ids, cfg=cfg, profile=profile,
+                  eos_id=eos_id, pad_id=pad_id, mesh=mesh, share_prefix=share_prefix,
+                  scan_layers=scan_layers, attention=attention, decode_block=decode_block,
+                  compact_stages=compact_stages, gather_weights=gather_weights)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   return jax.jit(

@@ -136,9 +136,8 @@ def compile_start(cfg: model_lib.ModelConfig, samples: int, num_slots: int, *, m
   def traced(params, tokens, mask):
     if on_trace is not None:
       on_trace()
-    with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
-      return start(params, tokens, mask, cfg=cfg, samples=samples, num_slots=num_slots,
-                   mesh=mesh, scan_layers=scan_layers, attention=attention)
+    return start(params, tokens, mask, cfg=cfg, samples=samples, num_slots=num_slots,
+                 mesh=mesh, scan_layers=scan_layers, attention=attention)
 
   rows2 = sharding_lib.batch_sharding(mesh, 2)
   return jax.jit(traced,
@@ -157,11 +156,10 @@ def compile_turn(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_i
   def traced(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N):
     if on_trace is not None:
       on_trace()  # runs once per trace, i.e. once per compilation
-    with sharding_lib.expert_parallel(mesh):  # a mixture's experts, as the update's
-      return turn(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N,
-                  cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                  scan_layers=scan_layers, attention=attention, compact_stages=compact_stages,
-                  gather_weights=gather_weights)
+    return turn(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N,
+                cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
+                scan_layers=scan_layers, attention=attention, compact_stages=compact_stages,
+                gather_weights=gather_weights)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   caches = sharding_lib.cache_shardings(mesh, stacked)
