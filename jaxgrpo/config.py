@@ -116,14 +116,10 @@ def _optional(check):
 # Each validation sampling key and the training key it follows while unset (None).
 VAL_FOLLOWS = {"val_temperature": "temperature", "val_top_p": "top_p", "val_top_k": "top_k"}
 
-# What each rollout backend cannot do: backend -> {generation key: why}. The native sampler
-# honours every setting; an adapter (issue 10's JetStream) lists its limits here, and the
-# validator refuses them at startup instead of ignoring them.
-# The JetStream adapter (jaxgrpo/rollout/jetstream_engine.py) draws tokens with the native
-# sampler's own function and random streams, so it too honours every sampling setting; what
-# it cannot do (several processes) is checked in _check_backend.
-BACKEND_LIMITS: dict[str, dict[str, Callable[[Any], str | None]]] = {"native": {},
-                                                                     "jetstream": {}}
+# The rollout backends. Both honour every sampling setting (the JetStream adapter draws with
+# the native sampler's own function and random streams); what a backend cannot do is
+# refused by the checks run/build.py registers (`_check_backend`), beside the code.
+BACKENDS = ("native", "jetstream")
 
 
 SCHEMA: dict[str, Any] = {
@@ -181,7 +177,7 @@ SCHEMA: dict[str, Any] = {
     "rewards": None,  # name -> weight, checked against the reward registry below
     "generation": {
         "temperature": _num(0, lo_open=True), "top_p": _num(0, 1, lo_open=True),
-        "top_k": _int(0), "max_new_tokens": _int(1), "backend": _choice(*BACKEND_LIMITS),
+        "top_k": _int(0), "max_new_tokens": _int(1), "backend": _choice(*BACKENDS),
         "max_concurrent_decodes": _int(0), "decode_block_size": _int(0),
         "compact_stages": _int(0), "max_tokens_per_step": _int(0),
         "gather_weights": _bool,
@@ -320,12 +316,6 @@ def _resolve_val_profile(gen):
   for val_key, train_key in VAL_FOLLOWS.items():
     if gen[val_key] is None:
       gen[val_key] = gen[train_key]
-  for key, limit in BACKEND_LIMITS[gen.backend].items():
-    problem = limit(gen[key])
-    if problem:
-      raise ConfigError(f"config.generation.{key}={gen[key]!r}: the {gen.backend!r} rollout "
-                        f"backend cannot honour it ({problem}); change the key or "
-                        "config.generation.backend")
 
 
 @config_checks.register(order=30)

@@ -306,19 +306,16 @@ def test_user_modules_register_before_the_names_and_the_stop_rule_are_checked(tm
     config_lib.validate(c, num_devices=8)
 
 
-def test_a_backend_limit_is_refused_with_backend_and_key(monkeypatch):
-  # The native sampler honours every setting; an adapter with limits (issue 10's JetStream)
-  # registers them, and a config asking for more is refused, never silently ignored.
-  monkeypatch.setitem(config_lib.BACKEND_LIMITS, "fake",
-                      {"val_top_p": lambda v: v != 1 and "no nucleus sampling"})
-  monkeypatch.setitem(config_lib.SCHEMA["generation"], "backend",
-                      config_lib._choice(*config_lib.BACKEND_LIMITS))
+def test_a_backend_limit_is_refused_with_backend_and_key():
+  # What a rollout backend cannot do is refused at startup, never silently ignored, by the
+  # check beside the backend's code (run/build.py; issue 61 removed the empty table
+  # config.BACKEND_LIMITS that promised a second system): JetStream's slots decode at their
+  # own steps, so it takes no decode blocks (checked before its extra is looked for).
+  assert not hasattr(config_lib, "BACKEND_LIMITS")
   c = math_config()
-  c.generation.backend = "fake"
-  config_lib.validate(c, num_devices=8)  # val_top_p follows top_p=1: fine
-  c.generation.val_top_p = 0.9
-  with pytest.raises(config_lib.ConfigError, match="val_top_p=0.9: the 'fake' rollout backend "
-                     "cannot honour it \\(no nucleus sampling\\)"):
+  c.generation.backend, c.generation.decode_block_size = "jetstream", 8
+  with pytest.raises(config_lib.ConfigError, match=re.escape(
+      "config.generation.decode_block_size=8: allowed: 0 with generation.backend='jetstream'")):
     config_lib.validate(c, num_devices=8)
 
 
@@ -573,26 +570,26 @@ def test_an_environment_in_the_main_process_has_no_time_limit_to_promise():
 
 
 def test_what_needs_experts_or_refuses_a_window_is_one_line():
-  # Checked against the model as loaded (a checkpoint names its own experts and window):
-  # mesh.expert must divide the experts, a router loss needs a router and unpacked rows,
-  # splash attention takes no sliding window.
+  # Checked against the model as loaded (a checkpoint names its own experts and window), by
+  # the checks registered beside the code they protect (config_checks.register_model; issue
+  # 61: they were hand-written in run/setup.py): mesh.expert must divide the experts, a
+  # router loss needs a router, splash attention takes no sliding window. A router loss
+  # with packed rows needs no model: validation refuses it.
   import dataclasses  # pylint: disable=g-import-not-at-top
   from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
-  from jaxgrpo.run import setup  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.runtime import config_checks  # pylint: disable=g-import-not-at-top
   dense = model_lib.ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4,
                                 num_kv_heads=2, head_dim=8, mlp_dim=64)
   moe = dataclasses.replace(dense, num_experts=6, num_experts_per_tok=2, moe_mlp_dim=16)
   gemma = dataclasses.replace(dense, sliding_window=4, sliding_window_pattern=2)
   c = config_lib.validate(math_config(), num_devices=8)
-  setup._check_model_features(c, moe)  # nothing asked of the experts: fine
+  config_checks.run_model(c, moe)  # nothing asked of the experts: fine
   cases = [
       ({"mesh.expert": 4}, moe, "config.mesh.expert=4: the model has 6 experts"),
       ({"mesh.expert": 2}, dense, "config.mesh.expert=2: the model has 0 experts"),
       ({"grpo.router_aux_loss_coef": 0.01}, dense, "the model is dense (no router)"),
       ({"model.moe_matmul": "ragged"}, dense, "config.model.moe_matmul='ragged': the model "
        "is dense"),
-      ({"grpo.router_aux_loss_coef": 0.01, "grpo.micro_batch_tokens": 64}, moe,
-       "not built with packed micro-batches"),
       ({"model.attention": "splash"}, gemma, "sliding-window layers (window 4)"),
   ]
   for overrides, model, fragment in cases:
@@ -601,10 +598,14 @@ def test_what_needs_experts_or_refuses_a_window_is_one_line():
       section, name = key.split(".")
       c[section][name] = value
     with pytest.raises(config_lib.ConfigError, match=re.escape(fragment)):
-      setup._check_model_features(c, model)
+      config_checks.run_model(c, model)
   c = config_lib.validate(math_config(), num_devices=8).unlock()
   c.mesh.expert, c.grpo.router_aux_loss_coef = 2, 0.01
-  setup._check_model_features(c, moe)  # 6 experts over 2 chips, a router: fine
+  config_checks.run_model(c, moe)  # 6 experts over 2 chips, a router: fine
+  packed = math_config()
+  packed.grpo.router_aux_loss_coef, packed.grpo.micro_batch_tokens = 0.01, 64
+  with pytest.raises(config_lib.ConfigError, match="not built with packed micro-batches"):
+    config_lib.validate(packed, num_devices=8)
 
 
 def _shipped(name, arg=None):

@@ -424,9 +424,11 @@ def test_a_checkpoint_value_that_does_not_split_over_the_mesh_names_its_key():
   cfg, _ = hf.inspect_hf(folder, need_weights=False)
   assert cfg.num_kv_heads == 2
   model = {name: None for name in dataclasses.asdict(cfg)}
-  model.update(hf_checkpoint=folder, checkpoint="")
-  config = ml_collections.ConfigDict({"model": model, "mesh": {
-      "data": 1, "dcn_data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}})
+  model.update(hf_checkpoint=folder, checkpoint="", lora_rank=0, attention=None,
+               moe_matmul="auto")
+  config = ml_collections.ConfigDict({"model": model, "grpo": {"router_aux_loss_coef": 0.0},
+                                      "mesh": {"data": 1, "dcn_data": 1, "fsdp": 1,
+                                               "expert": 1, "context": 1, "tensor": 4}})
   with pytest.raises(config_lib.ConfigError, match=re.escape(
       f"{folder}/config.json: num_key_value_heads=2 does not split over the mesh; allowed: "
       "a multiple of mesh.tensor=4")):

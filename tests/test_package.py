@@ -262,3 +262,25 @@ def test_no_ambient_state_reaches_the_model():
       if needle in text:
         offenders.append(f"{module}: {needle}")
   assert offenders == []
+
+
+def test_model_dependent_checks_are_registered_beside_their_code():
+  """Issue 61: the checks that need the loaded model were hand-written in run/setup.py, a
+  second system beside config_checks. They register with config_checks.register_model in
+  the module whose code they protect; no run/ module checks a model_cfg by hand."""
+  offenders = []
+  for module, path in _modules().items():
+    if not module.startswith("jaxgrpo.run."):
+      continue
+    for node in ast.walk(ast.parse(open(path).read())):
+      args = [a.arg for a in node.args.args] if isinstance(node, ast.FunctionDef) else []
+      if (args and node.name.startswith("_check") and "model_cfg" in args
+          and {"config", "c"} & set(args)):  # a config against the model
+        offenders.append(f"{module}.{node.name}")
+  assert offenders == []
+  from jaxgrpo.run import setup  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.runtime import config_checks  # pylint: disable=g-import-not-at-top
+  setup.register_checks()
+  owners = {name.rsplit(".", 1)[0] for _, name, _ in config_checks._MODEL_CHECKS}  # pylint: disable=protected-access
+  assert owners == {"jaxgrpo.model.lora", "jaxgrpo.model.attention", "jaxgrpo.model.moe",
+                    "jaxgrpo.model.sharding"}

@@ -153,6 +153,10 @@ def _check_micro_batch_tokens(c):
   g, context = c.grpo, c.mesh.context
   if not g.micro_batch_tokens:
     return
+  if g.router_aux_loss_coef:
+    config_checks.fail("grpo.router_aux_loss_coef", g.router_aux_loss_coef, "0, or "
+                       "grpo.micro_batch_tokens=0", reason="not built with packed "
+                       f"micro-batches (grpo.micro_batch_tokens={g.micro_batch_tokens})")
   if g.micro_batch_size not in (0, "auto"):
     config_checks.fail("grpo.micro_batch_size", g.micro_batch_size,
                        f"0 or 'auto' while grpo.micro_batch_tokens={g.micro_batch_tokens} packs "

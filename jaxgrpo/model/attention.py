@@ -305,3 +305,14 @@ def _check_config(c, num_devices: int) -> None:
   if m.dtype != "bfloat16":
     config_checks.fail("model.attention", m.attention, f"None or 'xla' with model.dtype={m.dtype!r} "
           "(cuDNN's flash attention takes bfloat16)")
+
+
+@config_checks.register_model(order=10)
+def _check_window(c, model_cfg) -> None:
+  """Splash takes no sliding window: a model with windowed layers (Gemma 3) is refused it."""
+  if model_cfg.sliding_window and c.model.attention == "splash":
+    config_checks.fail("model.attention", "splash", "None (xla on TPU for such a model), "
+                       "'xla', or 'cudnn' on a GPU", reason=(
+                           f"the model has sliding-window layers (window "
+                           f"{model_cfg.sliding_window}), which the splash kernels here do "
+                           "not take"))

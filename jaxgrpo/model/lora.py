@@ -168,3 +168,15 @@ def _check_config(c, num_devices: int) -> None:
     parse_targets(m.lora_targets)
   except ValueError as e:
     config_checks.fail("model.lora_targets", m.lora_targets, str(e).split("; allowed: ")[-1])
+
+
+@config_checks.register_model(order=10)
+def _check_rank_against_the_model(c, model_cfg) -> None:
+  """A LoRA rank larger than a target's smaller side, once the architecture (a checkpoint's
+  own) is known."""
+  m = c.model
+  if not m.lora_rank:
+    return
+  problem = check_rank(model_cfg, m.lora_rank, parse_targets(m.lora_targets))
+  if problem:
+    config_checks.fail("model.lora_rank", m.lora_rank, "a smaller rank", reason=problem)

@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxgrpo.runtime import config_checks
+
 MATMULS = ("auto", "ragged", "dense")
 
 
@@ -159,3 +161,19 @@ def balance_loss(counts_E, probs_E, num_experts: int):
   sums its per-slot fractions) and P_e the mean router probability, both over every real
   token of every layer. counts_E, probs_E: sums over those tokens, divided by their number."""
   return num_experts * jnp.sum(counts_E * probs_E)
+
+
+@config_checks.register_model(order=10)
+def _check_experts(c, model_cfg) -> None:
+  """What needs a mixture of experts, against the model as loaded: a chosen expert matmul
+  and a router loss weight (a dense model has neither experts nor a router)."""
+  if model_cfg.num_experts:
+    return
+  if c.model.moe_matmul != "auto":
+    config_checks.fail("model.moe_matmul", c.model.moe_matmul, "'auto', or a mixture of "
+                       "experts (model.num_experts > 0)",
+                       reason="the model is dense (no experts to compute)")
+  coef = c.grpo.router_aux_loss_coef
+  if coef:
+    config_checks.fail("grpo.router_aux_loss_coef", coef, "0, or a mixture of experts "
+                       "(model.num_experts > 0)", reason="the model is dense (no router)")

@@ -314,3 +314,14 @@ def _check_model_shapes(c, num_devices: int) -> None:
     if m.vocab_size is not None and c.generation[key] > m.vocab_size:
       config_checks.fail(f"generation.{key}", c.generation[key], f"0 (off) or at most model.vocab_size="
             f"{m.vocab_size}")
+
+
+@config_checks.register_model(order=20)
+def _check_experts_on_the_mesh(c, model_cfg) -> None:
+  """mesh.expert against the model as loaded (a checkpoint names its own experts). Its
+  shapes against the mesh: loading.check_architecture, which names the file's keys."""
+  experts = model_cfg.num_experts
+  if c.mesh.expert > 1 and (not experts or experts % c.mesh.expert):
+    config_checks.fail("mesh.expert", c.mesh.expert, "1, or a divisor of the experts (each "
+                       "chip of an expert group holds experts / expert)",
+                       reason=f"the model has {experts} experts")

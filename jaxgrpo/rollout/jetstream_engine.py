@@ -25,8 +25,9 @@ Slots sit at different steps (continuous batching), so decode.step gets one step
 Tokens are drawn as the native sampler draws them (distribution.draw, with the uniform of the same
 (key, row id, token index, sample)), so a slot given the native sampler's key and row id draws
 the native sampler's tokens, greedy or not, up to float rounding: this backend changes how
-rollouts are scheduled, not what they are. Sampling settings are therefore all honoured and
-config.BACKEND_LIMITS lists none for it.
+rollouts are scheduled, not what they are. Sampling settings are therefore all honoured;
+what the backend cannot do (decode blocks, compaction, several processes) is refused by
+run/build.py's backend check.
 
 backend='jetstream' drives one `Engine` per sampling profile from jetstream_rollouts.py;
 `jaxgrpo.serve` puts an `Engine` behind JetStream's orchestrator and gRPC server.

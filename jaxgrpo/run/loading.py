@@ -18,6 +18,7 @@ import warnings
 from jaxgrpo import config as config_lib
 from jaxgrpo import data as data_lib
 from jaxgrpo.model import hf
+from jaxgrpo.runtime import config_checks
 
 USER_ERRORS = (config_lib.ConfigError, data_lib.DataError, hf.PretrainedError)
 
@@ -425,13 +426,17 @@ def load_policy(config):
         f"config.model.vocab_size={m.vocab_size}: the character tokenizer for "
         f"data.source={config.data.source!r} needs at least {tokenizer.vocab_size}")
   try:
-    return model_lib.ModelConfig.from_dict({**arch, "moe_matmul": m.moe_matmul}), None, tokenizer
+    cfg = model_lib.ModelConfig.from_dict({**arch, "moe_matmul": m.moe_matmul})
   except ValueError as e:
     raise config_lib.ConfigError(f"config.{e}") from None
+  config_checks.run_model(config, cfg)  # the checks that need the model (config_checks.py)
+  return cfg, None, tokenizer
 
 
 def check_architecture(config, cfg) -> None:
-  """The config's architecture keys that are set must match the checkpoint's `cfg`."""
+  """The config against a checkpoint's model `cfg`: the architecture keys it sets match,
+  the checkpoint's shapes split over the mesh (named as its file spells them), and every
+  check registered for the loaded model (config_checks.register_model) passes."""
   m = config.model
   key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
   for name, value in dataclasses.asdict(cfg).items():
@@ -452,6 +457,7 @@ def check_architecture(config, cfg) -> None:
       where = f"{m.checkpoint} (its model.json): {name}"
     raise config_lib.ConfigError(f"{where}={value!r} does not split over the mesh; allowed: "
                                  f"{allowed} (the checkpoint's value is fixed: change config.mesh)")
+  config_checks.run_model(config, cfg)
 
 
 _PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"

@@ -118,7 +118,8 @@ CHECKING_MODULES = (
     "jaxgrpo.runtime.trackers",   # logging.trackers
     "jaxgrpo.model.sharding",     # the mesh and what must split over it; model shapes
     "jaxgrpo.model.lora",         # LoRA targets
-    "jaxgrpo.model.attention",    # cuDNN attention: a GPU and bfloat16
+    "jaxgrpo.model.attention",    # cuDNN attention: a GPU and bfloat16; splash and windows
+    "jaxgrpo.model.moe",          # what needs a mixture of experts (the loaded model)
     "jaxgrpo.algo.microbatch",    # micro-batches of whole groups
     "jaxgrpo.algo.dynamic",       # dynamic sampling's metric and sampler
     "jaxgrpo.run.partial_rollouts",  # what partial rollouts compose with
@@ -196,8 +197,6 @@ def prepare(argv) -> Setup:
           f" tensor={m.tensor}" + (f" dcn_data={m.dcn_data}" if m.dcn_data > 1 else ""),
           file=sys.stderr, flush=True)
   model_cfg, host_params, tokenizer = loading.load_policy(config)
-  _check_lora_rank(config, model_cfg)
-  _check_model_features(config, model_cfg)
   loading.check_env(config, tokenizer)
   data = loading.load_data(config, tokenizer)
   loading.per_process(config, "num_prompts_per_step")
@@ -249,49 +248,6 @@ def _with_chat_template_date(raw, workdir: str):
   if date is not None:
     values["data"]["chat_template_date"] = distributed.gather_objects(date)[0]
   return ml_collections.ConfigDict(values)
-
-
-def _check_lora_rank(config, model_cfg) -> None:
-  """A LoRA rank larger than a target's smaller side: one line, once the architecture (from
-  the checkpoint) is known."""
-  if not config.model.lora_rank:
-    return
-  from jaxgrpo.model import lora  # pylint: disable=g-import-not-at-top
-  problem = lora.check_rank(model_cfg, config.model.lora_rank,
-                            lora.parse_targets(config.model.lora_targets))
-  if problem:
-    raise config_lib.ConfigError(f"config.model.lora_rank={config.model.lora_rank}: {problem}; "
-                                 "allowed: a smaller rank")
-
-
-def _check_model_features(config, model_cfg) -> None:
-  """What needs a mixture of experts or refuses a sliding window, against the model as
-  loaded (a checkpoint names its own): mesh.expert divides the experts, a chosen expert
-  matmul and a router loss weight have experts, splash attention has no window to take."""
-  if model_cfg.sliding_window and config.model.attention == "splash":
-    raise config_lib.ConfigError(
-        "config.model.attention='splash': the model has sliding-window layers (window "
-        f"{model_cfg.sliding_window}), which the splash kernels here do not take; allowed: "
-        "None (xla on TPU for such a model), 'xla', or 'cudnn' on a GPU")
-  experts, m = model_cfg.num_experts, config.mesh
-  if m.expert > 1 and (not experts or experts % m.expert):
-    raise config_lib.ConfigError(
-        f"config.mesh.expert={m.expert}: the model has {experts} experts; allowed: 1, or a "
-        "divisor of the experts (each chip of an expert group holds experts / expert)")
-  if config.model.moe_matmul != "auto" and not experts:
-    raise config_lib.ConfigError(
-        f"config.model.moe_matmul={config.model.moe_matmul!r}: the model is dense (no "
-        "experts to compute); allowed: 'auto', or a mixture of experts (model.num_experts > 0)")
-  coef = config.grpo.router_aux_loss_coef
-  if coef and not experts:
-    raise config_lib.ConfigError(
-        f"config.grpo.router_aux_loss_coef={coef}: the model is dense (no router); allowed: "
-        "0, or a mixture of experts (model.num_experts > 0)")
-  if coef and config.grpo.micro_batch_tokens:
-    raise config_lib.ConfigError(
-        f"config.grpo.router_aux_loss_coef={coef}: not built with packed micro-batches "
-        f"(grpo.micro_batch_tokens={config.grpo.micro_batch_tokens}); allowed: 0, or "
-        "grpo.micro_batch_tokens=0")
 
 
 def _check_trackers(config) -> None:

@@ -10,6 +10,11 @@ sharding, ...), and a subsystem's rules live beside the code they protect.
       if ...:
         config_checks.fail("env.max_turns", c.env.max_turns, "an integer >= 1")
 
+A check that needs the model as loaded (a checkpoint names its own architecture: LoRA's
+rank against its shapes, splash against its window, the mesh against its heads and
+experts) registers with `register_model` and gets (config, the ModelConfig); the loader
+runs them (`run_model`) once the architecture is known, before anything compiles.
+
 A check gets the config (unlocked: the mesh check stores the resolved sizes) and the
 device count, and raises ConfigError: one line naming the key, the value and what is
 allowed. A check registers when its module is imported. The run layer imports every such
@@ -42,6 +47,20 @@ def register(order: int):
   return decorate
 
 
+_MODEL_CHECKS: list[tuple[int, str, Callable[[Any, Any], None]]] = []
+
+
+def register_model(order: int):
+  """Registers `fn(config, model_cfg)`, run by `run_model` once the model is known, after
+  the model checks of lower `order`."""
+  def decorate(fn):
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    if all(n != name for _, n, _ in _MODEL_CHECKS):
+      _MODEL_CHECKS.append((order, name, fn))
+    return fn
+  return decorate
+
+
 _complete = [False]  # set by mark_complete: every registering module was imported
 
 
@@ -57,6 +76,16 @@ def run(config, num_devices: int) -> None:
                        "jaxgrpo.run.setup.register_checks() before config.validate")
   for _, _, fn in sorted(_CHECKS, key=lambda item: item[0]):
     fn(config, num_devices)
+
+
+def run_model(config, model_cfg) -> None:
+  """Every check registered with `register_model`, by order, against the loaded model's
+  ModelConfig (the validated config's own keys may leave its architecture unset)."""
+  if not _complete[0]:
+    raise RuntimeError("the subsystems' config checks are not registered: call "
+                       "jaxgrpo.run.setup.register_checks() before loading a model")
+  for _, _, fn in sorted(_MODEL_CHECKS, key=lambda item: item[0]):
+    fn(config, model_cfg)
 
 
 def fail(key: str, value: Any, allowed: str, reason: str | None = None):
