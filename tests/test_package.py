@@ -284,3 +284,20 @@ def test_model_dependent_checks_are_registered_beside_their_code():
   owners = {name.rsplit(".", 1)[0] for _, name, _ in config_checks._MODEL_CHECKS}  # pylint: disable=protected-access
   assert owners == {"jaxgrpo.model.lora", "jaxgrpo.model.attention", "jaxgrpo.model.moe",
                     "jaxgrpo.model.sharding"}
+
+
+def test_attention_is_dispatched_in_attention_py_only():
+  """Issue 61: splash / xla / cudnn were told apart in two files (decoder.Attention chose
+  splash or the einsum masks itself). Only model/attention.py compares an implementation's
+  name now; the model passes the resolved name through."""
+  offenders = []
+  for module, path in _modules().items():
+    if module == "jaxgrpo.model.attention":
+      continue
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.Compare) and all(
+          isinstance(o, (ast.Eq, ast.NotEq)) for o in node.ops) and any(
+              isinstance(c, ast.Constant) and c.value in ("splash", "cudnn")
+              for c in [node.left, *node.comparators]):
+        offenders.append(f"{module}:{node.lineno}")
+  assert offenders == []

@@ -151,6 +151,49 @@ def splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, q_segment_NxT, kv_segment_NxS, offse
   return o.transpose(0, 2, 1, 3)[:, :t]
 
 
+def causal(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask_BxT, positions_BxT, window,
+           implementation: str, mesh=None, split_queries: bool = False):
+  """Causal self-attention of rows, by `implementation` (the one dispatch: decoder.Attention
+  calls this). mask_BxT: a boolean padding mask (real tokens True), or for packed rows int
+  segment ids (a token sees the earlier tokens of its own segment; 0: padding). window:
+  the keys a query sees behind it (a local layer's), None for all. "splash": the kernel
+  (causal, real tokens segment 1 and pads 0: no [B, T, S] mask; windows never reach it:
+  resolve_attention); otherwise the [B, T, S] mask and `attend`."""
+  if implementation == "splash":
+    return splash(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask_BxT, mask_BxT, 0, mesh,
+                  split_queries=split_queries)
+  t = q_BxTxHxD.shape[1]
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  if mask_BxT.dtype == jnp.bool_:
+    allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
+  else:
+    allowed = causal_TxT[None] & (mask_BxT[:, :, None] == mask_BxT[:, None, :])
+  if window is not None:  # a local layer sees the last `window` positions
+    behind = positions_BxT[:, :, None] - positions_BxT[:, None, :]
+    allowed = allowed & (behind < window)
+  return attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, allowed, implementation)
+
+
+def causal_extend(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, mask_BxGxT, positions_BxGxT,
+                  prompt_positions_BxL, window, implementation: str, mesh=None):
+  """T new tokens per sample attending to their prompt's shared K/V and causally to
+  themselves (`extend`), by `implementation`: "splash" (`extend_splash`), else the masks
+  and `extend`. window: as in `causal` (then prompt_positions_BxL, the prompt keys'
+  positions, is needed)."""
+  if implementation == "splash":
+    return extend_splash(q, k, v, prompt_k, prompt_v, prompt_mask_BxL, mask_BxGxT, mesh)
+  t = q.shape[2]
+  own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
+  prompt_allowed = prompt_mask_BxL
+  if window is not None:  # a local layer sees the last `window` positions
+    own_BxGxTxS = own_BxGxTxS & (positions_BxGxT[..., :, None] - positions_BxGxT[..., None, :]
+                                 < window)
+    behind_BxGxTxL = (positions_BxGxT[..., None]
+                      - prompt_positions_BxL[:, None, None, :])
+    prompt_allowed = prompt_mask_BxL[:, None, None, :] & (behind_BxGxTxL < window)
+  return extend(q, k, v, prompt_k, prompt_v, prompt_allowed, own_BxGxTxS, implementation)
+
+
 def attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
   """Masked attention of T queries over S keys; out [B, T, H, D]."""
   if implementation == "cudnn":

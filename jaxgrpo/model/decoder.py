@@ -411,21 +411,9 @@ class Attention(nn.Module):
     packed rows (algo/packing.py), int segment ids: a token sees the earlier tokens of its
     own segment only (0: padding). layer: this layer's index (a local layer's window and
     RoPE)."""
-    t = x_BxTxD.shape[1]
     q, k, v = self._qkv(x_BxTxD, positions_BxT, layer)
-    if self.attention == "splash":  # causal, real tokens segment 1 and pads 0: no [B, T, S]
-      o = attention_lib.splash(q, k, v, mask_BxT, mask_BxT, 0, self.mesh,
-                               split_queries=self.split_sequence)
-      return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-    causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-    if mask_BxT.dtype == jnp.bool_:
-      allowed = causal_TxT[None] & mask_BxT[:, None, :]  # [B, T, S]
-    else:
-      allowed = causal_TxT[None] & (mask_BxT[:, :, None] == mask_BxT[:, None, :])
-    if self.cfg.sliding_window:  # a local layer sees the last `window` positions
-      behind = positions_BxT[:, :, None] - positions_BxT[:, None, :]
-      allowed = allowed & (behind < layer_window(layer, self.cfg))
-    o = attention_lib.attend(q, k, v, allowed, self.attention)
+    o = attention_lib.causal(q, k, v, mask_BxT, positions_BxT, self._window(layer),
+                             self.attention, self.mesh, split_queries=self.split_sequence)
     # K/V returned in the cache layout [B, H_kv, T, D] for prefill.
     return self._out(o), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
@@ -436,26 +424,18 @@ class Attention(nn.Module):
     also the new tokens' K/V [B, G, T, H_kv, D] (multi-turn episodes append them to their
     cache: decode.extend). layer: this layer's index; prompt_positions_BxL: the prompt
     keys' positions (a local layer's window; default: counted from the mask)."""
-    t = x_BxGxTxD.shape[2]
     q, k, v = self._qkv(x_BxGxTxD, positions_BxGxT, layer)  # q [B,G,T,H,D], k/v [B,G,T,Hkv,D]
-    if self.attention == "splash":
-      out = self._out(attention_lib.extend_splash(q, k, v, prompt_k, prompt_v, prompt_mask_BxL,
-                                                  mask_BxGxT, self.mesh))
-      return (out, (k, v)) if return_kv else out
-    own_BxGxTxS = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask_BxGxT[:, :, None, :]
-    prompt_allowed = prompt_mask_BxL
-    if self.cfg.sliding_window:  # a local layer sees the last `window` positions
-      window = layer_window(layer, self.cfg)
-      own_BxGxTxS = own_BxGxTxS & (positions_BxGxT[..., :, None] - positions_BxGxT[..., None, :]
-                                   < window)
-      if prompt_positions_BxL is None:
-        prompt_positions_BxL = positions_from_mask(prompt_mask_BxL)
-      behind_BxGxTxL = (positions_BxGxT[..., None]
-                        - prompt_positions_BxL[:, None, None, :])
-      prompt_allowed = prompt_mask_BxL[:, None, None, :] & (behind_BxGxTxL < window)
-    out = self._out(attention_lib.extend(q, k, v, prompt_k, prompt_v, prompt_allowed,
-                                         own_BxGxTxS, self.attention))
+    window = self._window(layer)
+    if window is not None and prompt_positions_BxL is None:
+      prompt_positions_BxL = positions_from_mask(prompt_mask_BxL)
+    out = self._out(attention_lib.causal_extend(
+        q, k, v, prompt_k, prompt_v, prompt_mask_BxL, mask_BxGxT, positions_BxGxT,
+        prompt_positions_BxL, window, self.attention, self.mesh))
     return (out, (k, v)) if return_kv else out
+
+  def _window(self, layer):
+    """The keys `layer` sees behind a query (layer_window), None without sliding windows."""
+    return layer_window(layer, self.cfg) if self.cfg.sliding_window else None
 
 
 class MLP(nn.Module):
