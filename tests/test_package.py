@@ -301,3 +301,17 @@ def test_attention_is_dispatched_in_attention_py_only():
               for c in [node.left, *node.comparators]):
         offenders.append(f"{module}:{node.lineno}")
   assert offenders == []
+
+
+def test_the_trainer_never_asks_which_rollout_kind_it_runs():
+  """Issue 61: the trainer probed its engine and source (getattr engine.partial, hasattr
+  carry/carry_like, getattr pulls_batches, source.runner) to tell the kinds apart. Every
+  source is a rollouts.Source with defaults; build.training_source chooses it."""
+  text = open(os.path.join(ROOT, "run", "trainer.py")).read()
+  for probe in ("getattr(", "hasattr(", ".partial", "partial_rollouts.", ".runner.metrics",
+                "for_training"):
+    assert probe not in text, probe
+  from jaxgrpo.run import partial_rollouts, rollouts  # pylint: disable=g-import-not-at-top
+  for kind in (rollouts.SingleTurn, rollouts.DynamicSampling, rollouts.EpisodeRollouts,
+               partial_rollouts.PartialRollouts):
+    assert issubclass(kind, rollouts.Source), kind

@@ -173,6 +173,17 @@ def make_runner(c, engine, tokenizer, template=None):
       truncation_side=e.observation_truncation_side)
 
 
+def training_source(c, engine, scorer, runner, train_batches):
+  """The rollout source a run's training steps collect from (rollouts.Source): the one
+  place the kind is chosen. Partial rollouts when the engine decodes in rounds
+  (generation.max_tokens_per_step), else rollouts.for_training's choice (episodes, dynamic
+  sampling, one sampler call)."""
+  from jaxgrpo.run import partial_rollouts, rollouts  # pylint: disable=g-import-not-at-top
+  if c.generation.max_tokens_per_step:  # rows carried between steps
+    return partial_rollouts.PartialRollouts(c, engine, scorer, train_batches)
+  return rollouts.for_training(c, engine, scorer, runner, lambda: next(train_batches))
+
+
 def make_validator(c, engine, scorer, runner, val_batches, mesh, sources=(), *,
                    samples_dir: str | None = None, collect: bool = False):
   """The run's Validator, built here for the trainer and for evaluate alike (so a run's

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from jaxgrpo.model import sharding as sharding_lib
-from jaxgrpo.run.rollouts import Collected
+from jaxgrpo.run.rollouts import Collected, Source
 from jaxgrpo.runtime import config_checks, distributed
 
 PENDING, LIVE, DONE = 0, 1, 2
@@ -67,7 +67,7 @@ def empty_arrays(groups: int, g: int, t: int, rows: int) -> dict[str, np.ndarray
           "pulled_1": np.zeros(1, np.int64)}
 
 
-class PartialRollouts:
+class PartialRollouts(Source):
   """The training rollout source of partial rollouts (module docstring)."""
 
   pulls_batches = True  # the trainer hands it no batch: it pulls its own

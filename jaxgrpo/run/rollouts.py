@@ -4,13 +4,19 @@ sequences, scored, and does not know how they were made.
     source = rollouts.for_training(config, engine, scorer, runner, next_batch)
     got = source.collect("train", params, batch, samples=G, step=step)   # a Collected
 
-Three sources, one per way a run samples; each is selectable and testable alone:
+Every source is a `Source`: `collect`, and what only some kinds do, with defaults (its own
+step metrics, prompts it pulls itself, rollouts a checkpoint carries), so a step and the
+trainer never ask which kind they run; run/build.py's `training_source` is the one place
+that chooses it from the config. Four sources, one per way a run samples; each is
+selectable and testable alone:
 
   SingleTurn       one sampler call: G completions per prompt (the default).
   DynamicSampling  generation batches until B informative groups are kept
                    (grpo.dynamic_sampling='filter'; run/dynamic.py holds the rule).
   EpisodeRollouts  G multi-turn episodes per prompt against the run's environment
                    (env.name; episodes.py runs the turns).
+  PartialRollouts  rows decoded a budget of tokens a round, carried between steps
+                   (generation.max_tokens_per_step; run/partial_rollouts.py).
 
 Validation uses the same seam with the `val` profile (`for_validation`: single turn or
 episodes; dynamic sampling is a training rule). Its `start` dispatches the sampler and
@@ -69,7 +75,37 @@ class _Pending:
   label: str
 
 
-class SingleTurn:
+class Source:
+  """What a training step collects its scored batch from. `collect` is each kind's own; the
+  rest are defaults that the kinds which need them override."""
+
+  # True: the source reads its own prompts (partial rollouts refill freed rows), and the
+  # trainer hands it no batch.
+  pulls_batches = False
+
+  def collect(self, name: str, params, batch: dict | None, *, samples: int,
+              step: int | None = None, label: str = "", **kwargs) -> Collected:
+    raise NotImplementedError
+
+  def step_metrics(self, got: Collected) -> dict:
+    """The source's own numbers for a step's metrics row beyond `got.metrics` (episodes:
+    turns, tool calls, ...); over every process's rows."""
+    return {}
+
+  def carry(self):
+    """What a checkpoint holds of rollouts in flight (None: nothing; partial rollouts)."""
+    return None
+
+  def carry_like(self):
+    """The abstract shapes of `carry`, for a restore (None when it carries nothing)."""
+    return None
+
+  def restore(self, carry) -> None:
+    """Takes back what a checkpoint carried (`carry`)."""
+    del carry
+
+
+class SingleTurn(Source):
   """One sampler call per batch: `samples` completions per prompt (the profile's own)."""
 
   def __init__(self, engine, scorer):
@@ -106,12 +142,16 @@ class SingleTurn:
     return self.finish(self.start(name, params, batch, **kwargs), extract=extract)
 
 
-class EpisodeRollouts:
+class EpisodeRollouts(Source):
   """`samples` multi-turn episodes per prompt (episodes.Runner), scored on their
   transcripts together with the environment's own rewards."""
 
   def __init__(self, engine, scorer, runner):
     self.engine, self.scorer, self.runner = engine, scorer, runner
+
+  def step_metrics(self, got: Collected) -> dict:
+    """The episodes' metrics (turns, tool calls, environment errors, ...), every process's."""
+    return self.runner.metrics([(np.ones(len(got.lengths_N), bool), got.episodes)])
 
   def start(self, name: str, params, batch: dict, **kwargs):
     """Episodes run turn by turn with the host in between: nothing to dispatch ahead."""
@@ -150,7 +190,7 @@ class EpisodeRollouts:
         metrics={"env_s": ep.env_s, "sampler_s": ep.rollout_s})
 
 
-class DynamicSampling:
+class DynamicSampling(Source):
   """Generation batches of the training profile until B informative groups are kept
   (algo/dynamic.py: the rule, the bound, the fill; its docstring cites DAPO).
 

@@ -20,7 +20,7 @@ import warnings
 import jax
 import numpy as np
 
-from jaxgrpo.run import build, checkpoint, loading, partial_rollouts, rollouts
+from jaxgrpo.run import build, checkpoint, loading
 from jaxgrpo.algo import grpo
 from jaxgrpo.eval import plots
 from jaxgrpo.runtime import distributed, faults, metrics, trackers
@@ -37,23 +37,21 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   global batch, and the logged numbers are gathered over every process's rows.
   consumed: a list to which the global row ids of every batch the step sampled are added
   (with dynamic sampling, more than `batch`: further ones come from setup.train_batches).
-  source: the run's rollout source (rollouts.for_training; built here when not given): one
-  sampler call, dynamic sampling's generation batches or multi-turn episodes alike.
+  source: the run's rollout source (a rollouts.Source, build.training_source's choice;
+  built here when not given): one sampler call, dynamic sampling's generation batches,
+  multi-turn episodes or partial rollouts alike.
   """
   c = setup.config
   g = c.grpo.num_generations_per_prompt
   if source is None:
-    source = rollouts.for_training(c, engine, setup.scorer, None,
-                                   lambda: next(setup.train_batches))
+    source = build.training_source(c, engine, setup.scorer, None, setup.train_batches)
   policy = update.policy(state, ref_params)  # LoRA: the base with the adapters merged
   got = source.collect("train", policy, batch, samples=g, step=step, label=f"step {step}")
   if consumed is not None:
     consumed += [distributed.gather_rows(b["row_ids_B"])[0] for b in got.batches]
   scores, lengths_N, truncated_N = got.scores, got.lengths_N, got.truncated_N
   t_rollout, t_reward, generated = got.rollout_s, got.reward_s, got.generated
-  extra = {}
-  if got.episodes is not None:
-    extra.update(source.runner.metrics([(np.ones(len(lengths_N), bool), got.episodes)]))
+  extra = source.step_metrics(got)
   extra.update(got.metrics)
   rewards_N = scores.total_N
   if step == faults.nan_injection_step():  # test hook (faults.py): a poisoned update
@@ -190,11 +188,8 @@ class _Run:
     self.engine, self.state, self.ref_params, self.update = build.training(setup)
     self.runner = build.make_runner(c, self.engine, setup.tokenizer,
                                     setup.data.template if setup.data else None)
-    if getattr(self.engine, "partial", False):  # rows carried between steps (run/partial_rollouts.py)
-      self.source = partial_rollouts.PartialRollouts(c, self.engine, setup.scorer, setup.train_batches)
-    else:
-      self.source = rollouts.for_training(c, self.engine, setup.scorer, self.runner,
-                                          lambda: next(setup.train_batches))
+    self.source = build.training_source(c, self.engine, setup.scorer, self.runner,
+                                        setup.train_batches)
     self.primary = primary = jax.process_index() == 0
     ck = c.checkpoint
     self.checkpoints = checkpoint.Checkpoints(
@@ -252,7 +247,7 @@ class _Run:
             "model": dataclasses.asdict(setup.model_cfg), "layout": model_lib.PARAM_LAYOUT,
             "lora": loading.lora_meta(self.c)}
     with preemption.busy(f"saving checkpoint {step}"):
-      carry = self.source.carry() if hasattr(self.source, "carry") else None
+      carry = self.source.carry()
       if carry is not None:
         meta["partial_rollouts"] = loading.carried_meta(self.c)
       self.saved[step] = self.checkpoints.save(step, self.state, meta, result, carry)
@@ -272,8 +267,7 @@ class _Run:
            and not (preempted := distributed.any_process(preemption.requested))):
       self.step = step = self.step + 1
       # A source that pulls its own prompts (partial rollouts) gets none from here.
-      batch = None if getattr(self.source, "pulls_batches", False) else next(
-          setup.train_batches)
+      batch = None if self.source.pulls_batches else next(setup.train_batches)
       consumed = []
       self.state, step_metrics = train_step(setup, self.engine, self.state, self.ref_params,
                                             self.update, batch, step, consumed, self.source)
@@ -412,14 +406,13 @@ def _resume(setup, checkpoints, state, rollout_source=None):
   directory, at_most = setup.resume
   source = checkpoints if directory == checkpoints.directory else checkpoint.Checkpoints(
       directory, read_only=True)
-  carries = hasattr(rollout_source, "carry_like")
-  found = source.restore_latest(state, at_most=at_most,
-                                carry_like=rollout_source.carry_like() if carries else None)
+  like = rollout_source.carry_like() if rollout_source is not None else None
+  found = source.restore_latest(state, at_most=at_most, carry_like=like)
   if found is None:
     raise RuntimeError(f"no checkpoint under {directory} to resume from")
   start, state, meta = found
   setup.train_batches.set_state(meta["data"])
-  if carries and "carry" in meta:  # (a synchronous run's checkpoint carries nothing)
+  if like is not None and "carry" in meta:  # (a synchronous run's checkpoint carries nothing)
     rollout_source.restore(meta.pop("carry"))
   path = source.path(start)
   if source is not checkpoints:
