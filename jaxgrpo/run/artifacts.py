@@ -83,7 +83,8 @@ def _load(workdir: str, step: int | None):
   config = run_config(workdir)
   directory, step = run_step(workdir, step)
   try:
-    cfg, host_params, tokenizer = loading.load_policy(config)
+    # The run's recorded config: checked when it ran (an older run's lacks newer keys).
+    cfg, host_params, tokenizer = loading.load_policy(config, checks=False)
   except loading.USER_ERRORS as e:
     raise ExportError(str(e)) from None
   ckpts = checkpoint.Checkpoints(directory, read_only=True)

@@ -389,8 +389,10 @@ def architecture(config) -> dict:
   return {k: v for k, v in config.model.items() if k not in NOT_ARCHITECTURE}
 
 
-def load_policy(config):
-  """(ModelConfig, host params or None, Tokenizer), all checked on the host.
+def load_policy(config, checks: bool = True):
+  """(ModelConfig, host params or None, Tokenizer), all checked on the host. checks: the
+  checks registered for the loaded model (config_checks.register_model) run too; a run's
+  own recorded config (export, serve) was checked when it ran, and skips them.
 
   A Hugging Face folder's weights are not read here: build.training streams them straight
   onto their shardings (host params None); their names and shapes are checked now.
@@ -417,7 +419,7 @@ def load_policy(config):
                                 moe_matmul=m.moe_matmul)
       np_dtype = np.dtype(model_lib.DTYPES[m.param_dtype])
       params = jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), params)
-    check_architecture(config, cfg)
+    check_architecture(config, cfg, checks)
     return cfg, params, tokenizer
   alphabet = "0123456789+=" if config.data.source == "arithmetic" else _PRINTABLE
   tokenizer = Tokenizer.char_level(alphabet)
@@ -429,14 +431,15 @@ def load_policy(config):
     cfg = model_lib.ModelConfig.from_dict({**arch, "moe_matmul": m.moe_matmul})
   except ValueError as e:
     raise config_lib.ConfigError(f"config.{e}") from None
-  config_checks.run_model(config, cfg)  # the checks that need the model (config_checks.py)
+  if checks:  # the checks that need the model (config_checks.py)
+    config_checks.run_model(config, cfg)
   return cfg, None, tokenizer
 
 
-def check_architecture(config, cfg) -> None:
+def check_architecture(config, cfg, checks: bool = True) -> None:
   """The config against a checkpoint's model `cfg`: the architecture keys it sets match,
   the checkpoint's shapes split over the mesh (named as its file spells them), and every
-  check registered for the loaded model (config_checks.register_model) passes."""
+  check registered for the loaded model (config_checks.register_model) passes (checks)."""
   m = config.model
   key = "hf_checkpoint" if m.hf_checkpoint else "checkpoint"
   for name, value in dataclasses.asdict(cfg).items():
@@ -457,7 +460,8 @@ def check_architecture(config, cfg) -> None:
       where = f"{m.checkpoint} (its model.json): {name}"
     raise config_lib.ConfigError(f"{where}={value!r} does not split over the mesh; allowed: "
                                  f"{allowed} (the checkpoint's value is fixed: change config.mesh)")
-  config_checks.run_model(config, cfg)
+  if checks:
+    config_checks.run_model(config, cfg)
 
 
 _PRINTABLE = "".join(chr(i) for i in range(32, 127)) + "\n"
