@@ -667,3 +667,15 @@ def test_micro_batch_rows_act_when_a_text_typed_token_budget_is_zero():
   c.grpo.micro_batch_tokens = "512"
   with pytest.raises(config_lib.ConfigError, match="micro_batch_size: ignored while"):
     config_lib.check_overrides(c, {"grpo.micro_batch_size"})
+
+
+def test_the_model_schema_and_a_runs_recorded_keys_follow_model_config():
+  """Issue 61: a family's keys were listed three times (ModelConfig, the schema, a run's
+  recorded keys in run/artifacts.py). The recorded keys derive from ModelConfig now; the
+  schema (config.py imports no model code) is checked against it here."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import artifacts  # pylint: disable=g-import-not-at-top
+  fields = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
+  assert fields <= set(config_lib.SCHEMA["model"])
+  assert set(artifacts._ARCH_KEYS) == fields - {"param_dtype", "dtype", "moe_matmul"}  # pylint: disable=protected-access

@@ -7,6 +7,7 @@ read runs through here too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,12 +24,11 @@ from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model.tokenizer import Tokenizer
 
 
-_ARCH_KEYS = ("qkv_bias", "rope_scaling_factor", "rope_low_freq_factor",
-              "rope_high_freq_factor", "rope_original_max_positions", "num_experts",
-              "num_experts_per_tok", "moe_mlp_dim", "norm_topk_prob", "hidden_act",
-              "norm_plus_one", "post_norms", "embed_scale", "query_pre_attn_scalar",
-              "sliding_window", "sliding_window_pattern", "rope_local_theta",
-              "rope_scaling_type")
+# The architecture keys a run's config.json may hold, derived from ModelConfig (issue 61: a
+# family's keys were listed by hand here too): a run written before a key existed lacks it,
+# and absent means "from the checkpoint" (None).
+_ARCH_KEYS = tuple(f.name for f in dataclasses.fields(model_lib.ModelConfig)
+                   if f.name not in ("param_dtype", "dtype", "moe_matmul"))
 
 
 class ExportError(ValueError):
