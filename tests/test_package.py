@@ -315,3 +315,18 @@ def test_the_trainer_never_asks_which_rollout_kind_it_runs():
   for kind in (rollouts.SingleTurn, rollouts.DynamicSampling, rollouts.EpisodeRollouts,
                partial_rollouts.PartialRollouts):
     assert issubclass(kind, rollouts.Source), kind
+
+
+def test_sizing_and_the_compile_check_ask_the_engine_for_its_programs():
+  """Issue 61: run/sizing.py rebuilt each engine's programs by switching on engine.partial
+  and engine.episodes. Each engine describes its own (`programs`); nothing in run/ or the
+  launch scripts asks an engine which kind it is."""
+  launch = os.path.join(os.path.dirname(ROOT), "launch")
+  paths = [p for m, p in _modules().items() if m.startswith("jaxgrpo.run.")]
+  paths += [os.path.join(launch, n) for n in os.listdir(launch) if n.endswith(".py")]
+  offenders = [p for p in paths for probe in ("engine.partial", "engine.episodes")
+               if probe in open(p).read()]
+  assert offenders == []
+  from jaxgrpo.rollout import partial, sampling, turns  # pylint: disable=g-import-not-at-top
+  for engine in (sampling.RolloutEngine, partial.PartialEngine, turns.EpisodeEngine):
+    assert "programs" in vars(engine), engine

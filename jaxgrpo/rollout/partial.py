@@ -247,6 +247,23 @@ class PartialEngine(sampling.RolloutEngine):
       raise ValueError("partial rollouts sample training rows in rounds (run/partial_rollouts.py)")
     return super().sample(name, *args, **kwargs)
 
+  def programs(self, name: str, params, prompts: int, key, samples: int) -> list:
+    """sampling.RolloutEngine.programs: `train` is the round program over the engine's
+    sampler rows (its state, the rows' KV caches kept on the chips between rounds, an
+    argument, donated); `val` the synchronous sampler."""
+    if name != "train":
+      return super().programs(name, params, prompts, key, samples)
+    sds = jax.ShapeDtypeStruct
+    n, width = self.rows * jax.process_count(), self.max_prompt_length
+    program = compile_round(self.cfg, self.profile("train"), eos_id=self.eos_id,
+                            pad_id=self.pad_id, mesh=self.mesh, scan_layers=self.scan_layers,
+                            attention=self.attention, gather_weights=self.gather_weights)
+    rows1 = lambda dtype: sds((n,), dtype)
+    return [("train sampler", program.lower(
+        params, self.state_like(), rows1(bool), sds((n, width), jnp.int32),
+        sds((n, width), bool), rows1(jnp.int32), rows1(bool), rows1(jnp.int32),
+        sds((), jnp.int32), key))]
+
   def round_key(self):
     """The key every training rollout's draws fold their rollout id into (`uniforms`)."""
     return self.key("train", 0)

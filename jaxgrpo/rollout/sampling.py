@@ -330,6 +330,24 @@ class RolloutEngine:
   def _count(self, name):
     self.compilations[name] += 1
 
+  def programs(self, name: str, params, prompts: int, key, samples: int) -> list:
+    """[(label, jax Lowered)]: what profile `name` runs for `prompts` prompts of `samples`
+    samples each, lowered from abstract inputs (`params`: ShapeDtypeStructs with their
+    shardings), so sizing and the compile check measure the engine's own programs instead
+    of rebuilding them by kind. Here one sampler call (the profile holds its samples);
+    other engines describe theirs (partial rounds, episode turns)."""
+    del samples
+    sds = jax.ShapeDtypeStruct
+    p = self.max_prompt_length
+    sampler = compile_sampler(self.cfg, self.profile(name), eos_id=self.eos_id,
+                              pad_id=self.pad_id, mesh=self.mesh, scan_layers=self.scan_layers,
+                              attention=self.attention, decode_block=self.decode_block,
+                              compact_stages=self.compact_stages,
+                              gather_weights=self.gather_weights)
+    return [(f"{name} sampler", sampler.lower(params, sds((prompts, p), jnp.int32),
+                                               sds((prompts, p), bool), key,
+                                               sds((prompts,), jnp.int32)))]
+
   def key(self, name: str, step: int):
     """The key of call `step` of profile `name`: distinct per (profile, step)."""
     return jax.random.fold_in(jax.random.fold_in(self._base_key, PROFILE_NAMES.index(name)),

@@ -215,6 +215,27 @@ class EpisodeEngine(sampling.RolloutEngine):
   def sample(self, *args, **kwargs):
     raise ValueError("an episode engine runs turns (start, turn: episodes.py), not sample")
 
+  def programs(self, name: str, params, prompts: int, key, samples: int) -> list:
+    """sampling.RolloutEngine.programs: the turn program of `prompts` prompts' `samples`
+    episodes each (its arguments hold the episodes' KV cache, kept on the chips between
+    turns) and the start that makes it (the prompts' prefill, the cache its output)."""
+    n, width = prompts * samples, self.max_prompt_length
+    sds = jax.ShapeDtypeStruct
+    start = compile_start(self.cfg, samples, self.num_slots, mesh=self.mesh,
+                          scan_layers=self.scan_layers, attention=self.attention)
+    prompt_args = (params, sds((prompts, width), jnp.int32), sds((prompts, width), bool))
+    cache = jax.eval_shape(start, *prompt_args)
+    turn_program = compile_turn(self.cfg, self.profile(name), eos_id=self.eos_id,
+                                pad_id=self.pad_id, mesh=self.mesh,
+                                scan_layers=self.scan_layers, attention=self.attention,
+                                compact_stages=self.compact_stages,
+                                gather_weights=self.gather_weights)
+    rows1 = lambda dtype: sds((n,), dtype)
+    return [(f"{name} sampler", turn_program.lower(
+                params, cache, rows1(jnp.int32), sds((n, self.max_append_tokens), jnp.int32),
+                rows1(jnp.int32), key, rows1(jnp.int32), rows1(bool))),
+            (f"{name} episode start", start.lower(*prompt_args))]
+
   def start(self, name: str, params, prompt_tokens_BxL, prompt_mask_BxL,
             samples: int) -> decode.Cache:
     """The cache of this process's B prompts' B * samples episodes (`start`)."""

@@ -58,7 +58,6 @@ from jaxgrpo.algo import microbatch
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
-from jaxgrpo.rollout import sampling
 
 GIB = 2**30
 AUTO = "auto"
@@ -400,67 +399,11 @@ def programs(c, model_cfg, tokenizer, mesh, which):
   for name, rows in (("train", b), ("val", g.val_batch_size)):
     if name not in which:
       continue
-    if name == "train" and getattr(engine, "partial", False):  # rounds (rollout/partial.py)
-      yield "train sampler", _partial_round(engine, params, key), resident
-      continue
-    if engine.episodes:  # a turn on the episodes' KV cache, and the start that makes it
-      turn, start = _episode_programs(c, engine, name, rows, params, key)
-      yield f"{name} sampler", turn, resident
-      yield f"{name} episode start", start, resident
-      continue
-    # make_engine's eos and pad ids: the engine keeps its compiled samplers private.
-    sampler = sampling.compile_sampler(model_cfg, engine.profile(name),
-                                       eos_id=build.stop_ids(c, tokenizer),
-                                       pad_id=tokenizer.pad_id,
-                                       mesh=mesh, scan_layers=engine.scan_layers,
-                                       attention=engine.attention,
-                                       decode_block=engine.decode_block,
-                                       compact_stages=engine.compact_stages,
-                                       gather_weights=engine.gather_weights)
-    lowered = sampler.lower(params, sds((rows, p), jnp.int32), sds((rows, p), bool),
-                            key, sds((rows,), jnp.int32))
-    yield f"{name} sampler", lowered, resident
-
-
-def _partial_round(engine, params, key):
-  """The lowered round program of partial rollouts over the run's sampler rows: its state
-  (the rows' KV caches, kept on the chips between rounds) is an argument, donated."""
-  from jaxgrpo.rollout import partial  # pylint: disable=g-import-not-at-top
-  sds = jax.ShapeDtypeStruct
-  n, width = engine.rows * jax.process_count(), engine.max_prompt_length
-  program = partial.compile_round(engine.cfg, engine.profile("train"), eos_id=engine.eos_id,
-                                  pad_id=engine.pad_id, mesh=engine.mesh,
-                                  scan_layers=engine.scan_layers, attention=engine.attention,
-                                  gather_weights=engine.gather_weights)
-  rows1 = lambda dtype: sds((n,), dtype)
-  return program.lower(params, engine.state_like(), rows1(bool), sds((n, width), jnp.int32),
-                       sds((n, width), bool), rows1(jnp.int32), rows1(bool), rows1(jnp.int32),
-                       sds((), jnp.int32), key)
-
-
-def _episode_programs(c, engine, name: str, prompts: int, params, key):
-  """The lowered turn and start programs of an episode engine (rollout/turns.py) for
-  `prompts` prompts' G (train) or k (val) episodes each. The turn's arguments hold the
-  episodes' KV cache (kept on the chips between turns); the start makes it (the prompts'
-  prefill, the cache as its output)."""
-  from jaxgrpo.rollout import turns  # pylint: disable=g-import-not-at-top
-  g = c.grpo
-  samples = g.num_generations_per_prompt if name == "train" else g.val_num_generations_per_prompt
-  n, width = prompts * samples, engine.max_prompt_length
-  mesh, sds = engine.mesh, jax.ShapeDtypeStruct
-  start = turns.compile_start(engine.cfg, samples, engine.num_slots, mesh=mesh,
-                              scan_layers=engine.scan_layers, attention=engine.attention)
-  prompt_args = (params, sds((prompts, width), jnp.int32), sds((prompts, width), bool))
-  cache = jax.eval_shape(start, *prompt_args)
-  turn = turns.compile_turn(engine.cfg, engine.profile(name), eos_id=engine.eos_id,
-                            pad_id=engine.pad_id, mesh=mesh, scan_layers=engine.scan_layers,
-                            attention=engine.attention, compact_stages=engine.compact_stages,
-                            gather_weights=engine.gather_weights)
-  rows1 = lambda dtype: sds((n,), dtype)
-  return (turn.lower(params, cache, rows1(jnp.int32),
-                     sds((n, engine.max_append_tokens), jnp.int32), rows1(jnp.int32), key,
-                     rows1(jnp.int32), rows1(bool)),
-          start.lower(*prompt_args))
+    samples = (g.num_generations_per_prompt if name == "train"
+               else g.val_num_generations_per_prompt)
+    # The engine describes its own programs (a sampler call, partial rounds, episode turns).
+    for label, lowered in engine.programs(name, params, rows, key, samples):
+      yield label, lowered, resident
 
 
 def abstract_params(model_cfg, mesh):
