@@ -434,6 +434,8 @@ def _no_auto(c) -> str | None:
 MODE_KEYS: tuple[tuple[tuple[str, ...], Callable[[Any], str | None], str], ...] = (
     (("data.train_path", "data.val_path", "data.question_key", "data.answer_key"),
      _while("data.source", lambda v: v != "jsonl"), "--config.data.source=jsonl"),
+    (("data.chat_template_date",), _while("data.use_chat_template", lambda v: not v),
+     "--config.data.use_chat_template=True (with a model.hf_checkpoint: its template)"),
     (("data.num_digits",), _while("data.source", lambda v: v != "arithmetic"),
      "--config.data.source=arithmetic (it sizes the generated additions), or drop it"),
     (("env.kwargs", "env.max_turns", "env.max_observation_tokens", "env.stop_strings",

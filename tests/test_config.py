@@ -459,6 +459,8 @@ IDLE_OVERRIDES = [
     ("data.val_path", "data.source='arithmetic'", {"data.source": "jsonl"}),
     ("data.question_key", "data.source='arithmetic'", {"data.source": "jsonl"}),
     ("data.answer_key", "data.source='arithmetic'", {"data.source": "jsonl"}),
+    ("data.chat_template_date", "data.use_chat_template=False",
+     {"data.use_chat_template": True}),
     ("data.num_digits", "data.source='jsonl'", None),  # idle under jsonl: checked below
     ("env.kwargs", "env.name=''", {"env.name": "tools"}),
     ("env.max_turns", "env.name=''", {"env.name": "tools"}),
