@@ -499,3 +499,89 @@ def test_gemma3_text_and_vision_folder_loads_its_language_model(tmp_path, prefix
   # loaded in transformers 5.24, matched jaxgrpo's logits within 3.5e-6 once it was an int).
   assert written["query_pre_attn_scalar"] == 24 and isinstance(written["query_pre_attn_scalar"], int)
   assert hf.hf_model_config(str(tmp_path / "out")) == loaded.cfg
+
+
+def test_a_family_registered_outside_the_package_loads_and_exports_as_itself(tmp_path):
+  """Issue 61: a model family is one module (model/families/): registering a Family is all
+  that reading and writing its folders needs. Mistral (docs/architecture.md's worked
+  example) computes what Llama computes; a folder that says MistralForCausalLM loads, and
+  its export keeps saying so (the source's family, while it still computes the same)."""
+  from jaxgrpo.model.families import base  # pylint: disable=g-import-not-at-top
+  mistral = base.Family(
+      architecture="MistralForCausalLM", model_type="mistral", name="Mistral",
+      layout={**base.LLAMA_SHAPED, "qk_norm": False, "qkv_bias": False, "num_experts": False},
+      read=base.read_llama_shaped, write=base.write_llama_shaped,
+      layer_names=base.llama_layer_names, end_of_turn="</s>")
+  cfg, params = hf_folder(tmp_path / "llama", "LlamaForCausalLM")
+  config = json.load(open(tmp_path / "llama" / "config.json"))
+  config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+  shutil.copytree(tmp_path / "llama", tmp_path / "mistral")
+  (tmp_path / "mistral" / "config.json").write_text(json.dumps(config))
+  with pytest.raises(hf.PretrainedError, match="'MistralForCausalLM' is not supported"):
+    hf.load_hf(str(tmp_path / "mistral"))
+  base.register(mistral)
+  try:
+    assert "MistralForCausalLM" in base.architectures()
+    loaded_cfg, loaded, tok = hf.load_hf(str(tmp_path / "mistral"))
+    assert loaded_cfg == cfg
+    artifacts.save_hf(str(tmp_path / "out"), loaded_cfg, loaded, tok,
+                      source=str(tmp_path / "mistral"))
+    written = json.load(open(tmp_path / "out" / "config.json"))
+    assert written["architectures"] == ["MistralForCausalLM"]
+    assert written["model_type"] == "mistral"
+    # Without a source folder the same weights export as the first family with the layout.
+    artifacts.save_hf(str(tmp_path / "bare"), loaded_cfg, loaded, tok)
+    assert json.load(open(tmp_path / "bare" / "config.json"))["architectures"] == [
+        "LlamaForCausalLM"]
+  finally:
+    del base.FAMILIES["MistralForCausalLM"]
+
+
+def test_a_model_no_family_computes_is_refused_naming_the_layouts(tmp_path):
+  # q/k norms and q/k/v biases together: no transformers class has both.
+  cfg = model_lib.ModelConfig(vocab_size=16, d_model=32, num_layers=1, num_heads=4,
+                              num_kv_heads=2, head_dim=8, mlp_dim=64, qk_norm=True,
+                              qkv_bias=True)
+  with pytest.raises(hf.PretrainedError) as e:
+    artifacts.save_hf(str(tmp_path), cfg, random_params(cfg, 0),
+                      Tokenizer.char_level("0123456789+="))
+  message = str(e.value)
+  assert "no Hugging Face architecture computes this model (" in message
+  assert "qk_norm=True" in message and "qkv_bias=True" in message
+  assert "Qwen2ForCausalLM: qkv_bias=True, qk_norm=False, num_experts=False" in message
+
+
+@pytest.mark.parametrize("name,end", [("qwen2", "<|im_end|>"), ("gemma3", "<end_of_turn>")])
+def test_a_chat_run_whose_end_ids_miss_the_turns_end_is_warned(tmp_path, capsys, monkeypatch,
+                                                               name, end):
+  """A folder whose end ids leave out the token its family's chat template ends a turn
+  with (a base model's: only <|endoftext|>) would sample past every answer to max_tokens.
+  The family names that token (Family.end_of_turn); the start-up warns, naming it."""
+  from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  folder = tmp_path / name
+  shutil.copytree(os.path.join(FIXTURES, name), folder)
+  end_id = hf.hf_tokenizer(str(folder)).hf.token_to_id(end)
+  config = ml_collections.ConfigDict({"model": {
+      "checkpoint": "", "hf_checkpoint": str(folder), "param_dtype": "float32",
+      "dtype": "float32", "moe_matmul": "auto"},
+      "data": {"source": "jsonl", "use_chat_template": True}})
+  monkeypatch.setattr(loading, "check_architecture", lambda *a: None)  # no keys set here
+  loading.load_policy(config)
+  assert "chat template ends an assistant turn" not in capsys.readouterr().err
+  for file in ("config.json", "generation_config.json"):  # as a base model's folder
+    values = json.loads((folder / file).read_text())
+    values["eos_token_id"] = [i for i in np.atleast_1d(values["eos_token_id"]).tolist()
+                              if i != end_id]
+    (folder / file).write_text(json.dumps(values))
+  settings = json.loads((folder / "tokenizer_config.json").read_text())
+  if settings.get("eos_token") == end:
+    settings["eos_token"] = "<|endoftext|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+  loading.load_policy(config)
+  err = capsys.readouterr().err
+  assert f"ends an assistant turn with {end!r} (id {end_id})" in err
+  assert f"add {end_id} to generation_config.json's eos_token_id" in err
+  config.data.use_chat_template = False  # plain text: the template's end is not the end
+  loading.load_policy(config)
+  assert "ends an assistant turn" not in capsys.readouterr().err

@@ -330,3 +330,29 @@ def test_sizing_and_the_compile_check_ask_the_engine_for_its_programs():
   from jaxgrpo.rollout import partial, sampling, turns  # pylint: disable=g-import-not-at-top
   for engine in (sampling.RolloutEngine, partial.PartialEngine, turns.EpisodeEngine):
     assert "programs" in vars(engine), engine
+
+
+def test_every_model_family_lives_in_its_module_and_registers_through_the_seam():
+  """Issue 61: a family's keys, class, tensor names and config read/write were spread over
+  model/hf.py (SUPPORTED, per-architecture ifs) and run/artifacts.py (hf_architecture,
+  _gemma3_keys); Gemma 3 touched 13 package files. Each family is now one module under
+  model/families/ that registers a base.Family, imported by families/__init__.py; nothing
+  outside families/ names a transformers architecture in code."""
+  from jaxgrpo.model import families, hf  # pylint: disable=g-import-not-at-top
+  import importlib  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(ROOT, "model", "families")
+  names = sorted(n[:-3] for n in os.listdir(folder)
+                 if n.endswith(".py") and n not in ("__init__.py", "base.py"))
+  registered = [importlib.import_module(f"jaxgrpo.model.families.{n}").FAMILY for n in names]
+  assert sorted(f.architecture for f in registered) == sorted(families.FAMILIES)
+  assert all(families.FAMILIES[f.architecture] is f for f in registered)
+  assert hf.ARCHITECTURES == families.architectures()
+  offenders = []
+  for module, path in _modules().items():
+    if module.startswith("jaxgrpo.model.families"):
+      continue
+    for node in ast.walk(ast.parse(open(path).read())):
+      if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and ("ForCausalLM" in node.value or "ForConditionalGeneration" in node.value)):
+        offenders.append(f"{module}:{node.lineno}: {node.value[:40]!r}")
+  assert offenders == []

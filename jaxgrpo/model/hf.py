@@ -23,6 +23,7 @@ import safetensors
 import safetensors.numpy
 
 from jaxgrpo.model import decoder as model_lib
+from jaxgrpo.model import families
 from jaxgrpo.model.tokenizer import Tokenizer
 
 EMBEDDED_PREFIX = "@embedded/"
@@ -125,62 +126,34 @@ def _flatten_shapes(abstract) -> dict[str, tuple]:
           for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(abstract))}
 
 
-# ------------------- Hugging Face model folders (read here; export.save_hf writes them)
+# ------ Hugging Face model folders (read here; run/artifacts.save_hf writes them; the
+# families' own keys and tensor names are in model/families/)
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
-# architecture -> (qk_norm, qkv_bias, mixture of experts): the families' structural differences.
-SUPPORTED = {"Qwen2ForCausalLM": (False, True, False), "Qwen3ForCausalLM": (True, False, False),
-             "LlamaForCausalLM": (False, False, False),
-             "Qwen3MoeForCausalLM": (True, False, True), "Gemma3ForCausalLM": (True, False, False)}
-# Every `architectures` a folder's config.json may name: the families above, and Gemma 3's
-# text-and-vision folders, whose text model is read (hf_model_config).
-ARCHITECTURES = (*SUPPORTED, "Gemma3ForConditionalGeneration")
-HF_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                  "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe",
-                  "Gemma3ForCausalLM": "gemma3_text"}
-# Gemma3TextConfig's defaults (transformers 5.24), which the hub's text_config blocks rely on
-# (gemma-3-4b-it's names only the sizes that differ).
-GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
-    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
-GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# Every `architectures` a folder's config.json may name (model/families/: each family's, and
+# Gemma 3's text-and-vision folders, whose text model is read).
+ARCHITECTURES = families.architectures()
+HF_KEYS = families.HF_KEYS
 
 
 def is_hf_folder(path: str) -> bool:
   return os.path.isfile(os.path.join(resolve(path), HF_CONFIG))
 
 
-# Our ModelConfig field -> the config.json key it is read from: an error about a Hugging
-# Face folder names the key as the folder spells it (Gemma 3's differ: GEMMA3_KEYS).
-HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size",
-           "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-           "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-           "mlp_dim": "intermediate_size", "norm_eps": "rms_norm_eps",
-           "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
-           "num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
-           "moe_mlp_dim": "moe_intermediate_size", "norm_topk_prob": "norm_topk_prob",
-           "hidden_act": "hidden_act", "sliding_window": "sliding_window",
-           "query_pre_attn_scalar": "query_pre_attn_scalar"}
-GEMMA3_KEYS = {**HF_KEYS, "hidden_act": "hidden_activation",
-               "rope_local_theta": "rope_local_base_freq",
-               "sliding_window_pattern": "sliding_window_pattern"}
-
-
 def hf_key(name: str, folder: str | None = None) -> str:
-  """Our field `name` as the config.json of `folder` spells it (HF_KEYS)."""
-  keys = HF_KEYS
-  if folder is not None:
-    try:
-      with open(os.path.join(resolve(folder), HF_CONFIG)) as f:
-        if "Gemma3" in str((json.load(f).get("architectures") or [""])[0]):
-          keys = GEMMA3_KEYS
-    except (OSError, ValueError):
-      pass
-  return keys.get(name, name)
+  """Our field `name` as the config.json of `folder` spells it (its family's keys)."""
+  family = folder_family(folder) if folder is not None else None
+  return (family.keys if family else HF_KEYS).get(name, name)
+
+
+def folder_family(folder: str) -> "families.Family | None":
+  """The family of a Hugging Face folder's config.json `architectures`, or None."""
+  try:
+    with open(os.path.join(resolve(folder), HF_CONFIG)) as f:
+      return families.by_architecture((json.load(f).get("architectures") or [None])[0])[0]
+  except (OSError, ValueError, AttributeError):
+    return None
 
 
 def _in_hf_spelling(message: str, keys: dict) -> str:
@@ -189,8 +162,10 @@ def _in_hf_spelling(message: str, keys: dict) -> str:
 
 
 def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfig:
-  """config.json -> ModelConfig. Sampling settings in generation_config.json are never read:
-  sampling is always the run config's explicit profile."""
+  """config.json -> ModelConfig: the sizes every family shares read here, the rest by the
+  family of its `architectures` (model/families/). Sampling settings in
+  generation_config.json are never read: sampling is always the run config's explicit
+  profile."""
   path = os.path.join(folder, HF_CONFIG)
   try:
     with open(path) as f:
@@ -198,173 +173,58 @@ def hf_model_config(folder: str, dtype: str = "float32") -> model_lib.ModelConfi
   except (OSError, json.JSONDecodeError) as e:
     raise PretrainedError(f"{path}: cannot read ({e})") from None
   arch = (hf.get("architectures") or [None])[0]
-  if arch == "Gemma3ForConditionalGeneration":  # text and vision: the text model only
-    arch, hf = "Gemma3ForCausalLM", {**hf.get("text_config", {}),
-                                     "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
-  if arch == "Gemma3ForCausalLM":  # keys a hub file leaves out take transformers' defaults
-    hf = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or
-                                    k in ("final_logit_softcapping", "attn_logit_softcapping")}}
-  if arch not in SUPPORTED:
+  family, unwrap = families.by_architecture(arch)
+  if family is None:
     raise PretrainedError(f"{path}: architecture {arch!r} is not supported; allowed: "
                           f"{', '.join(ARCHITECTURES)}")
-  qk_norm, qkv_bias, experts = SUPPORTED[arch]
-  if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-    raise PretrainedError(f"{path}: Llama with attention_bias/mlp_bias is not supported")
-  if arch == "Gemma3ForCausalLM":
-    return _config(hf, path, dtype, qk_norm=True, qkv_bias=False, tie_default=True,
-                   keys=GEMMA3_KEYS, **_gemma3(hf, path))
-  if hf.get("hidden_act", "silu") != "silu":
-    raise PretrainedError(f"{path}: hidden_act={hf['hidden_act']!r}; allowed: 'silu'")
-  if hf.get("use_sliding_window"):
-    raise PretrainedError(f"{path}: use_sliding_window=true is not supported")
-  scaling = {}
-  # transformers 5 writes `rope_parameters` (theta and scaling together); 4.x wrote
-  # `rope_theta` and `rope_scaling`. Both are read.
-  rp = hf.get("rope_parameters") or {}
-  theta = hf.get("rope_theta", rp.get("rope_theta", 10_000.0))
-  rs = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-  if rs and rs.get("rope_type", rs.get("type")) != "default":
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind != "llama3":
-      raise PretrainedError(f"{path}: rope_scaling type {kind!r} is not supported; allowed: "
-                            "none or 'llama3'")
-    scaling = dict(rope_scaling_factor=float(rs["factor"]),
-                   rope_low_freq_factor=float(rs["low_freq_factor"]),
-                   rope_high_freq_factor=float(rs["high_freq_factor"]),
-                   rope_original_max_positions=int(rs["original_max_position_embeddings"]))
-  moe = {}
-  if experts:
-    # transformers 5 writes num_local_experts beside num_experts; the hub's 4.x files have
-    # num_experts only.
-    num = hf.get("num_experts", hf.get("num_local_experts"))
-    dense_layers = hf.get("mlp_only_layers") or []
-    step = hf.get("decoder_sparse_step", 1)
-    if dense_layers or step != 1:
-      raise PretrainedError(f"{path}: mlp_only_layers={dense_layers}, decoder_sparse_step="
-                            f"{step}; allowed: [] and 1 (every layer a mixture of experts, "
-                            "as every released Qwen3-MoE)")
-    moe = dict(num_experts=num, num_experts_per_tok=hf.get("num_experts_per_tok"),
-               moe_mlp_dim=hf.get("moe_intermediate_size"),
-               norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
-    missing = [HF_KEYS[k] for k, v in moe.items() if v is None]
-    if missing:
-      raise PretrainedError(f"{path}: missing key {missing[0]!r} (a Qwen3-MoE config names "
-                            "num_experts, num_experts_per_tok and moe_intermediate_size)")
-  return _config(hf, path, dtype, qk_norm=qk_norm, qkv_bias=qkv_bias, tie_default=False,
-                 rope_theta=float(theta), **scaling, **moe)
-
-
-def _config(hf: dict, path: str, dtype: str, *, tie_default: bool, keys=HF_KEYS, **family):
-  """The ModelConfig of config.json's shared keys and a family's own (`family`)."""
+  hf = unwrap(hf)
+  if family.defaults:  # keys a hub file leaves out (or null) take transformers' defaults
+    hf = {**family.defaults, **{k: v for k, v in hf.items() if v is not None}}
   try:
     heads = hf["num_attention_heads"]
+    own = family.read(hf)
     return model_lib.ModelConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         mlp_dim=hf["intermediate_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", tie_default)),
-        param_dtype=dtype, dtype=dtype, **family)
+        tie_embeddings=bool(hf.get("tie_word_embeddings", family.tie_default)),
+        param_dtype=dtype, dtype=dtype, **own)
   except KeyError as e:
     raise PretrainedError(f"{path}: missing key {e}") from None
+  except families.Unsupported as e:
+    raise PretrainedError(f"{path}: {e}") from None
   except ValueError as e:
-    raise PretrainedError(f"{path}: {_in_hf_spelling(str(e), keys)}") from None
-
-
-def _gemma3(hf: dict, path: str) -> dict:
-  """Gemma 3's own keys: GeGLU, (1 + w) norms before and after each sublayer, scaled
-  embeddings, query_pre_attn_scalar, local layers with a window and their own RoPE base
-  (transformers 5: `layer_types` and per-type `rope_parameters`; 4.x:
-  `sliding_window_pattern`, `rope_local_base_freq`, `rope_theta`, `rope_scaling`)."""
-  act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-  if act not in GEMMA_ACTIVATIONS:
-    raise PretrainedError(f"{path}: hidden_activation={act!r}; allowed: "
-                          f"{', '.join(GEMMA_ACTIVATIONS)}")
-  for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
-    if hf.get(key):
-      raise PretrainedError(f"{path}: {key}={hf[key]!r} is not supported (Gemma 3 has none; "
-                            "Gemma 2's soft-capping is not built); allowed: null")
-  layers = hf["num_hidden_layers"]
-  types = hf.get("layer_types")
-  if types:
-    globals_ = [i for i, t in enumerate(types) if t == "full_attention"]
-    pattern = globals_[0] + 1 if globals_ else 0
-    want = [i for i in range(layers) if pattern and (i + 1) % pattern == 0]
-    if (sorted(set(types)) not in (["full_attention", "sliding_attention"],
-                                   ["sliding_attention"], ["full_attention"])
-        or globals_ != want or len(types) != layers):
-      raise PretrainedError(f"{path}: layer_types {types}: allowed a global (full_attention) "
-                            "layer every n-th and sliding_attention between")
-    if not types.count("sliding_attention"):
-      pattern = 1
-  else:
-    pattern = int(hf.get("sliding_window_pattern", 6))
-  rp = hf.get("rope_parameters") or {}
-  if "full_attention" in rp:
-    full, local = rp["full_attention"], rp.get("sliding_attention") or {}
-    theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
-    scaling = full if full.get("rope_type", "default") != "default" else None
-    if local.get("rope_type", "default") != "default":
-      raise PretrainedError(f"{path}: the sliding layers' rope_type "
-                            f"{local['rope_type']!r} is not supported; allowed: 'default'")
-  else:
-    theta, local_theta = hf.get("rope_theta", 1e6), hf.get("rope_local_base_freq", 1e4)
-    scaling = hf.get("rope_scaling")
-  out = dict(hidden_act=GEMMA_ACTIVATIONS[act], norm_plus_one=True, post_norms=True,
-             embed_scale=True, query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-             sliding_window=int(hf.get("sliding_window") or 0), sliding_window_pattern=pattern,
-             rope_theta=float(theta), rope_local_theta=float(local_theta))
-  if scaling:
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "linear":
-      raise PretrainedError(f"{path}: Gemma's rope_scaling type {kind!r} is not supported; "
-                            "allowed: none or 'linear'")
-    out.update(rope_scaling_factor=float(scaling["factor"]), rope_scaling_type="linear")
-  return out
+    raise PretrainedError(f"{path}: {_in_hf_spelling(str(e), family.keys)}") from None
 
 
 def hf_names(cfg: model_lib.ModelConfig) -> dict[str, tuple[str, str]]:
-  """Our tensor name -> (Hugging Face tensor name, how to convert it).
+  """Our tensor name -> (Hugging Face tensor name, how to convert it): the embedding, final
+  norm, head and attention here, each layer's norms and MLP by the family (layer_names).
 
   A mixture's experts are one tensor of ours per layer ([E, in, out]) and one per expert in
   Hugging Face's files: ours is then named with the expert's index, `layer_0/mlp/gate[3]`
   (`part` reads it)."""
+  family = families.for_config(cfg)
   names = {"embedding": ("model.embed_tokens.weight", "same"),
            "final_norm/scale": ("model.norm.weight", "same")}
   if not cfg.tie_embeddings:
     names["lm_head"] = ("lm_head.weight", "T")
   for i in range(cfg.num_layers):
     ours, hf = f"layer_{i}", f"model.layers.{i}"
-    if cfg.post_norms:  # Gemma: a norm before and after each sublayer
-      names.update({
-          f"{ours}/attn_norm/scale": (f"{hf}.input_layernorm.weight", "same"),
-          f"{ours}/post_attn_norm/scale": (f"{hf}.post_attention_layernorm.weight", "same"),
-          f"{ours}/mlp_norm/scale": (f"{hf}.pre_feedforward_layernorm.weight", "same"),
-          f"{ours}/post_mlp_norm/scale": (f"{hf}.post_feedforward_layernorm.weight", "same")})
-    else:
-      names.update({
-          f"{ours}/attn_norm/scale": (f"{hf}.input_layernorm.weight", "same"),
-          f"{ours}/mlp_norm/scale": (f"{hf}.post_attention_layernorm.weight", "same")})
     names.update({
         f"{ours}/attn/q": (f"{hf}.self_attn.q_proj.weight", "in_heads"),
         f"{ours}/attn/k": (f"{hf}.self_attn.k_proj.weight", "in_heads"),
         f"{ours}/attn/v": (f"{hf}.self_attn.v_proj.weight", "in_heads"),
         f"{ours}/attn/o": (f"{hf}.self_attn.o_proj.weight", "heads_out")})
-    if cfg.num_experts:
-      names[f"{ours}/mlp/router"] = (f"{hf}.mlp.gate.weight", "T")
-      for j in range(cfg.num_experts):
-        for p in ("gate", "up", "down"):
-          names[f"{ours}/mlp/{p}[{j}]"] = (f"{hf}.mlp.experts.{j}.{p}_proj.weight", "T")
-    else:
-      for p in ("gate", "up", "down"):
-        names[f"{ours}/mlp/{p}"] = (f"{hf}.mlp.{p}_proj.weight", "T")
     if cfg.qkv_bias:
       for p in "qkv":
         names[f"{ours}/attn/{p}_bias"] = (f"{hf}.self_attn.{p}_proj.bias", "heads")
     if cfg.qk_norm:
       for p in "qk":
         names[f"{ours}/attn/{p}_norm/scale"] = (f"{hf}.self_attn.{p}_norm.weight", "same")
+    names.update(family.layer_names(cfg, ours, hf))
   return names
 
 

@@ -49,7 +49,7 @@ class Policy:
 
   @classmethod
   def from_pretrained(cls, path: str, mesh=None, dtype: str = "float32") -> "Policy":
-    """A Hugging Face folder (any architecture of hf.SUPPORTED: Qwen2, Qwen3, Qwen3-MoE,
+    """A Hugging Face folder (any architecture of model/families/: Qwen2, Qwen3, Qwen3-MoE,
     Llama 3.x, Gemma 3, and Gemma 3's text-and-vision folders' text model) or a jaxgrpo
     checkpoint folder, its tensors
     streamed onto `mesh` (default: one device). `policy.tokenizer` is its tokenizer; the

@@ -18,6 +18,7 @@ import numpy as np
 import safetensors.numpy
 
 from jaxgrpo.run import checkpoint
+from jaxgrpo.model import families
 from jaxgrpo.model import hf
 from jaxgrpo.model import lora
 from jaxgrpo.model import decoder as model_lib
@@ -175,54 +176,17 @@ def save_peft(out: str, cfg: model_lib.ModelConfig, adapters, *, rank: int, alph
   return written
 
 
-def hf_architecture(cfg: model_lib.ModelConfig) -> str:
-  """The transformers class that computes what this ModelConfig computes."""
-  gemma = (cfg.hidden_act == "gelu_tanh", cfg.norm_plus_one, cfg.post_norms, cfg.embed_scale)
-  if all(gemma) and cfg.qk_norm and not cfg.qkv_bias and not cfg.num_experts:
-    return "Gemma3ForCausalLM"
-  if any(gemma) or cfg.sliding_window or cfg.query_pre_attn_scalar:
-    raise hf.PretrainedError("no Hugging Face architecture has part of Gemma 3's layout (GeGLU, "
-                             "(1 + w) norms after each sublayer, scaled embeddings) without "
-                             "the rest")
-  if cfg.num_experts:
-    if cfg.qk_norm and not cfg.qkv_bias:
-      return "Qwen3MoeForCausalLM"
-    raise hf.PretrainedError("a mixture of experts exports as Qwen3-MoE only (q/k norms, no "
-                             "q/k/v biases)")
-  if cfg.qk_norm and not cfg.qkv_bias:
-    return "Qwen3ForCausalLM"
-  if cfg.qkv_bias and not cfg.qk_norm:
-    return "Qwen2ForCausalLM"
-  if not cfg.qkv_bias and not cfg.qk_norm:
-    return "LlamaForCausalLM"
-  raise hf.PretrainedError("no Hugging Face architecture has both q/k norms and q/k/v biases")
-
-
-def _int_if_whole(x: float):
-  return int(x) if float(x).is_integer() else x
-
-
-def _gemma3_keys(hf_cfg: dict, cfg: model_lib.ModelConfig) -> None:
-  """Gemma 3's own config.json keys, in transformers 5's layout (per layer type RoPE, the
-  layer types listed), which transformers 4.5x also reads; the keys of 4.x's layout that
-  would disagree are dropped."""
-  for key in ("hidden_act", "rope_theta", "rope_scaling", "rope_local_base_freq",
-              "sliding_window_pattern", "_sliding_window_pattern"):
-    hf_cfg.pop(key, None)
-  full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-  if cfg.rope_scaling_factor:
-    full.update(rope_type="linear", factor=cfg.rope_scaling_factor)
-  local = model_lib.is_local
-  hf_cfg.update({
-      "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-      # transformers' strict config takes an int here (Gemma 3's are).
-      "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-      "sliding_window": cfg.sliding_window or None,
-      "layer_types": ["sliding_attention" if local(i, cfg) else "full_attention"
-                      for i in range(cfg.num_layers)],
-      "rope_parameters": {"full_attention": full, "sliding_attention": {
-          "rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}},
-      "final_logit_softcapping": None, "attn_logit_softcapping": None})
+def hf_family(cfg: model_lib.ModelConfig, source_arch: str | None = None) -> families.Family:
+  """The family whose transformers class computes what this ModelConfig computes: the
+  folder's the run started from (`source_arch`) when it still does (two families may share
+  a layout), else the first registered that does."""
+  family, _ = families.by_architecture(source_arch)
+  if family is not None and family.matches(cfg):
+    return family
+  try:
+    return families.for_config(cfg)
+  except families.Unsupported as e:
+    raise hf.PretrainedError(str(e)) from None
 
 
 def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
@@ -233,40 +197,24 @@ def save_hf(out: str, cfg: model_lib.ModelConfig, params, tokenizer: Tokenizer,
   they were. Returns the files written."""
   os.makedirs(out, exist_ok=True)
   source = hf.resolve(source) if source else None
-  hf_cfg = {}
+  hf_cfg, source_arch = {}, None
   if source and hf.is_hf_folder(source):
     with open(os.path.join(source, hf.HF_CONFIG)) as f:
       hf_cfg = json.load(f)
     # A text-and-vision folder's language model: written as the text model it is.
+    source_arch = (hf_cfg.get("architectures") or [None])[0]
     hf_cfg = dict(hf_cfg.get("text_config", hf_cfg))
-  arch = hf_architecture(cfg)
+  family = hf_family(cfg, source_arch)
   hf_cfg.update({
-      "architectures": [arch], "model_type": hf.HF_MODEL_TYPES[arch],
+      "architectures": [family.architecture], "model_type": family.model_type,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
       "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
       "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
       "intermediate_size": cfg.mlp_dim, "rope_theta": cfg.rope_theta,
       "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-      "hidden_act": "silu", "torch_dtype": cfg.param_dtype})
-  if cfg.num_experts:
-    hf_cfg.update({"num_experts": cfg.num_experts,
-                   "num_experts_per_tok": cfg.num_experts_per_tok,
-                   "moe_intermediate_size": cfg.moe_mlp_dim,
-                   "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
-                   "mlp_only_layers": []})
-    hf_cfg.pop("num_local_experts", None)  # transformers 5 derives it from num_experts
+      "torch_dtype": cfg.param_dtype})
   hf_cfg.setdefault("max_position_embeddings", 32768)
-  if arch == "LlamaForCausalLM":
-    hf_cfg.setdefault("attention_bias", False)
-    hf_cfg.setdefault("mlp_bias", False)
-  if cfg.rope_scaling_factor:
-    hf_cfg["rope_scaling"] = {
-        "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-        "low_freq_factor": cfg.rope_low_freq_factor,
-        "high_freq_factor": cfg.rope_high_freq_factor,
-        "original_max_position_embeddings": cfg.rope_original_max_positions}
-  if arch == "Gemma3ForCausalLM":  # its own RoPE keys replace the ones written above
-    _gemma3_keys(hf_cfg, cfg)
+  family.write(hf_cfg, cfg)  # the family's own keys (model/families/)
   hf_cfg.setdefault("eos_token_id", tokenizer.eos_id)
   if tokenizer.bos_id is not None:
     hf_cfg.setdefault("bos_token_id", tokenizer.bos_id)

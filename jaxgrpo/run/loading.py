@@ -257,11 +257,14 @@ def check_observations(config, tokenizer, template) -> None:
   mark = getattr(getattr(env, "parser", None), "template_mark", None)
   if mark and mark not in chat.text and _primary():
     name = getattr(env, "parser_name", type(env.parser).__name__)
+    family = hf.folder_family(config.model.hf_checkpoint)
+    hint = (f"{family.name} models call tools as {{\"parser\": \"{family.tool_parser}\"}}"
+            if family and family.tool_parser else
+            "Qwen, Hermes: {\"parser\": \"hermes\"}; Llama 3.x: {\"parser\": \"llama3_json\"}")
     print(f"warning: env.kwargs: the tool-call parser {name!r} reads the format "
           f"of templates that mention {mark!r}, and the chat template of "
           f"{config.model.hf_checkpoint} does not: the model may call tools another way "
-          "(Qwen, Hermes: {\"parser\": \"hermes\"}; Llama 3.x: {\"parser\": \"llama3_json\"})",
-          file=sys.stderr, flush=True)
+          f"({hint})", file=sys.stderr, flush=True)
   if framing >= e.max_observation_tokens:
     raise config_lib.ConfigError(
         f"config.env.max_observation_tokens={e.max_observation_tokens}: the chat template "
@@ -413,6 +416,7 @@ def load_policy(config, checks: bool = True):
               f"tokenizer cannot produce (its ids are 0-{tokenizer.vocab_size - 1}); it is "
               f"ignored: completions end only at {list(tokenizer.stop_ids)} (transformers "
               "would also stop at it)", file=sys.stderr, flush=True)
+      _check_end_of_turn(config, tokenizer)
     else:
       cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
       cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype,
@@ -434,6 +438,24 @@ def load_policy(config, checks: bool = True):
   if checks:  # the checks that need the model (config_checks.py)
     config_checks.run_model(config, cfg)
   return cfg, None, tokenizer
+
+
+def _check_end_of_turn(config, tokenizer) -> None:
+  """A chat run of a folder whose end ids miss the token its family's template ends an
+  assistant turn with (a base model's generation_config lists only <|endoftext|>): the
+  sampler would run past every answer to max_tokens, which the user never meant. Warned."""
+  family = hf.folder_family(config.model.hf_checkpoint)
+  end = (tokenizer.hf.token_to_id(family.end_of_turn)
+         if family and family.end_of_turn else None)
+  if end is None or end in tokenizer.stop_ids or not config.data.get("use_chat_template"):
+    return
+  if _primary():
+    print(f"warning: {config.model.hf_checkpoint}: {family.name}'s chat template ends an "
+          f"assistant turn with {family.end_of_turn!r} (id {end}), and the folder's end ids "
+          f"{list(tokenizer.stop_ids)} (tokenizer_config.json's eos_token, eos_token_id in "
+          "config.json and generation_config.json) leave it out: completions run on past "
+          f"the turn's end to max_tokens; add {end} to generation_config.json's "
+          "eos_token_id (an instruct model's folder lists it)", file=sys.stderr, flush=True)
 
 
 def check_architecture(config, cfg, checks: bool = True) -> None:
