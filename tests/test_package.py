@@ -306,7 +306,7 @@ def test_attention_is_dispatched_in_attention_py_only():
 def test_the_trainer_never_asks_which_rollout_kind_it_runs():
   """Issue 61: the trainer probed its engine and source (getattr engine.partial, hasattr
   carry/carry_like, getattr pulls_batches, source.runner) to tell the kinds apart. Every
-  source is a rollouts.Source with defaults; build.training_source chooses it."""
+  source is a rollouts.Source with defaults; build.rollouts chooses it."""
   text = open(os.path.join(ROOT, "run", "trainer.py")).read()
   for probe in ("getattr(", "hasattr(", ".partial", "partial_rollouts.", ".runner.metrics",
                 "for_training"):
@@ -356,3 +356,54 @@ def test_every_model_family_lives_in_its_module_and_registers_through_the_seam()
           and ("ForCausalLM" in node.value or "ForConditionalGeneration" in node.value)):
         offenders.append(f"{module}:{node.lineno}: {node.value[:40]!r}")
   assert offenders == []
+
+
+# The config keys that say how a run samples (build.Kind): read in branches by build.kind_of
+# only, outside the config checks that keep the kinds apart.
+_KIND_KEYS = ("max_tokens_per_step", "backend", "dynamic_sampling")
+
+
+def _kind_branches(path: str) -> list[str]:
+  """`file:line` of each if / elif / ternary / while in `path` whose test reads a rollout
+  kind key of the config (_KIND_KEYS, env.name), outside functions named _check* and
+  build.kind_of."""
+  found = []
+
+  def reads_kind(expr) -> bool:
+    return any(isinstance(n, ast.Attribute) and (
+        n.attr in _KIND_KEYS or (n.attr == "name" and isinstance(n.value, ast.Attribute)
+                                 and n.value.attr == "env")) for n in ast.walk(expr))
+
+  def visit(node, skip):
+    for child in ast.iter_child_nodes(node):
+      inner = skip or (isinstance(child, ast.FunctionDef)
+                       and (child.name.startswith("_check") or child.name == "kind_of"))
+      if (isinstance(child, (ast.If, ast.IfExp, ast.While)) and not inner
+          and reads_kind(child.test)):
+        found.append(f"{os.path.relpath(path, os.path.dirname(ROOT))}:{child.lineno}")
+      visit(child, inner)
+
+  visit(ast.parse(open(path).read()), False)
+  return found
+
+
+def test_the_kind_branch_finder_finds_a_branch(tmp_path):
+  path = tmp_path / "m.py"
+  path.write_text("def f(c):\n  if c.generation.max_tokens_per_step:\n    return 1\n"
+                  "  return 2 if c.env.name else 3\n"
+                  "def _check_x(c):\n  if c.generation.backend: pass\n"
+                  "def kind_of(c):\n  if c.env.name: pass\n")
+  assert [p.rsplit(":", 1)[1] for p in _kind_branches(str(path))] == ["2", "4"]
+
+
+def test_the_rollout_kind_is_read_from_the_config_in_one_place():
+  """Issue 61: "is this a partial run?" was asked 7 times from 4 signals; the engine was
+  picked in build.make_engine and the source in build.training_source and
+  rollouts.for_training. build.kind_of reads the kind; build.rollouts builds the engine
+  and its sources from it; every other module of run/ and launch/ asks the Kind."""
+  launch = os.path.join(os.path.dirname(ROOT), "launch")
+  paths = [p for m, p in _modules().items() if m.startswith("jaxgrpo.run.")]
+  paths += [os.path.join(launch, n) for n in os.listdir(launch) if n.endswith(".py")]
+  assert [b for p in paths for b in _kind_branches(p)] == []
+  from jaxgrpo.run import rollouts  # pylint: disable=g-import-not-at-top
+  assert not hasattr(rollouts, "for_training") and not hasattr(rollouts, "for_validation")

@@ -76,8 +76,8 @@ def run_episodes(args) -> list[dict]:
   g = c.grpo.num_generations_per_prompt
   rows = []
   # One runner for every step, as a run has: its environment workers start once.
-  runner = build.make_runner(c, engine, setup.tokenizer,
-                             setup.data.template if setup.data else None)
+  runner = build.rollouts(c, setup.model_cfg, setup.tokenizer, engine.mesh, engine=engine,
+                          template=setup.data.template if setup.data else None).runner
   for rep in range(args.reps + 1):
     timed = runner.engine = _Timed(engine)
     batch = next(setup.train_batches)

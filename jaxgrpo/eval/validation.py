@@ -247,7 +247,7 @@ class Validator:
                samples_dir: str | None = None, sources: Sequence[str] = (),
                stop_metric: str | None = None, confidence: float | None = None,
                collect: bool = False, k: int | None = None):
-    """source: the run's rollout seam for validation (run/rollouts.py's for_validation: one
+    """source: the run's rollout seam for validation (run/build.py's Rollouts.val_source: one
     sampler call per batch, or multi-turn episodes), with its `engine`, its `scorer` (the
     seam training scores through too) and, for episodes, its `runner`. k: samples per
     prompt (default: the val profile's; episodes: their number, the profile sampling one

@@ -22,18 +22,98 @@ from jaxgrpo.runtime import config_checks
 import importlib.util
 
 
-def training(setup, mesh=None):
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """How a run samples, read from its config in one place (`kind_of`): the engine that
+  samples (native: sampling.RolloutEngine; jetstream; episodes: turns.EpisodeEngine;
+  partial: partial.PartialEngine) and the source its training steps collect from
+  (rollouts.Source: single, dynamic, episodes, partial)."""
+  engine: str
+  source: str
+
+  @property
+  def episodes(self) -> bool:
+    return self.source == "episodes"
+
+  @property
+  def partial(self) -> bool:
+    return self.source == "partial"
+
+
+def kind_of(c) -> Kind:
+  """The one place a run's rollout kind is read from its config (issue 61: 7 places asked
+  "is this a partial run?" from 4 signals). The config checks keep the kinds apart
+  (episodes and partial rollouts run on the native engine, neither with dynamic sampling)."""
+  gen = c.generation
+  if c.env.name:
+    source = "episodes"
+  elif gen.max_tokens_per_step:
+    source = "partial"
+  else:
+    source = "dynamic" if c.grpo.dynamic_sampling != "off" else "single"
+  engine = source if source in ("episodes", "partial") else "native"
+  return Kind("jetstream" if gen.backend == "jetstream" else engine, source)
+
+
+@dataclasses.dataclass
+class Rollouts:
+  """A run's rollout engine and the sources that drive it, built together (`rollouts`):
+  `source` for training steps (None without train batches), `val_source` for
+  validations, `runner` the episode driver (None without an environment)."""
+  kind: Kind
+  engine: object
+  runner: object
+  source: object
+  val_source: object
+
+  def close(self) -> None:
+    """Stops the episode runner's environment workers, if any."""
+    if self.runner is not None:
+      self.runner.close()
+
+
+def rollouts(c, model_cfg, tokenizer, mesh, *, scorer=None, train_batches=None,
+             template=None, engine=None) -> Rollouts:
+  """Decides the rollout kind from the config (kind_of) and builds the engine and its
+  sources for it: the one function a run's rollouts come from (trainer and evaluate).
+  engine: one already made for this config (a test's train_step), used as it is."""
+  from jaxgrpo.run import partial_rollouts  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.run import rollouts as rollouts_lib  # pylint: disable=g-import-not-at-top
+  kind = kind_of(c)
+  if engine is None:
+    engine = make_engine(c, model_cfg, tokenizer, mesh)
+  runner = _runner(c, engine, tokenizer, template) if kind.episodes else None
+  val_source = (rollouts_lib.EpisodeRollouts(engine, scorer, runner) if kind.episodes
+                else rollouts_lib.SingleTurn(engine, scorer))
+  source = None
+  if train_batches is not None:
+    source = {"single": lambda: rollouts_lib.SingleTurn(engine, scorer),
+              "dynamic": lambda: rollouts_lib.DynamicSampling(c, engine, scorer,
+                                                              lambda: next(train_batches)),
+              "episodes": lambda: val_source,
+              "partial": lambda: partial_rollouts.PartialRollouts(c, engine, scorer,
+                                                                  train_batches)}[kind.source]()
+  return Rollouts(kind, engine, runner, source, val_source)
+
+
+def make_mesh(c):
+  return sharding_lib.make_mesh(c.mesh.to_dict())
+
+
+def training(setup, mesh=None, engine=None):
   """Mesh, sharded params, the two sampling profiles, optimizer state and update step.
+  engine: the run's (rollouts(...).engine), else one is made.
 
   The update step is a CountedUpdate: its `compilations`, like engine.compilations for the
   samplers, count traces, so the run can show that nothing recompiled inside the loop.
   """
   c = setup.config
   # A caller may pass its own mesh (a benchmark on fewer devices than the host has).
-  mesh = sharding_lib.make_mesh(c.mesh.to_dict()) if mesh is None else mesh
+  mesh = make_mesh(c) if mesh is None else mesh
   params = place_params(c, setup.model_cfg, setup.host_params, mesh)
   g = c.grpo
-  engine = make_engine(c, setup.model_cfg, setup.tokenizer, mesh)
+  if engine is None:
+    engine = make_engine(c, setup.model_cfg, setup.tokenizer, mesh)
   train_sp = engine.profile("train").sampling
   total_updates = g.max_num_steps * g.num_iterations
   o = c.optim
@@ -101,8 +181,8 @@ def loss_config(c, mesh, model_cfg=None) -> grpo.LossConfig:
       lora_rank=c.model.lora_rank,
       lora_scale=c.model.lora_alpha / c.model.lora_rank if c.model.lora_rank else 0.0,
       lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else (),
-      trained_mask=bool(c.env.name),
-      importance_weight_cap=g.importance_weight_cap if c.generation.max_tokens_per_step else 0.0,
+      trained_mask=kind_of(c).episodes,
+      importance_weight_cap=g.importance_weight_cap if kind_of(c).partial else 0.0,
       router_aux_loss_coef=g.router_aux_loss_coef, mesh=mesh)
 
 
@@ -116,7 +196,7 @@ def completion_width(c) -> int:
 def stop_ids(c, tokenizer) -> tuple[int, ...]:
   """The ids that end a sampled turn: the tokenizer's end ids, and for episodes the stop
   strings' (env.stop_strings and the environment's own; checked by loading.check_env)."""
-  if not c.env.name:
+  if not kind_of(c).episodes:
     return tokenizer.stop_ids
   from jaxgrpo import envs  # pylint: disable=g-import-not-at-top
   from jaxgrpo.run import episodes  # pylint: disable=g-import-not-at-top
@@ -153,12 +233,10 @@ class CountedUpdate:
     return self.fn(state, batch, ref_params)
 
 
-def make_runner(c, engine, tokenizer, template=None):
-  """The episode runner of a run with an environment (episodes.py), else None. template:
-  the run's prompt template (loading.Data.template): a ChatPrompt's chat template and tools
-  render the observations that are chat messages, and its add_bos is the prompts' own."""
-  if not c.env.name:
-    return None
+def _runner(c, engine, tokenizer, template=None):
+  """The episode runner of a run with an environment (episodes.py). template: the run's
+  prompt template (loading.Data.template): a ChatPrompt's chat template and tools render
+  the observations that are chat messages, and its add_bos is the prompts' own."""
   from jaxgrpo import scorer  # pylint: disable=g-import-not-at-top
   from jaxgrpo.run import episodes  # pylint: disable=g-import-not-at-top
   e = c.env
@@ -173,29 +251,17 @@ def make_runner(c, engine, tokenizer, template=None):
       truncation_side=e.observation_truncation_side)
 
 
-def training_source(c, engine, scorer, runner, train_batches):
-  """The rollout source a run's training steps collect from (rollouts.Source): the one
-  place the kind is chosen. Partial rollouts when the engine decodes in rounds
-  (generation.max_tokens_per_step), else rollouts.for_training's choice (episodes, dynamic
-  sampling, one sampler call)."""
-  from jaxgrpo.run import partial_rollouts, rollouts  # pylint: disable=g-import-not-at-top
-  if c.generation.max_tokens_per_step:  # rows carried between steps
-    return partial_rollouts.PartialRollouts(c, engine, scorer, train_batches)
-  return rollouts.for_training(c, engine, scorer, runner, lambda: next(train_batches))
-
-
-def make_validator(c, engine, scorer, runner, val_batches, mesh, sources=(), *,
+def make_validator(c, made: Rollouts, val_batches, mesh, sources=(), *,
                    samples_dir: str | None = None, collect: bool = False):
   """The run's Validator, built here for the trainer and for evaluate alike (so a run's
-  checkpoint evaluates to the run's own validation row): the validation seam
-  (rollouts.for_validation: one sampler call per batch, or k episodes per prompt), the val
-  profile's k, val_seed, the threshold, the sources and the stop rule's lower bound."""
+  checkpoint evaluates to the run's own validation row): the validation seam (`made`'s
+  val_source: one sampler call per batch, or k episodes per prompt), the val profile's k,
+  val_seed, the threshold, the sources and the stop rule's lower bound."""
   from jaxgrpo.eval import validation  # pylint: disable=g-import-not-at-top
-  from jaxgrpo.run import rollouts  # pylint: disable=g-import-not-at-top
   g = c.grpo
   return validation.Validator(
-      rollouts.for_validation(c, engine, scorer, runner), val_batches,
-      k=g.val_num_generations_per_prompt if runner is not None else None,
+      made.val_source, val_batches,
+      k=g.val_num_generations_per_prompt if made.kind.episodes else None,
       threshold=g.val_pass_threshold, seed=g.val_seed, mesh=mesh, samples_dir=samples_dir,
       sources=sources, stop_metric=g.stop_at_validation_metric,
       confidence=g.stop_at_validation_confidence, collect=collect)
@@ -207,16 +273,17 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
   train_sp = sampling.SamplingParams(gen.temperature, gen.top_p, gen.top_k)
   # The validator resolved unset val_* keys to the training values.
   val_sp = sampling.SamplingParams(gen.val_temperature, gen.val_top_p, gen.val_top_k)
+  kind = kind_of(c)
   # Episodes (episodes.py, turns.py) sample one turn per row: the G episodes of a prompt
   # share its prefill, but part after their first turn, so each is its own row.
-  episodes = bool(c.env.name)
+  episodes = kind.episodes
   profiles = {"train": sampling.Profile(train_sp, 1 if episodes else g.num_generations_per_prompt,
                                         gen.max_new_tokens),
               "val": sampling.Profile(val_sp, 1 if episodes else (
                   val_k or g.val_num_generations_per_prompt), gen.max_new_tokens)}
   common = dict(max_prompt_length=c.data.max_prompt_length, eos_id=stop_ids(c, tokenizer),
                 pad_id=tokenizer.pad_id, seed=c.seed)
-  if gen.backend == "jetstream":
+  if kind.engine == "jetstream":
     # Imported here and only here: it imports JetStream and, through it, TensorFlow.
     from jaxgrpo.rollout import jetstream_rollouts  # pylint: disable=g-import-not-at-top
     # Default: one slot per row of this process's rollout, so a call is one wave.
@@ -228,14 +295,14 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
                                                      tokenizer=tokenizer, slots=slots, **common)
   # The native engines' decode weights, whole on each chip once per call (decode.prepare).
   common["gather_weights"] = gen.gather_weights
-  if episodes:  # the turns' programs, on a KV cache kept between turns (turns.py)
+  if kind.engine == "episodes":  # the turns' programs, on a KV cache kept between turns
     from jaxgrpo.rollout import turns  # pylint: disable=g-import-not-at-top
     return turns.EpisodeEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
                                max_episode_tokens=gen.max_episode_tokens,
                                max_append_tokens=c.env.max_observation_tokens + 1,
                                compact_stages=gen.compact_stages,
                                attention=attention(c, mesh, model_cfg), **common)
-  if gen.max_tokens_per_step:  # partial rollouts: training rows decode in rounds
+  if kind.engine == "partial":  # partial rollouts: training rows decode in rounds
     from jaxgrpo.rollout import partial  # pylint: disable=g-import-not-at-top
     profiles["train"] = dataclasses.replace(profiles["train"], num_samples=1)
     return partial.PartialEngine(

@@ -400,11 +400,11 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   params = place(side, mesh)
   key = (side.model_cfg, side.tokenizer.hf.to_str())  # the same prompts and programs
   if key not in validators:
-    engine = build.make_engine(c, side.model_cfg, side.tokenizer, mesh)
     # An environment task (config.env.name): k episodes per prompt, as the run validated.
-    runner = build.make_runner(c, engine, side.tokenizer, side.data.template)
-    validators[key] = build.make_validator(c, engine, scorer.from_config(c, side.tokenizer),
-                                           runner, side.val_batches, mesh, sources,
+    made = build.rollouts(c, side.model_cfg, side.tokenizer, mesh,
+                          scorer=scorer.from_config(c, side.tokenizer),
+                          template=side.data.template)
+    validators[key] = build.make_validator(c, made, side.val_batches, mesh, sources,
                                            collect=True)
   validator = validators[key]
   engine = validator.engine
@@ -415,7 +415,7 @@ def evaluate_side(side, mesh, validators: dict, sources, label: str) -> dict:
   wall = time.perf_counter() - t0
   profile = engine.profile("val")
   sp = profile.sampling
-  if validator.runner is not None:  # the profile samples one turn per episode
+  if build.kind_of(c).episodes:  # the profile samples one turn per episode
     profile = dataclasses.replace(profile, num_samples=validator.k)
   return {"metrics": row, "_per_prompt": validator.per_prompt, "records": validator.records,
           "num_prompts": int(row["num_prompts"]), "wall_time_s": wall, "generated_tokens": tokens,

@@ -203,7 +203,8 @@ def _primary() -> bool:
 
 def env_tools(config) -> list[dict] | None:
   """The tool schemas a run's environment shows the model through the chat template."""
-  if not config.env.name:
+  from jaxgrpo.run import build  # pylint: disable=g-import-not-at-top
+  if not build.kind_of(config).episodes:
     return None
   from jaxgrpo import envs  # pylint: disable=g-import-not-at-top
   return envs.tool_schemas(config.env.name, config.env.kwargs)
@@ -211,9 +212,9 @@ def env_tools(config) -> list[dict] | None:
 
 def check_env(config, tokenizer) -> None:
   """Stop strings the tokenizer cannot end a turn at: one line, before compiling."""
-  if not config.env.name:
-    return
   from jaxgrpo.run import build  # pylint: disable=g-import-not-at-top
+  if not build.kind_of(config).episodes:
+    return
   try:
     build.stop_ids(config, tokenizer)
   except ValueError as e:
@@ -299,7 +300,8 @@ def _check_carried(config, meta, where: str) -> None:
   saved = meta.get("partial_rollouts")
   if saved is None:
     return  # a synchronous checkpoint: partial rollouts start with no row carried
-  if not config.generation.max_tokens_per_step:
+  from jaxgrpo.run import build  # pylint: disable=g-import-not-at-top
+  if not build.kind_of(config).partial:
     warnings.warn(f"{where} carries {saved['rows']} partial rollouts that this synchronous "
                   "run (generation.max_tokens_per_step=0) leaves behind", stacklevel=2)
     return

@@ -81,10 +81,11 @@ def decode_floor_bytes(config, model_cfg, mesh, name: str) -> float:
   samples = g.num_generations_per_prompt if train else g.val_num_generations_per_prompt
   prompt_len, slots = config.data.max_prompt_length, decode.gen_slots(
       gen.max_new_tokens, gen.decode_block_size)
-  if config.env.name:  # an episode's turn: one row an episode, its slots after the prompt
+  kind = build.kind_of(config)
+  if kind.episodes:  # an episode's turn: one row an episode, its slots after the prompt
     prompts, samples = prompts * samples, 1
     slots = turns.slots(prompt_len, gen.max_episode_tokens)
-  elif train and gen.max_tokens_per_step:  # partial rollouts' rounds: a row a rollout
+  elif train and kind.partial:  # partial rollouts' rounds: a row a rollout
     prompts, samples, slots = prompts * samples, 1, gen.max_new_tokens
   ways = sharding_lib.batch_size_multiple(mesh)
   tensor, expert = mesh.shape["tensor"], mesh.shape["expert"]

@@ -1,13 +1,13 @@
 """The rollout seam: a training step, or a validation, asks one object for its batch of
 sequences, scored, and does not know how they were made.
 
-    source = rollouts.for_training(config, engine, scorer, runner, next_batch)
-    got = source.collect("train", params, batch, samples=G, step=step)   # a Collected
+    made = build.rollouts(config, model_cfg, tokenizer, mesh, scorer=..., train_batches=...)
+    got = made.source.collect("train", params, batch, samples=G, step=step)   # a Collected
 
 Every source is a `Source`: `collect`, and what only some kinds do, with defaults (its own
 step metrics, prompts it pulls itself, rollouts a checkpoint carries), so a step and the
-trainer never ask which kind they run; run/build.py's `training_source` is the one place
-that chooses it from the config. Four sources, one per way a run samples; each is
+trainer never ask which kind they run; run/build.py's `rollouts` is the one place that
+chooses it (build.kind_of reads the config) and builds the engine with it. Four sources, one per way a run samples; each is
 selectable and testable alone:
 
   SingleTurn       one sampler call: G completions per prompt (the default).
@@ -18,8 +18,8 @@ selectable and testable alone:
   PartialRollouts  rows decoded a budget of tokens a round, carried between steps
                    (generation.max_tokens_per_step; run/partial_rollouts.py).
 
-Validation uses the same seam with the `val` profile (`for_validation`: single turn or
-episodes; dynamic sampling is a training rule). Its `start` dispatches the sampler and
+Validation uses the same seam with the `val` profile (`Rollouts.val_source`: single turn
+or episodes; dynamic sampling is a training rule). Its `start` dispatches the sampler and
 `finish` scores, so a validation samples batch i+1 on the device while the host scores
 batch i; `collect` is the two in one.
 
@@ -268,19 +268,3 @@ def _chosen_rows(parts, chosen, g: int, num: int, t_rollout, t_reward, generated
   return Collected(*prompt, completion, pick(lambda p: p[1][3]), completion[3], scores,
                    [b for b, _, _ in parts], t_rollout, t_reward, generated=generated,
                    metrics=metrics)
-
-
-def for_training(config, engine, scorer, runner, next_batch: Callable[[], dict]):
-  """The source a run's training steps collect from."""
-  if runner is not None:
-    return EpisodeRollouts(engine, scorer, runner)
-  if config.grpo.dynamic_sampling != "off":
-    return DynamicSampling(config, engine, scorer, next_batch)
-  return SingleTurn(engine, scorer)
-
-
-def for_validation(config, engine, scorer, runner):
-  """The source a run's validations collect from (the `val` profile)."""
-  if runner is not None:
-    return EpisodeRollouts(engine, scorer, runner)
-  return SingleTurn(engine, scorer)

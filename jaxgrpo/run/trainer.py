@@ -37,14 +37,15 @@ def train_step(setup, engine, state, ref_params, update, batch, step, consumed=N
   global batch, and the logged numbers are gathered over every process's rows.
   consumed: a list to which the global row ids of every batch the step sampled are added
   (with dynamic sampling, more than `batch`: further ones come from setup.train_batches).
-  source: the run's rollout source (a rollouts.Source, build.training_source's choice;
+  source: the run's rollout source (a rollouts.Source, build.rollouts' choice;
   built here when not given): one sampler call, dynamic sampling's generation batches,
   multi-turn episodes or partial rollouts alike.
   """
   c = setup.config
   g = c.grpo.num_generations_per_prompt
   if source is None:
-    source = build.training_source(c, engine, setup.scorer, None, setup.train_batches)
+    source = build.rollouts(c, setup.model_cfg, setup.tokenizer, None, engine=engine,
+                            scorer=setup.scorer, train_batches=setup.train_batches).source
   policy = update.policy(state, ref_params)  # LoRA: the base with the adapters merged
   got = source.collect("train", policy, batch, samples=g, step=step, label=f"step {step}")
   if consumed is not None:
@@ -185,11 +186,13 @@ class _Run:
     setup, self.fitted = _fit(setup)
     self.setup = setup
     c = self.c = setup.config
-    self.engine, self.state, self.ref_params, self.update = build.training(setup)
-    self.runner = build.make_runner(c, self.engine, setup.tokenizer,
-                                    setup.data.template if setup.data else None)
-    self.source = build.training_source(c, self.engine, setup.scorer, self.runner,
-                                        setup.train_batches)
+    mesh = build.make_mesh(c)
+    self.rollouts = build.rollouts(c, setup.model_cfg, setup.tokenizer, mesh,
+                                   scorer=setup.scorer, train_batches=setup.train_batches,
+                                   template=setup.data.template if setup.data else None)
+    self.engine, self.state, self.ref_params, self.update = build.training(
+        setup, mesh, engine=self.rollouts.engine)
+    self.source = self.rollouts.source
     self.primary = primary = jax.process_index() == 0
     ck = c.checkpoint
     self.checkpoints = checkpoint.Checkpoints(
@@ -216,7 +219,7 @@ class _Run:
         project=log.project, run_name=log.run_name,
         tags=[t.strip() for t in log.tags.split(",") if t.strip()], config=c.to_dict())
     self.validator = build.make_validator(
-        c, self.engine, setup.scorer, self.runner, setup.val_batches, self.engine.mesh,
+        c, self.rollouts, setup.val_batches, self.engine.mesh,
         setup.val_sources,
         samples_dir=os.path.join(setup.workdir, "val_samples") if primary else None)
     self.val_history, self.saved, self.stop, self.fault = {}, {}, None, None
@@ -355,8 +358,7 @@ class _Run:
       else:
         print(_summary_line(summary, setup.workdir, preemption.name), flush=True)
     setup.scorer.close()
-    if self.runner is not None:
-      self.runner.close()
+    self.rollouts.close()
     return 1 if self.fault else preemption.exit_status or 0
 
 
