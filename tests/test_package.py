@@ -407,3 +407,22 @@ def test_the_rollout_kind_is_read_from_the_config_in_one_place():
   assert [b for p in paths for b in _kind_branches(p)] == []
   from jaxgrpo.run import rollouts  # pylint: disable=g-import-not-at-top
   assert not hasattr(rollouts, "for_training") and not hasattr(rollouts, "for_validation")
+
+
+def test_attention_is_resolved_once_per_engine_run_or_model():
+  """Issue 61: attention was resolved three times (build.py, decoder.py, turns.py: the
+  episode turn re-decided it inside each trace). A run resolves it once (build.attention)
+  and passes the name; an engine made without one resolves it once when made; the
+  decoder's own resolution serves library calls (model.forward, Policy) that pass none."""
+  callers = []
+  for module, path in _modules().items():
+    tree = ast.parse(open(path).read())
+    for fn in ast.walk(tree):
+      if isinstance(fn, ast.FunctionDef):
+        for node in ast.walk(fn):
+          if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "resolve_attention"):
+            callers.append(f"{module}.{fn.name}")
+  assert sorted(set(callers)) == ["jaxgrpo.model.decoder.setup",
+                                  "jaxgrpo.rollout.sampling.__init__",
+                                  "jaxgrpo.run.build.attention"]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo.runtime import compile_options
+from jaxgrpo.model import attention as attention_lib
 from jaxgrpo.model import decode, distribution
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -311,7 +312,11 @@ class RolloutEngine:
     self.compilations = {name: 0 for name in PROFILE_NAMES}
     self._calls = {name: 0 for name in PROFILE_NAMES}
     self._base_key = jax.random.key(seed)
-    self.scan_layers, self.attention, self.decode_block = scan_layers, attention, decode_block
+    # Resolved once for the engine (model x platform x request; a run passes build.attention's
+    # name already), so every program it compiles gets the same concrete name.
+    self.attention = attention_lib.resolve_attention(
+        attention, model_lib.platform_of(mesh), cfg.dtype, bool(cfg.sliding_window))
+    self.scan_layers, self.decode_block = scan_layers, decode_block
     self.compact_stages, self.gather_weights = compact_stages, gather_weights
     self.episodes = False  # multi-turn episodes: turns.EpisodeEngine
     self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)

@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo.model import attention as attention_lib
 from jaxgrpo.model import decode
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import sharding as sharding_lib
@@ -75,16 +74,13 @@ def start(params, prompt_tokens_BxL, prompt_mask_BxL, *, cfg: model_lib.ModelCon
 
 def turn(params, cache: decode.Cache, slot_N, new_tokens_NxE, new_len_N, key, row_ids_N,
          active_N, *, cfg: model_lib.ModelConfig, profile: sampling.Profile, eos_id,
-         pad_id: int, mesh=None, scan_layers: bool | None = None,
-         attention: str | None = None, compact_stages: int = 0, gather_weights: bool = True):
+         pad_id: int, attention: str, mesh=None, scan_layers: bool | None = None,
+         compact_stages: int = 0, gather_weights: bool = True):
   """One turn of N episodes: appends row n's first new_len_N[n] tokens at its generated slot
   slot_N[n] and samples the turn after them with `profile` (one sample per row; row n's
   draws from (key, row_ids_N[n]) alone). compact_stages: the decode's (compaction.py; each
   stage's K/V are written back to their rows); gather_weights: sampling.sample's. Returns (sampling.Rollout, the cache)."""
-  platform = model_lib.platform_of(mesh)
-  stacked = model_lib.resolve_scan_layers(scan_layers, platform)
-  attention = attention_lib.resolve_attention(attention, platform, cfg.dtype,
-                                              bool(cfg.sliding_window))
+  stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
   logits_NxV, cache = append(params, cfg, new_tokens_NxE, new_len_N, slot_N, cache, stacked,
                              attention, mesh)
   prompt_len_N = jnp.sum(cache.prompt_bias[:, 0, 0] == 0.0, axis=-1).astype(jnp.int32)
@@ -147,10 +143,11 @@ def compile_start(cfg: model_lib.ModelConfig, samples: int, num_slots: int, *, m
 
 
 def compile_turn(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_id,
-                 pad_id: int, mesh, on_trace=None, scan_layers: bool | None = None,
-                 attention: str | None = None, compact_stages: int = 0,
+                 pad_id: int, mesh, attention: str, on_trace=None,
+                 scan_layers: bool | None = None, compact_stages: int = 0,
                  gather_weights: bool = True):
-  """jit(turn) for one profile with explicit shardings; the cache is donated."""
+  """jit(turn) for one profile with explicit shardings; the cache is donated. attention:
+  a concrete name (the engine's, resolved once when it was made)."""
   stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
 
   def traced(params, cache, slot_N, new_tokens, new_len_N, key, row_ids, active_N):
