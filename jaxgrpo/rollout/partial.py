@@ -221,8 +221,6 @@ class PartialEngine(sampling.RolloutEngine):
 
   The training profile's num_samples must be 1 here (each row one rollout)."""
 
-  partial = True
-
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles, *, rows: int, **kwargs):
     if profiles["train"].num_samples != 1:
       raise ValueError("a partial engine's training profile samples once per row")

@@ -318,7 +318,6 @@ class RolloutEngine:
         attention, model_lib.platform_of(mesh), cfg.dtype, bool(cfg.sliding_window))
     self.scan_layers, self.decode_block = scan_layers, decode_block
     self.compact_stages, self.gather_weights = compact_stages, gather_weights
-    self.episodes = False  # multi-turn episodes: turns.EpisodeEngine
     self._samplers = self._build(eos_id=eos_id, share_prefix=share_prefix)
 
   def _build(self, *, eos_id, share_prefix: bool):

@@ -178,8 +178,6 @@ class EpisodeEngine(sampling.RolloutEngine):
   The profiles' num_samples must be 1: the G episodes of a prompt are rows of their own.
   """
 
-  episodes = True
-
   def __init__(self, cfg: model_lib.ModelConfig, mesh, profiles, *, max_prompt_length: int,
                max_episode_tokens: int, max_append_tokens: int, eos_id, pad_id: int,
                seed: int, scan_layers: bool | None = None, attention: str | None = None,
@@ -195,7 +193,6 @@ class EpisodeEngine(sampling.RolloutEngine):
     super().__init__(cfg, mesh, profiles, max_prompt_length=max_prompt_length, eos_id=eos_id,
                      pad_id=pad_id, seed=seed, scan_layers=scan_layers, attention=attention,
                      compact_stages=compact_stages, gather_weights=gather_weights)
-    self.episodes = True
 
   def _build(self, *, eos_id, share_prefix: bool):
     del share_prefix
