@@ -61,3 +61,19 @@ def test_rollouts_builds_the_engine_and_its_sources_of_one_kind(overrides, engin
   assert type(made.val_source) is rollouts.SingleTurn and made.runner is None
   assert build.rollouts(config, cfg, tokenizer, mesh).source is None  # evaluate: no training
   made.close()  # no runner: nothing to stop
+
+
+@pytest.mark.parametrize("lora_rank,beta,want_ref", [(0, 0.0, None), (0, 0.04, "copy"),
+                                                     (4, 0.0, "params"), (4, 0.04, "params")])
+def test_training_and_sizing_share_one_state_and_reference_rule(lora_rank, beta, want_ref):
+  """build.training places and run/sizing.py lowers the same state and reference: LoRA
+  trains the adapters with the base as the reference (whatever beta), else the params with
+  a copy as the reference only when beta > 0."""
+  config = _config(model__lora_rank=lora_rank, grpo__beta=beta)
+  made = []
+  state, ref = build.state_and_reference(
+      config, "params", "opt", "mesh", adapters=lambda: "adapters",
+      init_state=lambda p, o, m: made.append((p, o, m)) or f"state({p})",
+      copy=lambda p: "copy")
+  assert state == ("state(adapters)" if lora_rank else "state(params)")
+  assert ref == want_ref and made == [("adapters" if lora_rank else "params", "opt", "mesh")]

@@ -111,27 +111,37 @@ def training(setup, mesh=None, engine=None):
   # A caller may pass its own mesh (a benchmark on fewer devices than the host has).
   mesh = make_mesh(c) if mesh is None else mesh
   params = place_params(c, setup.model_cfg, setup.host_params, mesh)
-  g = c.grpo
   if engine is None:
     engine = make_engine(c, setup.model_cfg, setup.tokenizer, mesh)
   train_sp = engine.profile("train").sampling
-  total_updates = g.max_num_steps * g.num_iterations
-  o = c.optim
-  optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps, total_updates,
-                                      o.weight_decay, o.grad_clip, o.schedule)
+  optimizer, lr = make_optimizer(c)
   loss = loss_config(c, mesh, setup.model_cfg)
-  if loss.lora_rank:
-    # LoRA: the state trains the adapters only; the frozen base rides in the reference slot
-    # (it is the KL's reference policy too: adapters off, no second copy).
-    ref_params = params
-    params = place_adapters(c, setup.model_cfg, mesh)
-  else:
-    # No reference policy at all when beta is 0 (no copy, no forward pass).
-    ref_params = jax.tree.map(lambda x: x.copy(), params) if g.beta > 0 else None
-  state = grpo.init_state(params, optimizer, mesh)
+  state, ref_params = state_and_reference(
+      c, params, optimizer, mesh, adapters=lambda: place_adapters(c, setup.model_cfg, mesh),
+      init_state=grpo.init_state, copy=lambda p: jax.tree.map(lambda x: x.copy(), p))
   update = CountedUpdate(state, ref_params, cfg=setup.model_cfg, loss=loss,
                          sp=train_sp, optimizer=optimizer, lr_schedule=lr, mesh=mesh)
   return engine, state, ref_params, update
+
+
+def make_optimizer(c):
+  """(optax optimizer, learning-rate schedule) of the config, over every update it makes."""
+  g, o = c.grpo, c.optim
+  return grpo.make_optimizer(o.learning_rate, o.warmup_steps,
+                             g.max_num_steps * g.num_iterations, o.weight_decay, o.grad_clip,
+                             o.schedule)
+
+
+def state_and_reference(c, params, optimizer, mesh, *, adapters, init_state, copy):
+  """(train state, reference policy): the one rule build.training places and run/sizing.py
+  lowers from abstract values (adapters, init_state and copy make each kind of value).
+  LoRA: the state trains the adapters only, and the frozen base rides in the reference slot
+  (it is the KL's reference policy too: adapters off, no second copy). Otherwise the state
+  trains `params` and the reference is a copy of them, or None when beta is 0 (no copy, no
+  forward pass)."""
+  if c.model.lora_rank:
+    return init_state(adapters(), optimizer, mesh), params
+  return init_state(params, optimizer, mesh), copy(params) if c.grpo.beta > 0 else None
 
 
 def place_adapters(c, model_cfg, mesh):

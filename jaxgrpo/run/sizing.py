@@ -360,17 +360,13 @@ def _with(config, **grpo_values):
 def programs(c, model_cfg, tokenizer, mesh, which):
   """(name, jax Lowered, bytes of train state resident beside it) for the programs named in
   `which` (update, train, val), built as build.training builds them, from abstract values."""
-  g, o = c.grpo, c.optim
-  optimizer, lr = grpo.make_optimizer(o.learning_rate, o.warmup_steps,
-                                      g.max_num_steps * g.num_iterations, o.weight_decay,
-                                      o.grad_clip, o.schedule)
+  g = c.grpo
+  optimizer, lr = build.make_optimizer(c)
   params = abstract_params(model_cfg, mesh)
-  if c.model.lora_rank:  # the state trains the adapters; the base rides as the reference
-    state = abstract_state(abstract_adapters(c, model_cfg, mesh), optimizer, mesh)
-    ref_params = params
-  else:
-    state = abstract_state(params, optimizer, mesh)
-    ref_params = state.params if g.beta > 0 else None  # a copy with the same shardings
+  # An abstract copy is the value itself: the same shapes and shardings.
+  state, ref_params = build.state_and_reference(
+      c, params, optimizer, mesh, adapters=lambda: abstract_adapters(c, model_cfg, mesh),
+      init_state=abstract_state, copy=lambda p: p)
   engine = build.make_engine(c, model_cfg, tokenizer, mesh)
   b, p, t = g.num_prompts_per_step, c.data.max_prompt_length, build.completion_width(c)
   n = b * g.num_generations_per_prompt
