@@ -182,9 +182,10 @@ def test_a_resume_checks_the_carried_layout_and_a_synchronous_one_leaves_the_row
   from jaxgrpo import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxgrpo.run import loading  # pylint: disable=g-import-not-at-top
   c = ml_collections.ConfigDict({
-      "generation": {"max_tokens_per_step": 2, "max_new_tokens": 8},
-      "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4},
-      "data": {"max_prompt_length": 9}})
+      "generation": {"max_tokens_per_step": 2, "max_new_tokens": 8, "backend": "native"},
+      "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4,
+               "dynamic_sampling": "off"},
+      "data": {"max_prompt_length": 9}, "env": {"name": ""}})
   saved = loading.carried_meta(c)
   assert saved == {"processes": 1, "max_new_tokens": 8, "rows": 32, "max_prompt_length": 9}
   loading._check_carried(c, {"partial_rollouts": saved}, "ckpt/2")  # the same: fine
