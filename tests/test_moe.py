@@ -76,6 +76,39 @@ def test_grouped_and_dense_paths_agree_forward_and_backward():
   assert all(float(jnp.abs(g).max()) > 0 for g in dense[1])  # every input gets a gradient
 
 
+def test_rows_outside_every_group_are_dropped_whatever_ragged_dot_writes_there(monkeypatch):
+  """Issue 63: the expert-parallel path multiplied rows outside every expert group by 0,
+  trusting ragged_dot to write zeros there, which JAX does not promise (CPU does). Here
+  ragged_dot writes NaN in those rows, and the experts held here (first=4 of 8: the other
+  chip's pairs fall outside every group) must still give the dense reference, forward and
+  backward."""
+  real = jax.lax.ragged_dot
+
+  def nan_outside(lhs, rhs, group_sizes, **kwargs):
+    out = real(lhs, rhs, group_sizes, **kwargs)
+    inside = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(inside[:, None], out, jnp.nan)
+
+  x, router, gate, up, down = _layer_args()
+  w, e, _ = moe.route(x, router, 2, normalize=True)
+  half = lambda a: a[4:]  # this chip holds experts 4..7
+
+  def loss(matmul, x, gate, up, down):
+    y = moe.experts(x, w, e, half(gate), half(up), half(down), matmul, first=4)
+    return jnp.sum(jnp.sin(y)), y
+
+  want = jax.value_and_grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2, 3),
+                            has_aux=True)(x, gate, up, down)
+  monkeypatch.setattr(jax.lax, "ragged_dot", nan_outside)
+  got = jax.value_and_grad(lambda *a: loss("ragged", *a), argnums=(0, 1, 2, 3),
+                           has_aux=True)(x, gate, up, down)
+  assert int(jnp.sum(e < 4)) > 0  # some pairs do fall outside every group here
+  np.testing.assert_allclose(got[0][1], want[0][1], atol=1e-5)
+  for a, b in zip(got[1], want[1]):
+    assert bool(jnp.all(jnp.isfinite(a)))
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def _update_loss(cfg, mesh=None):
   """The training forward's loss (score_groups, as the update runs it) and its gradient,
   under `mesh`'s activation layout (expert-parallel mixture) or on one device."""

@@ -40,6 +40,33 @@ def test_max_micro_batches_is_the_worst_case_and_refuses_a_too_small_budget():
     packing.max_micro_batches(10, 6, 5)
 
 
+def test_balance_deals_rollouts_to_shards_by_tokens_by_hand():
+  # Lengths 9 1 8 2 7 3 6 4 to 2 shards of 4, longest first, each to the shard with fewer
+  # tokens that has room (ties to the lower shard): 9 -> s0, 8 -> s1, 7 -> s1 (8 < 9),
+  # 6 -> s0 (9 < 15), 4 -> s0 (15 = 15), 3 -> s1 (15 < 19), 2 -> s1 (18 < 19; s1 is now
+  # full), 1 -> s0. Shard 0 holds rollouts 0, 6, 7, 1 (9 + 6 + 4 + 1 = 20), shard 1
+  # rollouts 2, 4, 5, 3 (8 + 7 + 3 + 2 = 20), in the order dealt.
+  src, tokens = packing.balance(jnp.array([9, 1, 8, 2, 7, 3, 6, 4]), 2)
+  np.testing.assert_array_equal(src, [0, 6, 7, 1, 2, 4, 5, 3])
+  np.testing.assert_array_equal(tokens, [20, 20])
+  assert float(packing.imbalance(jnp.array([3, 1]))) == 1.5  # 3 / mean 2
+
+
+def test_balance_evens_out_group_correlated_lengths_the_contiguous_split_does_not():
+  """Issue 63: a hard prompt's G answers are all long, so the contiguous split puts whole
+  long groups on one chip. 64 prompts x 8 answers, each group's lengths around its own
+  log-normal scale, to 8 shards: the dealt split is within 5% of the mean tokens."""
+  rng = np.random.default_rng(0)
+  scale = rng.lognormal(np.log(300), 1.0, 64)
+  lengths = np.clip(rng.lognormal(np.log(np.repeat(scale, 8)), 0.3), 1, 4096).astype(np.int32)
+  contiguous = lengths.reshape(8, -1).sum(axis=1)
+  src, tokens = packing.balance(jnp.asarray(lengths), 8)
+  assert sorted(np.asarray(src).tolist()) == list(range(512))  # a permutation
+  np.testing.assert_array_equal(tokens, lengths[np.asarray(src)].reshape(8, -1).sum(axis=1))
+  assert float(packing.imbalance(jnp.asarray(contiguous))) > 1.2
+  assert float(packing.imbalance(tokens)) <= 1.05
+
+
 CASES = {
     # name: (mesh, loss overrides, sampling params, updates on one batch)
     # token_mean: the mesh case below.
@@ -58,6 +85,10 @@ CASES = {
     "mesh_fsdp_context_tensor_token_mean_beta": (
         {"fsdp": 2, "context": 2, "tensor": 2}, dict(micro_batch_tokens=14, beta=0.05),
         sampling.SamplingParams(1.0, 1.0, 0), 1),
+    # 8 data shards of 2 rollouts each, dealt by tokens across the chips before each packs.
+    "mesh_data4_fsdp2_dealt": (
+        {"data": 4, "fsdp": 2}, dict(micro_batch_tokens=20), sampling.SamplingParams(1.0, 1.0, 0),
+        1),
 }
 
 

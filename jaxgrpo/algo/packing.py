@@ -19,9 +19,21 @@ rollouts would need). The update then loops over the micro-batches actually used
 micro-batch at a time from the padded batch, so its time follows the real tokens while
 every shape stays the configured one.
 
-Each device packs its own rows (the rows the batch sharding gave it): no rollout moves
-between chips; the loop runs as long as the fullest device needs. `pack` builds the layout
-and the micro-batches from the update's rows; grpo.packed_loss runs the loss over them.
+Balanced across chips (issue 63): every device runs the loop as long as the fullest one
+needs, so the rollouts are first dealt to the data shards by tokens (`balance`: longest
+first, each to the shard with the fewest tokens that still has room; each shard gets N / P
+rollouts, static shapes), and only then does each device first-fit its own. GRPO's lengths
+are correlated within a group (a hard prompt's G answers are all long), so the contiguous
+split the batch sharding gives puts whole long groups on one chip: on the grouped
+long-tailed shape at 8 chips the fullest ran 1.37x the mean micro-batches (`python -m
+jaxgrpo.bench packing --lengths grouped --chips 8`). Single rollouts move, not groups:
+advantages, weights and the mask come from the whole batch before packing, so a rollout
+needs nothing of its group's, and the finer grain balances better. The loss is a sum over
+tokens, so where a rollout is computed changes nothing but float summation order. The
+deal moves each rollout's row between chips once per update (a gather of [N, L + T]
+tokens and the per-token values), small beside the forward and backward over them.
+`pack` builds the layout and the micro-batches from the update's rows; grpo.packed_loss
+runs the loss over them.
 
 Prompts are computed once per rollout here (once per group in the padded layout): a
 reasoning prompt is short beside its completions.
@@ -90,6 +102,35 @@ def index_map(start_R, lengths_R, width: int, budget: int, num_bins: int):
   return flat.reshape(num_bins, budget), used
 
 
+def balance(lengths_N, shards: int):
+  """The rollouts dealt to `shards` data shards by tokens: (src_N, tokens_P) where position
+  i of the dealt batch holds rollout src_N[i] (positions [s R, (s + 1) R) are shard s's,
+  R = N / shards) and tokens_P the tokens each shard got. Longest first, each to the
+  shard with the fewest tokens among those with fewer than R (greedy LPT with equal
+  counts: within max_length of the mean, so within a few % at real batch sizes). jnp,
+  traceable: one scan step per rollout."""
+  n = lengths_N.shape[0]
+  per = n // shards
+  order_N = jnp.argsort(-lengths_N, stable=True)
+  full = jnp.iinfo(jnp.int32).max
+
+  def place(state, i):
+    tokens_P, count_P = state
+    s = jnp.argmin(jnp.where(count_P < per, tokens_P, full))
+    return ((tokens_P.at[s].add(lengths_N[i]), count_P.at[s].add(1)),
+            s * per + count_P[s])
+
+  zeros = jnp.zeros((shards,), jnp.int32)
+  (tokens_P, _), position_N = jax.lax.scan(place, (zeros, zeros), order_N)
+  return jnp.zeros((n,), jnp.int32).at[position_N].set(order_N.astype(jnp.int32)), tokens_P
+
+
+def imbalance(per_chip_P):
+  """max / mean over the chips: how much longer the fullest runs than an even split."""
+  per_chip_P = per_chip_P.astype(jnp.float32)
+  return jnp.max(per_chip_P) / jnp.maximum(jnp.mean(per_chip_P), 1e-9)
+
+
 def padding_fraction(real_tokens, computed_tokens):
   """1 - real / computed: the share of computed positions that hold no token."""
   return 1.0 - real_tokens / jnp.maximum(computed_tokens, 1)
@@ -98,7 +139,8 @@ def padding_fraction(real_tokens, computed_tokens):
 class Packed(NamedTuple):
   """A batch's packed layout (`pack`): micro_batch(k) builds the k-th packed micro-batch
   ([P, S] arrays, one packed row a data shard) for k < count; metrics are the update's
-  padding_fraction_padded, padding_fraction_packed and packed_micro_batches."""
+  padding_fraction_padded, padding_fraction_packed, packed_micro_batches and
+  packed_chip_imbalance (max / mean of the micro-batches the chips' rows need)."""
 
   micro_batch: Callable
   count: jax.Array
@@ -109,8 +151,8 @@ class Packed(NamedTuple):
 def pack(rows, group_size: int, budget: int, shards: int, mesh=None) -> Packed:
   """The packed layout of the update's rows (grpo._prepare_rows': prompt_tokens_BxL,
   prompt_mask_BxL, completion_tokens_NxT, completion_mask_NxT, and the per-token
-  old_logp_NxT, weights_NxT, mask_NxT and per-row advantages_N), rows split over `shards`
-  data shards in contiguous blocks, each packed on its own.
+  old_logp_NxT, weights_NxT, mask_NxT and per-row advantages_N), the rollouts dealt to
+  `shards` data shards by tokens (`balance`), each shard packed on its own.
 
   A packed micro-batch holds tokens_RxS, positions_RxS (restarting at 0 per sequence),
   segments_RxS (the row's index + 1 on its device; 0 padding), targets_RxS (the token each
@@ -130,13 +172,15 @@ def pack(rows, group_size: int, budget: int, shards: int, mesh=None) -> Packed:
   # tokens are the columns [l - prompt length, l + completion length).
   full_NxU = jnp.concatenate([jnp.repeat(prompt_BxL, group_size, axis=0), completion_NxT],
                              axis=1)
-  by_device = lambda x: x.reshape(shards, per_device, *x.shape[1:])
-  start_PxR = by_device(l - prompt_len_N)
+  per_rollout = dict(full=full_NxU, completion=completion_NxT, start=l - prompt_len_N,
+                     length=length_N, advantages=rows["advantages_N"],
+                     **{k: rows[k] for k in ("old_logp_NxT", "weights_NxT", "mask_NxT")})
+  if shards > 1:  # dealt by tokens, so no chip waits for one that got the long groups
+    src_N, _ = balance(length_N, shards)
+    per_rollout = jax.tree.map(lambda x: jnp.take(x, src_N, axis=0), per_rollout)
+  local = jax.tree.map(lambda x: x.reshape(shards, per_device, *x.shape[1:]), per_rollout)
   index_PxKxS, used_P = jax.vmap(lambda s, n_: index_map(s, n_, width, budget, num_bins))(
-      start_PxR, by_device(length_N))
-  local = dict(full=by_device(full_NxU), completion=by_device(completion_NxT),
-               start=start_PxR, advantages=by_device(rows["advantages_N"]),
-               **{k: by_device(rows[k]) for k in ("old_logp_NxT", "weights_NxT", "mask_NxT")})
+      local["start"], local["length"])
 
   def gather(index_S, d):
     """One device's packed row from its rows d."""
@@ -166,5 +210,5 @@ def pack(rows, group_size: int, budget: int, shards: int, mesh=None) -> Packed:
       "padding_fraction_padded": padding_fraction(real_padded, n // group_size * l + n * t),
       "padding_fraction_packed": padding_fraction(length_N.sum().astype(jnp.float32),
                                                   count * shards * budget),
-      "packed_micro_batches": count}
+      "packed_micro_batches": count, "packed_chip_imbalance": imbalance(used_P)}
   return Packed(micro_batch, count, metrics, num_bins)

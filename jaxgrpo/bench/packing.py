@@ -16,7 +16,18 @@ micro-batches run, and the loss (the same for every layout, to float rounding).
 Shapes (lengths of completions, capped at --new_tokens):
   longtail: log-normal, median new_tokens / 8, sigma 1 (reasoning-like: most rows short, a
     few at the cap);
+  grouped: long-tailed and correlated within a group, as GRPO's are (a hard prompt's G
+    answers are all long): each prompt draws a scale (log-normal, median new_tokens / 8,
+    sigma 1) and its answers are log-normal around it (sigma 0.3);
   uniform: uniform in [1, new_tokens].
+
+--chips P: each line also says how the rollouts' tokens would spread over P data-parallel
+chips (the update here runs on one): `chip_imbalance`, max over chips / mean of the packed
+micro-batches each chip's rows need, with the rollouts dealt by tokens first as the update
+does (packing.balance), and `chip_imbalance_contiguous`, the same for the contiguous split
+the batch sharding gives (the layout before issue 63). Every chip runs as many micro-batches
+as the fullest, so 1.37 means the others idle 27% of the loop. Padded layouts compute the
+same rows on every chip: 1.0.
 """
 
 from __future__ import annotations
@@ -24,10 +35,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgrpo.algo import grpo
+from jaxgrpo.algo import grpo, packing
 from jaxgrpo.bench import common
 from jaxgrpo.bench import step as bench_step
 from jaxgrpo.model import decoder as model_lib
@@ -37,11 +49,16 @@ from jaxgrpo.rollout import sampling
 SP = sampling.SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
 
 
-def completion_lengths(shape: str, n: int, new_tokens: int, seed: int) -> np.ndarray:
-  """n completion lengths in [1, new_tokens]: a named shape, or a file of integers."""
+def completion_lengths(shape: str, n: int, new_tokens: int, seed: int,
+                       generations: int = 1) -> np.ndarray:
+  """n completion lengths in [1, new_tokens]: a named shape, or a file of integers
+  (`generations`: the group size, for the grouped shape)."""
   rng = np.random.default_rng(seed)
   if shape == "longtail":
     drawn = rng.lognormal(np.log(new_tokens / 8), 1.0, n)
+  elif shape == "grouped":
+    scale = rng.lognormal(np.log(new_tokens / 8), 1.0, -(-n // generations))
+    drawn = rng.lognormal(np.log(np.repeat(scale, generations)[:n]), 0.3)
   elif shape == "uniform":
     drawn = rng.uniform(1, new_tokens, n)
   else:
@@ -77,7 +94,10 @@ def run_packing(args) -> list[dict]:
   cfg = bench_step.preset_config(args.preset)
   mesh = sharding_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
   n = args.prompts * args.generations
-  lengths = completion_lengths(args.lengths, n, args.new_tokens, args.seed)
+  lengths = completion_lengths(args.lengths, n, args.new_tokens, args.seed, args.generations)
+  if n % args.chips:
+    raise SystemExit(f"--chips {args.chips}: must divide the {n} rollouts (--prompts x "
+                     "--generations)")
   batch = make_batch(cfg, args.prompts, args.generations, args.prompt_len, args.new_tokens,
                      lengths, args.seed)
   params = sharding_lib.shard_params(
@@ -115,6 +135,8 @@ def run_packing(args) -> list[dict]:
     aux = jax.device_get(out["aux"])
     median = float(np.median(times))
     whole_s = median if whole_s is None else whole_s
+    spread = (chip_spread(batch, lengths, args.chips, width, values["micro_batch_tokens"])
+              if "micro_batch_tokens" in values else (1.0, 1.0))
     real = float(batch["prompt_mask_BxL"].sum() + batch["completion_mask_NxT"].sum())
     padded = 1 - real / (args.prompts * args.prompt_len + n * args.new_tokens)
     results.append({
@@ -123,8 +145,28 @@ def run_packing(args) -> list[dict]:
         "padding_fraction": float(aux.get("padding_fraction_packed", padded)),
         "micro_batches": int(aux.get("packed_micro_batches", 1 if not values.get(
             "micro_batch_size") else n // values["micro_batch_size"])),
+        "chips": args.chips, "chip_imbalance": spread[0],
+        "chip_imbalance_contiguous": spread[1],
         "loss": float(aux["loss"]), **common.machine(jax.devices(), start_load)})
   return results
+
+
+def chip_spread(batch, completion_N, chips: int, width: int, budget: int):
+  """(dealt, contiguous): max / mean over `chips` of the packed micro-batches each chip's
+  rollouts need, dealt by tokens (packing.balance, as the update does) and split in
+  contiguous blocks (as the batch sharding gives them)."""
+  generations = len(completion_N) // len(batch["prompt_mask_BxL"])
+  seq_N = jnp.asarray(np.repeat(batch["prompt_mask_BxL"].sum(axis=1), generations)
+                      + completion_N, jnp.int32)
+  per = len(completion_N) // chips
+  bins = packing.max_micro_batches(per, width, budget)
+
+  def used(seq):
+    return jax.vmap(lambda n_: packing.index_map(jnp.zeros_like(n_), n_, width, budget,
+                                                 bins)[1])(seq.reshape(chips, per))
+
+  src, _ = packing.balance(seq_N, chips)
+  return (float(packing.imbalance(used(seq_N[src]))), float(packing.imbalance(used(seq_N))))
 
 
 def add_parsers(sub) -> None:
@@ -137,7 +179,11 @@ def add_parsers(sub) -> None:
   p.add_argument("--prompt_len", type=common.at_least(1), default=64)
   p.add_argument("--new_tokens", type=common.at_least(1), default=1024)
   p.add_argument("--lengths", default="longtail",
-                 help="longtail, uniform, or a file of completion lengths (one a line)")
+                 help="longtail, grouped, uniform, or a file of completion lengths (one a "
+                 "line)")
+  p.add_argument("--chips", type=common.at_least(1), default=8,
+                 help="data-parallel chips the lines' chip_imbalance spreads the rollouts "
+                 "over")
   p.add_argument("--budgets", type=lambda s: tuple(int(x) for x in s.split(",")),
                  default=(1, 2), help="packed budgets, in longest sequences (prompt_len + "
                  "new_tokens), e.g. 1,2")

@@ -86,7 +86,7 @@ def _dense_experts(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, down_E
 def _ragged_experts(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, down_ExFxD,
                     first: int):
   """Grouped matmuls over the (token, slot) pairs sorted by expert; pairs routed to experts
-  not held here sort last, outside every group (ragged_dot gives their rows 0)."""
+  not held here sort last, outside every group, and their rows are dropped."""
   t, k = experts_TxK.shape
   e_here = gate_ExDxF.shape[0]
   local_M = experts_TxK.reshape(-1) - first  # M = T*K pairs
@@ -99,8 +99,11 @@ def _ragged_experts(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, down_
   h_MxF = (jax.nn.silu(jax.lax.ragged_dot(xs_MxD, gate_ExDxF, sizes_E))
            * jax.lax.ragged_dot(xs_MxD, up_ExDxF, sizes_E))
   ys_MxD = jax.lax.ragged_dot(h_MxF, down_ExFxD, sizes_E)
-  w_M = jnp.where(here_M, weights_TxK.reshape(-1), 0.0)[order_M]
-  ys_MxD = ys_MxD * w_M.astype(ys_MxD.dtype)[:, None]
+  w_M = weights_TxK.reshape(-1)[order_M]
+  # Rows outside every group (pairs routed to experts not held here) are selected away,
+  # not multiplied by 0: JAX does not promise what ragged_dot writes there (CPU writes 0;
+  # a kernel may leave anything, and NaN x 0 is NaN).
+  ys_MxD = jnp.where(here_M[order_M][:, None], ys_MxD * w_M.astype(ys_MxD.dtype)[:, None], 0)
   return jnp.zeros_like(x_TxD).at[token_M].add(ys_MxD)
 
 
