@@ -55,7 +55,9 @@ def get_config(arg=None):
       sliding_window_pattern=unset(int), rope_local_theta=unset(float),
       rope_scaling_type=unset(str),
       # A mixture's experts: auto = grouped matmuls (ragged_dot) on TPU/GPU, dense on CPU.
-      moe_matmul="auto",
+      # The router's logits in float32 (slime's choice): a bfloat16 mixture's choice of
+      # experts does not turn on bfloat16 rounding; 'compute' routes as transformers does.
+      moe_matmul="auto", router_dtype="float32",
       param_dtype="float32", dtype="bfloat16",
       # Each layer keeps only its input for the backward pass and recomputes the rest: at
       # 512 rollouts of ~900 tokens the activations, not the weights, fill the chips.

@@ -36,7 +36,7 @@ def get_config(arg=None):
       # A mixture of experts (Qwen3-MoE) when num_experts > 0; moe_matmul: how the experts
       # are computed (auto: a dense reference on CPU, grouped ragged_dot elsewhere).
       num_experts=0, num_experts_per_tok=0, moe_mlp_dim=0, norm_topk_prob=True,
-      moe_matmul="auto",
+      moe_matmul="auto", router_dtype="float32",
       # Gemma 3's layout (all off here): GeGLU, (1 + w) norms also after each sublayer,
       # scaled embeddings, its query scale, sliding-window local layers with their own RoPE.
       hidden_act="silu", norm_plus_one=False, post_norms=False, embed_scale=False,

@@ -152,6 +152,8 @@ SCHEMA: dict[str, Any] = {
         "rope_scaling_type": _optional(_choice("llama3", "linear")),
         # Not architecture: the experts' matmuls (model/moe.py; auto: dense on CPU, else ragged).
         "moe_matmul": _choice("auto", "ragged", "dense"),
+        # Not architecture: the router's logits' dtype (model/moe.py route).
+        "router_dtype": _choice("float32", "bfloat16", "compute"),
         "param_dtype": _dtype, "dtype": _dtype,
         # Not architecture: what each layer keeps for the update's backward pass.
         "remat": _choice("none", "full", "save_dots"),

@@ -53,7 +53,6 @@ Flags:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import sys
@@ -287,7 +286,7 @@ def _architecture(config):
   m = config.model
   if m.hf_checkpoint:  # config.json and the tokenizer: a fit is checked before a download
     cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype, need_weights=False)
-    cfg = dataclasses.replace(cfg, dtype=m.dtype, moe_matmul=m.moe_matmul)
+    cfg = loading.with_execution(cfg, m)
     loading.check_architecture(config, cfg)
     return cfg, tokenizer
   if not m.checkpoint:  # random init
@@ -295,8 +294,7 @@ def _architecture(config):
     return model_cfg, tokenizer
   # A jaxgrpo checkpoint: its model.json and tokenizer only.
   cfg, tokenizer = hf.inspect_pretrained(m.checkpoint, need_weights=False)
-  cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype,
-                            moe_matmul=m.moe_matmul)
+  cfg = loading.with_execution(cfg, m, param_dtype=True)
   loading.check_architecture(config, cfg)
   return cfg, tokenizer
 

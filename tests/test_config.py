@@ -592,6 +592,8 @@ def test_what_needs_experts_or_refuses_a_window_is_one_line():
       ({"grpo.router_aux_loss_coef": 0.01}, dense, "the model is dense (no router)"),
       ({"model.moe_matmul": "ragged"}, dense, "config.model.moe_matmul='ragged': the model "
        "is dense"),
+      ({"model.router_dtype": "compute"}, dense, "config.model.router_dtype='compute': the "
+       "model is dense (no router)"),
       ({"model.attention": "splash"}, gemma, "sliding-window layers (window 4)"),
   ]
   for overrides, model, fragment in cases:
@@ -680,4 +682,5 @@ def test_the_model_schema_and_a_runs_recorded_keys_follow_model_config():
   from jaxgrpo.run import artifacts  # pylint: disable=g-import-not-at-top
   fields = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
   assert fields <= set(config_lib.SCHEMA["model"])
-  assert set(artifacts._ARCH_KEYS) == fields - {"param_dtype", "dtype", "moe_matmul"}  # pylint: disable=protected-access
+  assert set(artifacts._ARCH_KEYS) == fields - {"param_dtype", "dtype", "moe_matmul",
+                                                "router_dtype"}  # pylint: disable=protected-access

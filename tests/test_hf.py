@@ -382,7 +382,7 @@ def test_an_end_id_the_tokenizer_cannot_produce_is_named_at_start_up(tmp_path, c
   assert tok.unusable_end_ids == [(999_999, str(path))] and 999_999 not in tok.stop_ids
   config = ml_collections.ConfigDict({"model": {
       "checkpoint": "", "hf_checkpoint": str(folder), "param_dtype": "float32",
-      "dtype": "float32", "moe_matmul": "auto"}, "data": {"source": "jsonl"}})
+      "dtype": "float32", "moe_matmul": "auto", "router_dtype": "float32"}, "data": {"source": "jsonl"}})
   monkeypatch.setattr(loading, "check_architecture", lambda *a: None)  # no keys set here
   loading.load_policy(config)
   err = capsys.readouterr().err
@@ -425,7 +425,7 @@ def test_a_checkpoint_value_that_does_not_split_over_the_mesh_names_its_key():
   assert cfg.num_kv_heads == 2
   model = {name: None for name in dataclasses.asdict(cfg)}
   model.update(hf_checkpoint=folder, checkpoint="", lora_rank=0, attention=None,
-               moe_matmul="auto")
+               moe_matmul="auto", router_dtype="float32")
   config = ml_collections.ConfigDict({"model": model, "grpo": {"router_aux_loss_coef": 0.0},
                                       "mesh": {"data": 1, "dcn_data": 1, "fsdp": 1,
                                                "expert": 1, "context": 1, "tensor": 4}})
@@ -564,7 +564,7 @@ def test_a_chat_run_whose_end_ids_miss_the_turns_end_is_warned(tmp_path, capsys,
   end_id = hf.hf_tokenizer(str(folder)).hf.token_to_id(end)
   config = ml_collections.ConfigDict({"model": {
       "checkpoint": "", "hf_checkpoint": str(folder), "param_dtype": "float32",
-      "dtype": "float32", "moe_matmul": "auto"},
+      "dtype": "float32", "moe_matmul": "auto", "router_dtype": "float32"},
       "data": {"source": "jsonl", "use_chat_template": True}})
   monkeypatch.setattr(loading, "check_architecture", lambda *a: None)  # no keys set here
   loading.load_policy(config)

@@ -42,6 +42,22 @@ def test_routing_by_hand():
   np.testing.assert_allclose(w, [[0.6652, 0.2447], [0.9094, 0.0453]], atol=1e-4)
 
 
+def test_router_logits_in_float32_do_not_turn_on_bfloat16_rounding():
+  """Issue 63: with a bfloat16 model the router's logits were bfloat16 (x W_router rounded
+  to 8 bits of mantissa), so near-ties picked experts by rounding. route(dtype=float32)
+  (model.router_dtype's default) gives the float32 computation's probabilities exactly;
+  dtype=None (router_dtype='compute', transformers' choice) the bfloat16 ones."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+  router = jnp.asarray(rng.standard_normal((32, 8)), jnp.bfloat16)
+  want = moe.route(x.astype(jnp.float32), router.astype(jnp.float32), 2, True)
+  f32 = moe.route(x, router, 2, True, jnp.float32)
+  bf16 = moe.route(x, router, 2, True)
+  np.testing.assert_array_equal(f32[2], want[2])
+  np.testing.assert_array_equal(f32[1], want[1])
+  assert float(jnp.max(jnp.abs(bf16[2] - want[2]))) > 1e-4  # bfloat16 logits round
+
+
 def _layer_args(seed=0, t=24, e=8, d=16, f=12):
   rng = np.random.default_rng(seed)
   return (jnp.asarray(rng.standard_normal((t, d)), jnp.float32),

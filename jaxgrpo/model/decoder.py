@@ -184,8 +184,11 @@ class ModelConfig:
   num_experts_per_tok: int = 0
   moe_mlp_dim: int = 0
   norm_topk_prob: bool = True
-  # Not architecture: how the experts are computed (moe.MATMULS; 'auto' by platform).
+  # Not architecture: how the experts are computed (moe.MATMULS; 'auto' by platform), and
+  # the router's logits' dtype ('compute': the compute dtype, as transformers; float32 keeps
+  # a bfloat16 mixture's routing off bfloat16 rounding, as slime does).
   moe_matmul: str = "auto"
+  router_dtype: str = "float32"
   # Gemma 3's departures from the Llama layout (all off: Llama / Qwen).
   hidden_act: str = "silu"           # the MLP gate's activation: silu (SwiGLU), gelu_tanh (GeGLU)
   norm_plus_one: bool = False        # RMSNorm scales by (1 + w), not w
@@ -222,6 +225,9 @@ class ModelConfig:
     if self.sliding_window < 0 or self.sliding_window_pattern < 0:
       raise ValueError(f"model.sliding_window={self.sliding_window}, sliding_window_pattern="
                        f"{self.sliding_window_pattern}: must be >= 0")
+    if self.router_dtype not in (*DTYPES, "compute"):
+      raise ValueError(f"model.router_dtype={self.router_dtype!r}: allowed "
+                       f"{sorted(DTYPES) + ['compute']}")
     if self.moe_matmul not in moe_lib.MATMULS:
       raise ValueError(f"model.moe_matmul={self.moe_matmul!r}: allowed {list(moe_lib.MATMULS)}")
     for name in ("param_dtype", "dtype"):
@@ -491,9 +497,9 @@ def experts_layer(x, router, gate, up, down, cfg: ModelConfig, mesh=None,
     ways = math.prod(mesh.shape[a] for a in jax.tree.leaves(tuple(row_spec)))
     if x.shape[0] % ways:  # rows that do not split (never in a step): GSPMD's placement
       mesh = row_spec = None
+  router_dtype = None if cfg.router_dtype == "compute" else DTYPES[cfg.router_dtype]
   return moe_lib.moe(x, router, gate, up, down, k=cfg.num_experts_per_tok,
-                     normalize=cfg.norm_topk_prob,
-                     matmul=matmul,
+                     normalize=cfg.norm_topk_prob, matmul=matmul, router_dtype=router_dtype,
                      mesh=mesh, row_spec=row_spec)
 
 

@@ -3,7 +3,7 @@
 Each token's hidden state x is routed to K of E SwiGLU experts (Shazeer et al. 2017;
 Qwen3-MoE's published routing):
 
-    p = softmax(x W_router)            (float32; the logits in the compute dtype)
+    p = softmax(x W_router)            (float32; the logits in model.router_dtype)
     (w_1..K, e_1..K) = top_K(p)        (w normalised to sum 1 when norm_topk_prob)
     y = sum_k w_k * down_e_k(silu(gate_e_k(x)) * up_e_k(x))
 
@@ -56,12 +56,16 @@ def resolve_matmul(value: str, platform: str) -> str:
   return "dense" if platform == "cpu" else "ragged"
 
 
-def route(x_TxD, router_DxE, k: int, normalize: bool):
+def route(x_TxD, router_DxE, k: int, normalize: bool, dtype=None):
   """(weights [T, K] float32, experts [T, K] int32, probabilities [T, E] float32).
 
-  The router's logits are taken in x's dtype and the softmax in float32, as transformers'
-  Qwen3-MoE does; ties go to the lower expert id (lax.top_k, as torch.topk)."""
-  logits_TxE = x_TxD @ router_DxE.astype(x_TxD.dtype)
+  The router's logits are taken in `dtype` (None: x's, as transformers' Qwen3-MoE does;
+  model.router_dtype defaults to float32, as slime keeps them, so a bfloat16 mixture's
+  choice of experts does not turn on bfloat16 rounding) and the softmax in float32; ties
+  go to the lower expert id (lax.top_k, as torch.topk). The sampler and the update call
+  this same function with the same dtype (decoder.experts_layer)."""
+  dtype = x_TxD.dtype if dtype is None else dtype
+  logits_TxE = x_TxD.astype(dtype) @ router_DxE.astype(dtype)
   probs_TxE = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
   weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, k)
   if normalize:
@@ -119,7 +123,7 @@ def experts(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, down_ExFxD,
 
 
 def moe(x_NxD, router_DxE, gate_ExDxF, up_ExDxF, down_ExFxD, *, k: int, normalize: bool,
-        matmul: str, mesh=None, row_spec=None):
+        matmul: str, router_dtype=None, mesh=None, row_spec=None):
   """The layer: (y [N..., D], probabilities [N..., E] float32, experts [N..., K]).
 
   x's leading axes are rows (any number); weights in the compute dtype. mesh: run
@@ -128,11 +132,12 @@ def moe(x_NxD, router_DxE, gate_ExDxF, up_ExDxF, down_ExFxD, *, k: int, normaliz
   lead, d = x_NxD.shape[:-1], x_NxD.shape[-1]
   if mesh is None:
     x_TxD = x_NxD.reshape(-1, d)
-    w, e, probs = route(x_TxD, router_DxE, k, normalize)
+    w, e, probs = route(x_TxD, router_DxE, k, normalize, router_dtype)
     y = experts(x_TxD, w, e, gate_ExDxF, up_ExDxF, down_ExFxD, matmul)
     return y.reshape(x_NxD.shape), probs.reshape(*lead, -1), e.reshape(*lead, k)
   out_spec = P(*row_spec[:-1], None)
-  body = functools.partial(_expert_parallel, k=k, normalize=normalize, matmul=matmul)
+  body = functools.partial(_expert_parallel, k=k, normalize=normalize, matmul=matmul,
+                           router_dtype=router_dtype)
   return jax.shard_map(
       body, mesh=mesh,
       in_specs=(row_spec, P(), P("expert", None, "tensor"), P("expert", None, "tensor"),
@@ -142,12 +147,12 @@ def moe(x_NxD, router_DxE, gate_ExDxF, up_ExDxF, down_ExFxD, *, k: int, normaliz
 
 
 def _expert_parallel(x_NxD, router_DxE, gate_ExDxF, up_ExDxF, down_ExFxD, *, k, normalize,
-                     matmul):
+                     matmul, router_dtype):
   """One chip's part (inside shard_map): route its rows, gather its `expert` group's rows,
   compute its experts' share of them (its `tensor` slice of each), sum and scatter back."""
   shape, d = x_NxD.shape, x_NxD.shape[-1]
   x_TxD = x_NxD.reshape(-1, d)
-  w, e, probs = route(x_TxD, router_DxE, k, normalize)
+  w, e, probs = route(x_TxD, router_DxE, k, normalize, router_dtype)
   gather = functools.partial(jax.lax.all_gather, axis_name="expert", tiled=True)
   first = jax.lax.axis_index("expert") * gate_ExDxF.shape[0]
   y_all = experts(gather(x_TxD), gather(w), gather(e), gate_ExDxF, up_ExDxF, down_ExFxD,
@@ -176,6 +181,10 @@ def _check_experts(c, model_cfg) -> None:
     config_checks.fail("model.moe_matmul", c.model.moe_matmul, "'auto', or a mixture of "
                        "experts (model.num_experts > 0)",
                        reason="the model is dense (no experts to compute)")
+  if c.model.router_dtype != "float32":
+    config_checks.fail("model.router_dtype", c.model.router_dtype, "'float32', or a "
+                       "mixture of experts (model.num_experts > 0)",
+                       reason="the model is dense (no router)")
   coef = c.grpo.router_aux_loss_coef
   if coef:
     config_checks.fail("grpo.router_aux_loss_coef", coef, "0, or a mixture of experts "

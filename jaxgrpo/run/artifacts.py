@@ -29,7 +29,7 @@ from jaxgrpo.model.tokenizer import Tokenizer
 # family's keys were listed by hand here too): a run written before a key existed lacks it,
 # and absent means "from the checkpoint" (None).
 _ARCH_KEYS = tuple(f.name for f in dataclasses.fields(model_lib.ModelConfig)
-                   if f.name not in ("param_dtype", "dtype", "moe_matmul"))
+                   if f.name not in ("param_dtype", "dtype", "moe_matmul", "router_dtype"))
 
 
 class ExportError(ValueError):
@@ -45,7 +45,10 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     values = json.load(f)
   # Keys a run from an older version did not write: absent means "from the checkpoint".
   model = {"checkpoint": "", "hf_checkpoint": "", **{k: None for k in _ARCH_KEYS},
-           "moe_matmul": "auto", **values.get("model", {})}
+           # A run from before router_dtype (which routed in the compute dtype) reads back
+           # with the default: its dense models have no router, and a mixture's routing in
+           # float32 is the exact computation its bfloat16 one rounded.
+           "moe_matmul": "auto", "router_dtype": "float32", **values.get("model", {})}
   mesh = {"expert": 1, **values.get("mesh", {})}
   generation = {"gather_weights": True, **values.get("generation", {})}
   return ml_collections.ConfigDict({**values, "model": model, "mesh": mesh,

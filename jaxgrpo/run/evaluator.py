@@ -238,7 +238,7 @@ def _side(raw, spec, overrides) -> Side:
 
 
 _EXECUTION_KEYS = ("param_dtype", "dtype", "remat", "scan_layers", "attention", "moe_matmul",
-                   "lora_rank", "lora_alpha", "lora_targets")
+                   "router_dtype", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def _check_run_checkpoint(directory: str, step: int, model_cfg) -> None:

@@ -386,7 +386,18 @@ def resume_point(config, workdir: str, model_cfg, train_batches):
 
 # config.model keys that are not the network's architecture (model.ModelConfig's fields).
 NOT_ARCHITECTURE = ("checkpoint", "hf_checkpoint", "remat", "scan_layers", "attention",
-                    "moe_matmul", "lora_rank", "lora_alpha", "lora_targets")
+                    "moe_matmul", "router_dtype", "lora_rank", "lora_alpha", "lora_targets")
+# ModelConfig fields the run config sets whatever a checkpoint says: how it is computed.
+EXECUTION_FIELDS = ("dtype", "moe_matmul", "router_dtype")
+
+
+def with_execution(cfg, m, param_dtype: bool = False):
+  """A checkpoint's ModelConfig computed as config.model `m` asks (EXECUTION_FIELDS, and
+  param_dtype when the weights are cast here: a jaxgrpo checkpoint's)."""
+  values = {k: m[k] for k in EXECUTION_FIELDS}
+  if param_dtype:
+    values["param_dtype"] = m.param_dtype
+  return dataclasses.replace(cfg, **values)
 
 
 def architecture(config) -> dict:
@@ -412,7 +423,7 @@ def load_policy(config, checks: bool = True):
   if source:
     if m.hf_checkpoint:
       cfg, tokenizer = hf.inspect_hf(m.hf_checkpoint, dtype=m.param_dtype)
-      cfg, params = dataclasses.replace(cfg, dtype=m.dtype, moe_matmul=m.moe_matmul), None
+      cfg, params = with_execution(cfg, m), None
       for end_id, path in tokenizer.unusable_end_ids if _primary() else ():
         print(f"warning: {path} lists end token id {end_id!r} (eos_token_id), which the "
               f"tokenizer cannot produce (its ids are 0-{tokenizer.vocab_size - 1}); it is "
@@ -421,8 +432,7 @@ def load_policy(config, checks: bool = True):
       _check_end_of_turn(config, tokenizer)
     else:
       cfg, params, tokenizer = hf.load_pretrained(m.checkpoint)
-      cfg = dataclasses.replace(cfg, param_dtype=m.param_dtype, dtype=m.dtype,
-                                moe_matmul=m.moe_matmul)
+      cfg = with_execution(cfg, m, param_dtype=True)
       np_dtype = np.dtype(model_lib.DTYPES[m.param_dtype])
       params = jax.tree.map(lambda x: np.asarray(x).astype(np_dtype), params)
     check_architecture(config, cfg, checks)
@@ -434,7 +444,8 @@ def load_policy(config, checks: bool = True):
         f"config.model.vocab_size={m.vocab_size}: the character tokenizer for "
         f"data.source={config.data.source!r} needs at least {tokenizer.vocab_size}")
   try:
-    cfg = model_lib.ModelConfig.from_dict({**arch, "moe_matmul": m.moe_matmul})
+    cfg = model_lib.ModelConfig.from_dict(
+        {**arch, **{k: m[k] for k in EXECUTION_FIELDS}})
   except ValueError as e:
     raise config_lib.ConfigError(f"config.{e}") from None
   if checks:  # the checks that need the model (config_checks.py)
