@@ -28,7 +28,7 @@ def _config(**overrides):
 @pytest.mark.parametrize("overrides,engine,source", [
     ({}, "native", "single"),
     ({"grpo__dynamic_sampling": "filter"}, "native", "dynamic"),
-    ({"generation__max_tokens_per_step": 8}, "partial", "partial"),
+    ({"generation__max_tokens_per_step": 2}, "partial", "partial"),
     ({"env__name": "calculator"}, "episodes", "episodes"),
     ({"generation__backend": "jetstream"}, "jetstream", "single"),
     ({"generation__backend": "jetstream", "grpo__dynamic_sampling": "filter"},
@@ -43,7 +43,7 @@ def test_kind_of_reads_each_way_a_run_samples(overrides, engine, source):
 @pytest.mark.parametrize("overrides,engine_type,source_type", [
     ({}, sampling.RolloutEngine, rollouts.SingleTurn),
     ({"grpo__dynamic_sampling": "filter"}, sampling.RolloutEngine, rollouts.DynamicSampling),
-    ({"generation__max_tokens_per_step": 8}, partial.PartialEngine,
+    ({"generation__max_tokens_per_step": 2}, partial.PartialEngine,
      partial_rollouts.PartialRollouts),
 ])
 def test_rollouts_builds_the_engine_and_its_sources_of_one_kind(overrides, engine_type,

@@ -287,7 +287,7 @@ def _program_lines(stdout):
         "update step", "train sampler", "train episode start", "val sampler",
         "val episode start")),
     # Partial rollouts: the round program (its refill's prefill) as the train sampler.
-    (f"{ROOT}/configs/gsm8k.py:cpu", ["hf", "--config.generation.max_tokens_per_step=16",
+    (f"{ROOT}/configs/gsm8k.py:cpu", ["hf", "--config.generation.max_tokens_per_step=8",
                                       "--config.generation.compact_stages=0",
                                       "--programs=train"], ("train sampler",)),
 ])

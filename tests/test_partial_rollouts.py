@@ -128,6 +128,24 @@ def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(tmp_pa
   cli.assert_clean_error(proc, f"config.{key}", "generation.max_tokens_per_step=2")
 
 
+@pytest.mark.parametrize("budget", [5, 9])
+def test_a_budget_no_completion_can_outlast_is_one_line_not_a_silent_no_op(budget):
+  """Issue 63: max_tokens_per_step at or above max_new_tokens (the smoke preset's 5) ends
+  every completion within its first round, so nothing is ever carried: refused in one
+  line, where it used to run as a synchronous run in partial clothing."""
+  from jaxgrpo import config as config_lib  # pylint: disable=g-import-not-at-top
+  from test_config import math_config  # pylint: disable=g-import-not-at-top
+  c = math_config("smoke")
+  c.generation.max_tokens_per_step = budget
+  with pytest.raises(config_lib.ConfigError, match=(
+      rf"config.generation.max_tokens_per_step={budget}: every completion ends within one "
+      r"round, so no row is ever carried: partial rollouts would change nothing; allowed: "
+      r"0, or fewer than generation.max_new_tokens=5")):
+    config_lib.validate(c, num_devices=8)
+  c.generation.max_tokens_per_step = 4
+  config_lib.validate(c, num_devices=8)
+
+
 def test_rollouts_carried_over_steps_equal_uninterrupted_ones_with_frozen_parameters():
   # The pool end to end (pull, refill, harvest, the groups an update takes) with frozen
   # parameters: rounds of 3 tokens, whose rows carry across steps, against rounds of all 12

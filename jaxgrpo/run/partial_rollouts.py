@@ -320,6 +320,11 @@ def _check_partial(c, num_devices: int) -> None:
   if not budget:
     return
   key = "generation.max_tokens_per_step"
+  if budget >= gen.max_new_tokens:  # issue 63: a silent no-op before
+    config_checks.fail(key, budget, f"0, or fewer than generation.max_new_tokens="
+                       f"{gen.max_new_tokens}", reason="every completion ends within one "
+                       "round, so no row is ever carried: partial rollouts would change "
+                       "nothing")
   for name, (needed, why) in _NEEDS.items():
     section, field = name.split(".")
     if c[section][field] != needed:
