@@ -212,6 +212,17 @@ def test_auto_token_budget_packs_one_longest_sequence_with_xla_and_searches_with
   values["model"]["attention"] = "splash"
   splash = ml_collections.ConfigDict(values)
   assert sizing.micro_batch_token_sizes(splash, mesh) == [128 * k for k in (1, 2, 4, 8, 16, 32)]
+  # Issue 63: sequences of 64 + 36 = 100 tokens. xla takes a budget of one (100); splash a
+  # whole number of its 128-token blocks (128, 256 for 200, 512 for 400, ...), and over a
+  # context pair (mesh data 4 x context 2, 64 rollouts a shard) each chip's half a whole
+  # number of blocks too: multiples of 256 (100 and 200 -> 256, once; 400 -> 512, ...).
+  values["generation"]["max_new_tokens"] = 36
+  odd_xla = ml_collections.ConfigDict({**values, "model": {**values["model"], "attention": None}})
+  assert sizing.micro_batch_token_sizes(odd_xla, mesh) == [100]
+  odd = ml_collections.ConfigDict(values)
+  assert sizing.micro_batch_token_sizes(odd, mesh) == [128, 256, 512, 896, 1664, 3200]
+  pairs = sharding_lib.make_mesh({"data": 4, "context": 2})
+  assert sizing.micro_batch_token_sizes(odd, pairs) == [256, 512, 1024, 1792, 3328, 6400]
   # micro_batch_size='auto' beside a token budget: packing replaces it (0), nothing searched.
   both = sizing._with(config, micro_batch_size="auto")
   resolved, (choice,) = sizing.resolve(both, model_cfg, tokenizer, mesh, 32)

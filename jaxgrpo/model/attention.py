@@ -55,6 +55,13 @@ def resolve_attention(value: str | None, platform: str, dtype: str,
   return "xla" if windowed and value == "splash" else value
 
 
+def packed_row_multiple(implementation: str, context: int) -> int:
+  """What a packed row's length should be a multiple of so that nothing is padded or
+  resharded: each of the `context` chips' shares a whole number of the kernel's blocks
+  for splash (it pads each share to SPLASH_BLOCK, see `splash`), an equal share else."""
+  return SPLASH_BLOCK * context if implementation == "splash" else context
+
+
 def fused_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, implementation: str):
   """softmax(q k^T / sqrt(D), masked) v through jax.nn.dot_product_attention (grouped-query
   heads as the model groups them: query head h reads KV head h // (H / H_kv)). The mask is

@@ -55,6 +55,7 @@ from jaxgrpo import config as config_lib
 from jaxgrpo.run import build
 from jaxgrpo.algo import grpo
 from jaxgrpo.algo import microbatch
+from jaxgrpo.model import attention as attention_lib
 from jaxgrpo.model import decoder as model_lib
 from jaxgrpo.model import lora
 from jaxgrpo.model import sharding as sharding_lib
@@ -183,8 +184,10 @@ def micro_batch_token_sizes(config, mesh) -> list[int]:
   counts = [1]
   while counts[-1] * 2 <= rows and width * counts[-1] * 2 <= cap:
     counts.append(counts[-1] * 2)
-  context = mesh.shape["context"]  # each chip of a group an equal share of the row
-  return [-(-width * k // context) * context for k in counts]
+  # Each chip of a context group an equal share of the row, and with splash a whole number
+  # of its blocks (issue 63: a budget off the block was padded and resharded each layer).
+  unit = attention_lib.packed_row_multiple(build.attention(config, mesh), mesh.shape["context"])
+  return list(dict.fromkeys(-(-width * k // unit) * unit for k in counts))
 
 
 def val_batch_sizes(mesh, num_val_prompts: int) -> list[int]:
