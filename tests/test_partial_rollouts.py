@@ -146,6 +146,49 @@ def test_a_budget_no_completion_can_outlast_is_one_line_not_a_silent_no_op(budge
   config_lib.validate(c, num_devices=8)
 
 
+def test_a_carried_rows_tokens_are_as_stale_as_the_oldest_cache_they_read():
+  """Issue 63: a carried row keeps its KV cache over updates, so a token drawn after an
+  update reads K/V that older versions wrote; it was stamped staleness 0. With parameters
+  that change every step (rounds of 3 of 12 tokens, so rows span steps), every trained
+  token's staleness is the update's version minus the version its rollout started at (the
+  minimum of the versions that drew its tokens so far), by hand from the drawn versions;
+  some rollouts span versions, so the old per-token stamp would have said less."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.bench import long_tail  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.model import sharding  # pylint: disable=g-import-not-at-top
+  from jaxgrpo.rollout import partial, sampling  # pylint: disable=g-import-not-at-top
+  from test_partial import CFG, EOS, PAD, SP, T  # tests/test_partial.py
+  from numpy_params import peaked_params  # tests/numpy_params.py
+  base = peaked_params(CFG)
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  profiles = {"train": sampling.Profile(SP, 1, T), "val": sampling.Profile(SP, 1, T)}
+  b, g = 2, 4
+  engine = partial.PartialEngine(CFG, mesh, profiles, rows=b * g, max_prompt_length=6,
+                                 eos_id=EOS, pad_id=PAD, seed=0, scan_layers=False)
+  config = ml_collections.ConfigDict({
+      "generation": {"max_tokens_per_step": 3, "max_new_tokens": T},
+      "grpo": {"max_staleness": 100, "importance_weight_cap": 2.0,
+               "num_generations_per_prompt": g, "num_prompts_per_step": b}})
+  source = partial_rollouts.PartialRollouts(
+      config, engine, None, long_tail._Prompts(CFG, b, 6, seed=0))
+  spanned = 0
+  for step in range(1, 7):
+    params = jax.tree.map(lambda x: x * (1.0 + 0.05 * step), base)  # a new version a step
+    got, _, _, _, metrics = source.gather(params, step)
+    version = step - 1
+    for n in range(len(got["length_N"])):
+      drawn = got["version_NxT"][n, :got["length_N"][n]]
+      assert (np.diff(drawn) >= 0).all()  # a rollout's versions only grow
+      np.testing.assert_array_equal(got["staleness_NxT"][n, :len(drawn)],
+                                    version - drawn[0])
+      spanned += int(drawn[-1] > drawn[0])
+    stale = got["staleness_NxT"][got["mask_NxT"]]
+    assert metrics["staleness_max"] == stale.max()
+    np.testing.assert_allclose(metrics["staleness_mean"], stale.mean())
+  assert spanned > 0  # rows that did carry over an update: the case that was under-counted
+
+
 def test_rollouts_carried_over_steps_equal_uninterrupted_ones_with_frozen_parameters():
   # The pool end to end (pull, refill, harvest, the groups an update takes) with frozen
   # parameters: rounds of 3 tokens, whose rows carry across steps, against rounds of all 12

@@ -264,13 +264,20 @@ class PartialRollouts(Source):
     a = self.a
     length_N = a["length_SxG"][chosen].reshape(-1)
     mask_NxT = np.arange(self.t)[None] < length_N[:, None]
+    drawn_NxT = a["version_SxGxT"][chosen].reshape(-1, self.t)
     out = {"tokens_NxT": np.where(mask_NxT, a["tokens_SxGxT"][chosen].reshape(-1, self.t),
                                   self.engine.pad_id),
            "logp_NxT": np.where(mask_NxT, a["logp_SxGxT"][chosen].reshape(-1, self.t), 0.0
                                 ).astype(np.float32),
            "mask_NxT": mask_NxT, "length_N": length_N,
            "stopped_N": a["stopped_SxG"][chosen].reshape(-1),
-           "staleness_NxT": version - a["version_SxGxT"][chosen].reshape(-1, self.t),
+           # A carried row keeps its KV cache over updates: a token drawn after one is the
+           # new weights over K/V that older versions wrote (its prompt's and earlier
+           # tokens'). Its staleness counts the oldest version among them (issue 63), the
+           # running minimum of the drawn versions, not the version that drew it.
+           "version_NxT": drawn_NxT,
+           "staleness_NxT": version - np.minimum.accumulate(
+               np.where(mask_NxT, drawn_NxT, version), axis=1),
            "batch": self.batches.collate_rows(a["row_id_S"][chosen]),
            "group_id_B": a["group_id_S"][chosen].copy()}
     a["group_id_S"][chosen] = -1
