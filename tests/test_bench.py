@@ -348,6 +348,27 @@ def test_packing_bench_runs_padded_and_packed_side_by_side(tmp_path):
   assert packed["micro_batches"] >= 1 and padded["ratio_to_padded_whole"] == 1.0
 
 
+def test_at_the_staleness_bound_no_group_is_lost_and_long_answers_train_as_often(tmp_path):
+  """Issue 63: groups past max_staleness were dropped after drawing, and never re-queued,
+  so the prompts that draw long answers were under-trained. Lengths by rollout id 2 (six
+  times) then 30 twice, cycled: one group in four is all long, taking R = 8 rounds of 4 of
+  32 tokens, while the short ones end a step in a round. Below the bound (max_staleness
+  1 < R - 1 = 7) long groups are dropped: the trained answers are half the synchronous
+  mode's length (measured 0.55). At the bound none is dropped, and over 24 steps the
+  trained length is the synchronous one's but for the long groups still in flight at the
+  end (measured 0.94; it tends to 1 with the steps)."""
+  lengths = tmp_path / "lengths.txt"
+  lengths.write_text("2\n" * 6 + "30\n" * 2)
+  args = ["long-tail", "--prompts", "2", "--generations", "2", "--prompt_len", "4",
+          "--new_tokens", "32", "--lengths", str(lengths), "--max_tokens_per_step", "4",
+          "--steps", "24"]
+  _, below = bench.main([*args, "--max_staleness", "1"])
+  assert below["dropped_groups"] > 0 and below["trained_length_ratio"] < 0.7
+  sync, part = bench.main([*args, "--max_staleness", "7"])
+  assert sync["trained_length_mean"] == 9  # (3 x 2 + 30) / 4: the drawn mix, all trained
+  assert part["dropped_groups"] == 0 and part["trained_length_ratio"] >= 0.9
+
+
 def test_long_tail_bench_runs_synchronous_and_partial_side_by_side(tmp_path):
   # Issue 52: lengths from a file (2, 30, cycled by rollout id), so each group of G = 2 has
   # one row of 2 tokens and one of 30. Synchronous: a step of 2 groups decodes 29 steps

@@ -44,18 +44,46 @@ def _pool():
   return a
 
 
-def test_max_staleness_drops_exactly_the_groups_with_an_older_token():
+def test_below_the_bound_max_staleness_drops_exactly_the_groups_with_an_older_token():
   source = object.__new__(partial_rollouts.PartialRollouts)
   source.a, source.g, source.t, source.max_staleness = _pool(), 2, 4, 2
+  source.slack = -1  # max_staleness below R - 1: nothing can be admitted safely
   # At version 6 with max_staleness 2: group 10's oldest token is version 3 (staleness 3 >
   # 2: dropped, and its live row 0 freed), group 11's oldest is 4 (2: kept), group 12's is 2
-  # (4: dropped). 2 groups x G = 4 rollouts dropped.
-  assert source._drop_stale(6) == 4
+  # (4: dropped). 2 groups x G = 4 rollouts dropped, none re-queued.
+  assert source._drop_stale(6) == (0, 4)
   assert source.a["group_id_S"].tolist() == [-1, 11, -1, -1]
   assert source.a["holder_N"].tolist() == [-1, 2, 3]
   # At version 5 nothing is older than 2 versions but group 12's token 0 (staleness 3).
   source.a = _pool()
-  assert source._drop_stale(5) == 2 and source.a["group_id_S"].tolist() == [10, 11, -1, -1]
+  assert source._drop_stale(5) == (0, 2)
+  assert source.a["group_id_S"].tolist() == [10, 11, -1, -1]
+
+
+def test_at_the_bound_late_groups_are_requeued_not_lost_and_late_members_not_admitted():
+  """Issue 63: groups over max_staleness were dropped after their tokens were drawn, and
+  never re-queued, so the prompts that draw long answers were under-trained. At or above
+  the bound (slack = max_staleness - (R - 1) >= 0) such a group goes back to pending whole,
+  keeping its group id (first in line); and a group with a member still pending that
+  could no longer finish in time starts none of it: re-queued at admission."""
+  source = object.__new__(partial_rollouts.PartialRollouts)
+  source.a, source.g, source.t, source.max_staleness, source.slack = _pool(), 2, 4, 2, 0
+  # Version 6: groups 10 (oldest 3) and 12 (oldest 2) are over 2 versions: re-queued, their
+  # ids kept, every member pending with nothing drawn, group 10's live row 0 freed.
+  assert source._drop_stale(6) == (2, 0)
+  a = source.a
+  assert a["group_id_S"].tolist() == [10, 11, 12, -1]
+  assert a["status_SxG"][:3].tolist() == [[0, 0], [1, 1], [0, 0]]
+  assert a["length_SxG"][:3].tolist() == [[0, 0], [3, 1], [0, 0]]
+  assert a["holder_N"].tolist() == [-1, 2, 3]
+  # Admission at slack 0: only group 12 has a member pending; its oldest token (version
+  # 2) is 4 versions old at version 6 (> 0: it could not finish in time): re-queued. At
+  # version 2 it is 0 old: admitted, nothing changes.
+  source.a = _pool()
+  assert source._admit(2) == 0 and source.a["length_SxG"][2].tolist() == [2, 0]
+  assert source._admit(6) == 1
+  assert source.a["status_SxG"][:3].tolist() == [[2, 1], [1, 1], [0, 0]]
+  assert source.a["length_SxG"][2].tolist() == [0, 0]
 
 
 def _cut_and_resume(straight, cut, *, two_processes=False, **env):
@@ -87,7 +115,7 @@ def test_a_run_carries_rows_reports_them_and_resumes_exactly(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   # Rows of up to 8 tokens in rounds of 2 may span 4 steps; max_staleness 1 is said to drop
   # long answers more often, once, at startup.
-  assert proc.stderr.count("grpo.max_staleness=3 keeps every length") == 1
+  assert proc.stderr.count("grpo.max_staleness=3 or more keeps every length") == 1
   got = rows(straight)
   train = [got[("train", s)] for s in range(1, 5)]
   for key in ("rollout/live_fraction", "rollout/carried_rows", "rollout/rounds",

@@ -17,7 +17,10 @@ After one warm-up step each (the compile), --steps update batches of B x G rollo
 collected in each mode. Each line: decode steps, decode steps per trained token (the
 accelerator's cost: a decode step costs about the same with 10 live rows as with 500),
 the live fraction (live rows per decode step / rows), the rounds, the staleness of the
-trained tokens, and the wall time of the rounds here, with its ratio to the synchronous one.
+trained tokens, the groups dropped (below the staleness bound) and re-queued (at or above
+it), the mean trained completion length and its ratio to the synchronous mode's
+(`trained_length_ratio`: below 1 when long answers are lost), and the wall time of the
+rounds here, with its ratio to the synchronous one.
 
 Shapes (completion lengths, capped at --new_tokens): longtail: log-normal, median
 new_tokens / 8, sigma 1 (reasoning-like); uniform: uniform in [1, new_tokens]; embedded:
@@ -87,7 +90,8 @@ def run_mode(cfg, params, mesh, args, budget: int, lengths: np.ndarray) -> dict:
   source = partial_rollouts.PartialRollouts(config, engine, None, prompts)
   source.limit_of = lambda ids: lengths[np.asarray(ids) % TABLE]
   source.gather(params, 1)  # warm-up: the round program's compile
-  totals = {"decode_steps": 0, "trained_tokens": 0, "rounds": 0, "live": 0.0, "staleness": 0.0}
+  totals = {"decode_steps": 0, "trained_tokens": 0, "rounds": 0, "live": 0.0, "staleness": 0.0,
+            "dropped_groups": 0, "requeued_groups": 0, "trained_rollouts": 0}
   t0 = time.perf_counter()
   for s in range(args.steps):
     got, _, _, _, metrics = source.gather(params, 2 + s)  # frozen parameters: version s+1
@@ -96,6 +100,9 @@ def run_mode(cfg, params, mesh, args, budget: int, lengths: np.ndarray) -> dict:
     totals["rounds"] += metrics["rollout/rounds"]
     totals["live"] += metrics["rollout/live_fraction"] * metrics["rollout/decode_steps"]
     totals["staleness"] += metrics["staleness_mean"] * int(got["length_N"].sum())
+    totals["dropped_groups"] += metrics["rollout/dropped_groups"]
+    totals["requeued_groups"] += metrics["rollout/requeued_groups"]
+    totals["trained_rollouts"] += len(got["length_N"])
   jax.block_until_ready(source.state)
   wall = time.perf_counter() - t0
   return {"decode_steps": totals["decode_steps"], "trained_tokens": totals["trained_tokens"],
@@ -103,6 +110,9 @@ def run_mode(cfg, params, mesh, args, budget: int, lengths: np.ndarray) -> dict:
           "live_fraction": totals["live"] / max(totals["decode_steps"], 1),
           "rounds": totals["rounds"],
           "staleness_mean": totals["staleness"] / totals["trained_tokens"],
+          "dropped_groups": totals["dropped_groups"],
+          "requeued_groups": totals["requeued_groups"],
+          "trained_length_mean": totals["trained_tokens"] / totals["trained_rollouts"],
           "wall_s": round(wall, 3), "compilations": engine.compilations["train"]}
 
 
@@ -126,6 +136,10 @@ def run_long_tail(args) -> list[dict]:
         "decode_steps_ratio_to_synchronous": round(got["decode_steps_per_trained_token"]
                                                    / sync["decode_steps_per_trained_token"], 4),
         "wall_ratio_to_synchronous": round(got["wall_s"] / sync["wall_s"], 4),
+        # The mean trained completion length against the synchronous mode's on the same
+        # prompts: below 1 when the long answers are the ones lost (issue 63).
+        "trained_length_ratio": round(got["trained_length_mean"]
+                                      / sync["trained_length_mean"], 4),
         **common.machine(jax.devices(), start)})
   if args.reprefill:
     results.append(_reprefill(cfg, params, args, part, start))

@@ -8,12 +8,22 @@ rollouts of a prompt; each member pending, live in a sampler row, or done) and r
   pull     a prompt batch enters the pool (all its G x B/P rollouts pending) while every
            process has room for one and some process has more free sampler rows than
            pending rollouts; the processes pull together, so the data order stays global;
+  admit    a group whose members cannot all finish within grpo.max_staleness versions
+           (a member takes up to R = ceil(max_new_tokens / budget) rounds, so up to R - 1
+           versions, and may wait for a free row) starts none of its pending members: it
+           is re-queued (AReaL's rule that nothing drawn is thrown away, by admission);
   refill   pending rollouts take the free sampler rows, oldest group first;
   round    each live row draws at most max_tokens_per_step tokens (one compiled program);
   harvest  the rows that ended free up; each drawn token is stamped with the parameter
            version that drew it (the step's, minus one: updates so far);
-  drop     a group with a token older than grpo.max_staleness versions is dropped whole
-           (its live rows freed), counted in dropped_stale_fraction.
+  requeue  a group with a token older than grpo.max_staleness versions (one that waited
+           for the update, say) is re-queued whole: its members freed and pending again,
+           its prompt sampled afresh, first in line (it keeps its group id); nothing is
+           lost, so the prompts that draw long answers are trained as often as the rest.
+           Counted per step: rollout/requeued_groups (and dropped_stale_fraction, the
+           share of the step's finished-or-requeued rollouts that were requeued). Below
+           the bound (max_staleness < R - 1, warned at start-up) a group is dropped
+           instead, as it could never be admitted: rollout/dropped_groups.
 
 The step's update trains the B/P complete groups that entered first (a fixed number: the
 update's shapes never change); complete groups beyond them wait for the next step (the
@@ -77,6 +87,9 @@ class PartialRollouts(Source):
     self.engine, self.scorer, self.batches = engine, scorer, batches
     self.budget = gen.max_tokens_per_step
     self.max_staleness = g.max_staleness
+    # Versions a member may wait for a row and still finish in time (R rounds span up to
+    # R - 1 versions: a step runs at least one round); negative: below the bound.
+    self.slack = g.max_staleness - (-(-gen.max_new_tokens // gen.max_tokens_per_step) - 1)
     self.g = g.num_generations_per_prompt
     self.b_global = g.num_prompts_per_step
     self.b = batches.local_batch_size
@@ -132,8 +145,10 @@ class PartialRollouts(Source):
       self.state = self.engine.init_state()
     t0 = time.perf_counter()
     pulled, generated, live_sum, decode_steps, rounds, dropped = [], 0, 0.0, 0, 0, 0
+    requeued = 0
     while True:
       pulled += self._pull()
+      requeued += self._admit(version)
       refill_N = self._assign()
       active_N = a["holder_N"] >= 0
       if not distributed.any_process(bool(active_N.any())):
@@ -142,7 +157,8 @@ class PartialRollouts(Source):
       drawn, live, steps = self._round(params, refill_N, active_N, version)
       generated += drawn
       live_sum, decode_steps, rounds = live_sum + live, decode_steps + steps, rounds + 1
-      dropped += self._drop_stale(version)
+      late, lost = self._drop_stale(version)
+      requeued, dropped = requeued + late, dropped + lost
       if _min_all(int(self._complete().size)) >= self.b:
         break
     rollout_s = time.perf_counter() - t0
@@ -152,8 +168,10 @@ class PartialRollouts(Source):
     # This process's counts, summed over every process in one gather (staleness_max apart).
     counts = distributed.gather_rows(np.array([[
         dropped, len(got["length_N"]), stale.size, stale.sum(), generated,
-        (a["holder_N"] >= 0).sum(), stale.max() if stale.size else 0]], np.float64))[0]
-    dropped, trained_rows, tokens, stale_sum, generated, carried = counts[:, :6].sum(axis=0)
+        (a["holder_N"] >= 0).sum(), requeued, stale.max() if stale.size else 0]],
+        np.float64))[0]
+    dropped, trained_rows, tokens, stale_sum, generated, carried, requeued = counts[
+        :, :7].sum(axis=0)
     # live_sum counts every process's rows already (the round program's global sum).
     rows = len(a["holder_N"]) * jax.process_count()
     metrics = {
@@ -161,8 +179,11 @@ class PartialRollouts(Source):
         "rollout/carried_rows": int(carried),
         "rollout/rounds": rounds,
         "staleness_mean": float(stale_sum / max(tokens, 1.0)),
-        "staleness_max": int(counts[:, 6].max()),
-        "dropped_stale_fraction": float(dropped / max(dropped + trained_rows, 1.0)),
+        "staleness_max": int(counts[:, 7].max()),
+        "dropped_stale_fraction": float((dropped + requeued * self.g)
+                                        / max(dropped + requeued * self.g + trained_rows, 1.0)),
+        "rollout/requeued_groups": int(requeued),
+        "rollout/dropped_groups": int(dropped // self.g),
         # decode steps this step ran (every process runs the same rounds)
         "rollout/decode_steps": int(decode_steps)}
     return got, pulled, rollout_s, int(generated), metrics
@@ -240,18 +261,47 @@ class PartialRollouts(Source):
     return int((count - np.where(active_N, before, count)).sum()), float(r.live_sum), int(
         r.steps)
 
-  def _drop_stale(self, version: int) -> int:
-    """Drops every group holding a token drawn more than max_staleness versions ago (its
-    tokens can only grow older); returns the rollouts dropped."""
+  def _oldest(self, version: int) -> np.ndarray:
+    """Each group's oldest drawn version (`version` where none is drawn yet)."""
     a = self.a
-    used = a["group_id_S"] >= 0
     started = np.arange(self.t)[None, None] < a["length_SxG"][..., None]
-    oldest = np.where(started, a["version_SxGxT"], version).min(axis=(1, 2))
-    stale = np.flatnonzero(used & (version - oldest > self.max_staleness))
+    return np.where(started, a["version_SxGxT"], version).min(axis=(1, 2))
+
+  def _requeue(self, slots) -> None:
+    """Groups back to pending whole (their members' rows freed), keeping their group ids:
+    their prompts are sampled afresh, first in line."""
+    a = self.a
+    for s in slots:
+      a["holder_N"][np.isin(a["holder_N"], s * self.g + np.arange(self.g))] = -1
+      a["status_SxG"][s] = PENDING
+      a["length_SxG"][s], a["stopped_SxG"][s] = 0, False
+
+  def _admit(self, version: int) -> int:
+    """Re-queues each group with a member still pending that could no longer finish
+    within max_staleness versions of the group's oldest token (module docstring's admit);
+    returns how many."""
+    a = self.a
+    if self.slack < 0:
+      return 0
+    waiting = (a["group_id_S"] >= 0) & (a["status_SxG"] == PENDING).any(axis=1)
+    late = np.flatnonzero(waiting & (version - self._oldest(version) > self.slack))
+    self._requeue(late)
+    return len(late)
+
+  def _drop_stale(self, version: int) -> tuple[int, int]:
+    """Groups holding a token more than max_staleness versions old (their tokens can only
+    grow older): re-queued, or below the bound dropped. Returns (groups re-queued,
+    rollouts dropped)."""
+    a = self.a
+    stale = np.flatnonzero((a["group_id_S"] >= 0)
+                           & (version - self._oldest(version) > self.max_staleness))
+    if self.slack >= 0:
+      self._requeue(stale)
+      return len(stale), 0
     for s in stale:
       a["holder_N"][np.isin(a["holder_N"], s * self.g + np.arange(self.g))] = -1
       a["group_id_S"][s] = -1
-    return len(stale) * self.g
+    return 0, len(stale) * self.g
 
   def _complete(self) -> np.ndarray:
     a = self.a
@@ -338,13 +388,15 @@ def _check_partial(c, num_devices: int) -> None:
       config_checks.fail(name, c[section][field],
                          f"{needed!r} ({why}) with {key}={budget}; or {key}=0")
   # A step runs at least one round, so a rollout at the length cap spans up to this many
-  # steps: a smaller max_staleness can drop it, a bias against long answers that no error
-  # would show (dropped_stale_fraction counts it).
+  # steps: below that bound no group that draws one can be admitted, and such groups are
+  # dropped, a bias against long answers that no error would show.
   rounds = -(-gen.max_new_tokens // budget)
   if g.max_staleness < rounds - 1:
     warnings.warn(
         f"grpo.max_staleness={g.max_staleness} with {key}={budget}: a rollout of "
         f"max_new_tokens={gen.max_new_tokens} may take {rounds} rounds and so span {rounds} "
-        f"steps, and one older than {g.max_staleness + 1} steps is dropped: long answers may "
-        f"be dropped more often than short ones (dropped_stale_fraction); "
-        f"grpo.max_staleness={rounds - 1} keeps every length", stacklevel=2)
+        f"steps, and a group holding a token older than {g.max_staleness} versions is "
+        f"dropped: long answers may be dropped more often than short ones "
+        f"(rollout/dropped_groups); grpo.max_staleness={rounds - 1} or more keeps every "
+        "length: a group that could not finish in time is then re-queued, never dropped "
+        "(rollout/requeued_groups)", stacklevel=2)
