@@ -23,10 +23,11 @@ def params():
   return peaked_params(CFG)
 
 
-def _engine(mesh, scan_layers):
+def _engine(mesh, scan_layers, decode_block=0):
   profiles = {"train": sampling.Profile(SP, 1, T), "val": sampling.Profile(SP, 1, T)}
   return partial.PartialEngine(CFG, mesh, profiles, rows=8, max_prompt_length=L, eos_id=EOS,
-                               pad_id=PAD, seed=0, scan_layers=scan_layers)
+                               pad_id=PAD, seed=0, scan_layers=scan_layers,
+                               decode_block=decode_block)
 
 
 def _decode(engine, params, budget, order):
@@ -63,6 +64,32 @@ def test_a_carried_rollout_equals_the_uninterrupted_one(params, scan_layers, axe
   np.testing.assert_array_equal(tokens3, tokens)
   np.testing.assert_array_equal(logp3, logp)
   assert engine.compilations == {"train": 1, "val": 0}  # one program for every budget
+
+
+def test_partial_rollouts_read_the_cache_in_key_blocks_each_row_at_its_own_slot(params,
+                                                                                monkeypatch):
+  """Issue 63: partial rollouts refused generation.decode_block_size (each row is at its
+  own slot; the blocked read took one slot for all), so the long preset needed it set to 0.
+  The decode step now reads the blocks up to the furthest row's, each row masked at its
+  own slot. With blocks of 4 slots (12 = 3 blocks): the same tokens as reading every slot,
+  log-probs to float rounding (an online softmax), and a carried rollout still equals the
+  uninterrupted one exactly (the extra, fully masked blocks add exact zeros)."""
+  from jaxgrpo.model import decode  # pylint: disable=g-import-not-at-top
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  (tokens, logp, count), _ = _decode(_engine(mesh, False), params, T, np.arange(8))
+  traced, blocks = [], decode._attend_blocks  # pylint: disable=protected-access
+  monkeypatch.setattr(decode, "_attend_blocks",
+                      lambda *a, **k: traced.append(np.ndim(a[5])) or blocks(*a, **k))
+  blocked = _engine(mesh, False, decode_block=4)
+  (tokens_b, logp_b, count_b), _ = _decode(blocked, params, T, np.arange(8))
+  (tokens_3, logp_3, count_3), rounds = _decode(blocked, params, 3, np.arange(8)[::-1])
+  np.testing.assert_array_equal(count_b, count)
+  np.testing.assert_array_equal(tokens_b, tokens)
+  np.testing.assert_allclose(logp_b, logp, atol=1e-5)
+  assert rounds == 4 and traced and set(traced) == {1}  # blocks read, a slot per row
+  np.testing.assert_array_equal(count_3, count_b)
+  np.testing.assert_array_equal(tokens_3, tokens_b)
+  np.testing.assert_array_equal(logp_3, logp_b)
 
 
 def test_the_draws_are_keyed_by_rollout_and_token_index():

@@ -249,7 +249,7 @@ def _attend(q_BxKxGxRxD, layer_k, layer_v, prompt_k, prompt_v, prompt_bias, i,
   s_prompt = jnp.einsum("bkmd,bkdp->bkmp", q_BxKxGxRxD.reshape(b, hk, g * r, d),
                         prompt_k, preferred_element_type=f32) + prompt_bias
   s_prompt = s_prompt.reshape(b, hk, g, r, -1)
-  if block and jnp.ndim(i) == 0:
+  if block:
     return _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block,
                           window, layer)
   if layer is not None:
@@ -276,7 +276,9 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
                    window=None, layer=None):
   """_attend with the generated keys read block by block up to slot i (online softmax):
   the running max m, sum l and output acc start from the prompt's keys, and each block
-  rescales them by exp(m_old - m_new). Each block is sliced from the stacked caches
+  rescales them by exp(m_old - m_new). i: one slot for every row, or one per row [B]
+  (partial rollouts' rows, each at its own step): the blocks up to the furthest row's are
+  read, and each row sees its own slots only. Each block is sliced from the stacked caches
   directly when `layer` is given: slicing the layer out first materialised a copy of it
   every token-step (the 16k preset's step read 3x its floor; issue 62)."""
   b, hk, g, r, d = q_BxKxGxRxD.shape
@@ -293,10 +295,11 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
     k_blk = _slots(layer_k, layer, start, block, axis=4)  # [b,hk,g,d,blk]
     v_blk = _slots(layer_v, layer, start, block, axis=3)  # [b,hk,g,blk,d]
     s = jnp.einsum("bkgrd,bkgdt->bkgrt", q_BxKxGxRxD, k_blk, preferred_element_type=f32)
-    slots = start + jnp.arange(block)
-    seen = slots <= i
+    slots, at = _at_slot(i, s.shape, s.ndim - 1)
+    slots = start + slots
+    seen = slots <= at
     if window is not None:
-      seen = seen & (i - slots < window)
+      seen = seen & (at - slots < window)
     s = jnp.where(seen, s, _NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     scale, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
@@ -307,7 +310,7 @@ def _attend_blocks(q_BxKxGxRxD, layer_k, layer_v, prompt_v, s_prompt, i, block: 
 
   # As a fori_loop to blocks_read(i, block), with the cache's block count in the condition
   # too (never the smaller): the compiled loop then carries its bound (runtime/tpu_cost).
-  n, total = blocks_read(i, block), layer_v.shape[-2] // block
+  n, total = blocks_read(jnp.max(i), block), layer_v.shape[-2] // block
   _, (m, l, acc) = jax.lax.while_loop(lambda c: (c[0] < n) & (c[0] < total),
                                       lambda c: (c[0] + 1, one_block(c[0], c[1])),
                                       (jnp.int32(0), (m, l, acc)))
@@ -330,9 +333,9 @@ def step(w: Weights, cfg: model_lib.ModelConfig, tokens_BxG, positions_B, i, cac
   """Logits [B, G, V] (float32) for the tokens fed at decode step i, and the cache with
   their keys and values written at slot i. All G samples of prompt b sit at
   positions_B[b] (prompt length + i - 1). i is a scalar (every row at the same step, the
-  sampler) or one step per row, i_B (the JetStream adapter's slots). block > 0 (a scalar i
-  only; the cache made with the same block): read the generated keys a block at a time, up
-  to slot i's block (see the module docstring). mesh: the sampler's, on which a mixture's
+  sampler) or one step per row, i_B (the JetStream adapter's slots, partial rollouts'
+  rows). block > 0 (the cache made with the same block): read the generated keys a block
+  at a time, up to slot i's block, the furthest row's for i_B (see the module docstring). mesh: the sampler's, on which a mixture's
   experts run expert-parallel (decoder.experts_layer).
 
   Activations are feature-major, x [d_model, N] with N = B*G rows as columns, so every

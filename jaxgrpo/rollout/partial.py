@@ -81,8 +81,9 @@ def _rows_where(refill_N, new, old, row_axis: int):
 
 
 def init_state(cfg: model_lib.ModelConfig, rows: int, max_prompt_length: int,
-               max_new_tokens: int, stacked: bool) -> State:
-  """Every row free: an empty cache, no tokens."""
+               max_new_tokens: int, stacked: bool, block: int = 0) -> State:
+  """Every row free: an empty cache (its generated slots whole key blocks of `block`, the
+  decode step's), no tokens."""
   dt = model_lib.DTYPES[cfg.dtype]
   shape = (rows, cfg.num_kv_heads, max_prompt_length, cfg.head_dim)
   if stacked:
@@ -90,7 +91,7 @@ def init_state(cfg: model_lib.ModelConfig, rows: int, max_prompt_length: int,
   else:
     ks = vs = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
   cache = decode.init_cache(ks, vs, jnp.zeros((rows, max_prompt_length), bool), cfg, 1,
-                            max_new_tokens, stacked)
+                            max_new_tokens, stacked, block)
   return State(cache, jnp.zeros((rows, max_new_tokens), jnp.int32),
                jnp.zeros((rows, max_new_tokens), jnp.float32),
                jnp.zeros((rows,), jnp.int32), jnp.zeros((rows, max_new_tokens), jnp.float32))
@@ -99,12 +100,14 @@ def init_state(cfg: model_lib.ModelConfig, rows: int, max_prompt_length: int,
 def round_(params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL, rollout_ids_N,
            active_N, limit_N, budget, key, *, cfg: model_lib.ModelConfig, profile: sampling.Profile,
            eos_id, pad_id: int, mesh=None, scan_layers: bool | None = None,
-           attention: str | None = None, gather_weights: bool = True) -> tuple[State, Round]:
+           attention: str | None = None, gather_weights: bool = True,
+           block: int = 0) -> tuple[State, Round]:
   """One round (module docstring). refill_N: rows that start the rollout rollout_ids_N[n]
   from prompt n; active_N: rows that hold a rollout (a refilled one, or one carried on);
   limit_N: the most tokens row n's rollout may have (max_new_tokens; a benchmark's scripted
   policy ends each row at a drawn length); budget: the most tokens a row draws this round;
-  gather_weights: sampling.sample's."""
+  gather_weights: sampling.sample's; block: the decode step's key block (each row reads
+  its own slots, the blocks up to the furthest row's: decode.step with a slot per row)."""
   sp, t = profile.sampling, profile.max_new_tokens
   n = refill_N.shape[0]
   stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
@@ -163,7 +166,7 @@ def round_(params, state: State, refill_N, prompt_tokens_NxL, prompt_mask_NxL, r
     slot = jnp.maximum(count - 1, 0)
     fed = tokens[rows, slot]
     logits, cache = decode.step(weights, cfg, fed.reshape(n, 1), prompt_len_N + slot, slot,
-                                cache, mesh=mesh)
+                                cache, block, mesh=mesh)
     at = jnp.minimum(count, t - 1)
     u_N = None if sp.greedy else u[rows, at]
     new, logp, _ = distribution.draw(logits[:, 0], u_N, sp)
@@ -190,7 +193,8 @@ def state_shardings(mesh, stacked: bool) -> State:
 
 def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_id,
                   pad_id: int, mesh, on_trace=None, scan_layers: bool | None = None,
-                  attention: str | None = None, gather_weights: bool = True):
+                  attention: str | None = None, gather_weights: bool = True,
+                  block: int = 0):
   """jit(round_) with explicit shardings; the state is donated (updated in place)."""
   stacked = model_lib.resolve_scan_layers(scan_layers, model_lib.platform_of(mesh))
 
@@ -200,7 +204,7 @@ def compile_round(cfg: model_lib.ModelConfig, profile: sampling.Profile, *, eos_
     return round_(params, state, refill, tokens, mask, ids, active, limit, budget, key,
                   cfg=cfg, profile=profile, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
                   scan_layers=scan_layers, attention=attention,
-                  gather_weights=gather_weights)
+                  gather_weights=gather_weights, block=block)
 
   rows2, rows1 = sharding_lib.batch_sharding(mesh, 2), sharding_lib.batch_sharding(mesh, 1)
   rep = sharding_lib.replicated(mesh)
@@ -233,7 +237,7 @@ class PartialEngine(sampling.RolloutEngine):
                                 pad_id=self.pad_id, mesh=self.mesh,
                                 on_trace=functools.partial(self._count, "train"),
                                 scan_layers=self.scan_layers, attention=self.attention,
-                                gather_weights=self.gather_weights)
+                                gather_weights=self.gather_weights, block=self.decode_block)
     return {"val": samplers["val"]}
 
   @property
@@ -255,7 +259,8 @@ class PartialEngine(sampling.RolloutEngine):
     n, width = self.rows * jax.process_count(), self.max_prompt_length
     program = compile_round(self.cfg, self.profile("train"), eos_id=self.eos_id,
                             pad_id=self.pad_id, mesh=self.mesh, scan_layers=self.scan_layers,
-                            attention=self.attention, gather_weights=self.gather_weights)
+                            attention=self.attention, gather_weights=self.gather_weights,
+                            block=self.decode_block)
     rows1 = lambda dtype: sds((n,), dtype)
     return [("train sampler", program.lower(
         params, self.state_like(), rows1(bool), sds((n, width), jnp.int32),
@@ -271,7 +276,8 @@ class PartialEngine(sampling.RolloutEngine):
     self._check_rows(self.rows)
     rows = self.rows * jax.process_count()
     make = jax.jit(functools.partial(init_state, self.cfg, rows, self.max_prompt_length,
-                                     self.profiles["train"].max_new_tokens, self.stacked),
+                                     self.profiles["train"].max_new_tokens, self.stacked,
+                                     self.decode_block),
                    out_shardings=state_shardings(self.mesh, self.stacked))
     return make()
 
@@ -280,7 +286,7 @@ class PartialEngine(sampling.RolloutEngine):
     rows = self.rows * jax.process_count()
     shapes = jax.eval_shape(functools.partial(
         init_state, self.cfg, rows, self.max_prompt_length,
-        self.profiles["train"].max_new_tokens, self.stacked))
+        self.profiles["train"].max_new_tokens, self.stacked, self.decode_block))
     # The shardings are a tree prefix (one per cache field: every layer's array).
     return jax.tree.map(lambda sh, sub: jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), sub),

@@ -318,7 +318,7 @@ def make_engine(c, model_cfg, tokenizer, mesh, val_k: int | None = None):
     return partial.PartialEngine(
         model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
         rows=g.num_prompts_per_step * g.num_generations_per_prompt // jax.process_count(),
-        attention=attention(c, mesh, model_cfg), **common)
+        decode_block=gen.decode_block_size, attention=attention(c, mesh, model_cfg), **common)
   return sampling.RolloutEngine(model_cfg, mesh, profiles, scan_layers=scan_layers(c, mesh),
                                 decode_block=gen.decode_block_size,
                                 compact_stages=gen.compact_stages,

@@ -364,7 +364,6 @@ _NEEDS = {
     "grpo.num_iterations": (1, "the decoupled objective's proximal policy is then the step's "
                             "parameters, with no extra forward pass"),
     "generation.compact_stages": (0, "rows that end are refilled, not compacted"),
-    "generation.decode_block_size": (0, "each row reads its own slots"),
 }
 
 
