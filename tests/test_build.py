@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxgrpo.model import sharding as sharding_lib
-from jaxgrpo.rollout import partial, sampling, turns
+from jaxgrpo.rollout import partial, sampling
 from jaxgrpo.run import build, partial_rollouts, rollouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
