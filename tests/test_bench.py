@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import cli  # tests/cli.py
@@ -367,6 +368,18 @@ def test_at_the_staleness_bound_no_group_is_lost_and_long_answers_train_as_often
   sync, part = bench.main([*args, "--max_staleness", "7"])
   assert sync["trained_length_mean"] == 9  # (3 x 2 + 30) / 4: the drawn mix, all trained
   assert part["dropped_groups"] == 0 and part["trained_length_ratio"] >= 0.9
+
+
+def test_context_imbalance_counts_each_chips_causal_pairs_by_hand():
+  # Issue 63's figure, the contiguous split: one sequence of 2 prompt + 6 completion
+  # tokens fills a packed row of 8 split over 2 context chips. Position j attends to j + 1
+  # keys: chip 0 (positions 0-3) 1 + 2 + 3 + 4 = 10 pairs, chip 1 (4-7) 5 + 6 + 7 + 8 = 26;
+  # max / mean = 26 / 18. Two sequences of 4 instead: 10 and 10, even.
+  from jaxgrpo.bench import packing as bench_packing  # pylint: disable=g-import-not-at-top
+  batch = {"prompt_mask_BxL": np.array([[True, True]])}
+  assert bench_packing.context_spread(batch, np.array([6]), 2, 8) == pytest.approx(26 / 18)
+  two = {"prompt_mask_BxL": np.array([[True, True], [True, True]])}
+  assert bench_packing.context_spread(two, np.array([2, 2]), 2, 8) == pytest.approx(1.0)
 
 
 def test_long_tail_bench_runs_synchronous_and_partial_side_by_side(tmp_path):

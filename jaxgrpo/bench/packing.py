@@ -28,6 +28,13 @@ does (packing.balance), and `chip_imbalance_contiguous`, the same for the contig
 the batch sharding gives (the layout before issue 63). Every chip runs as many micro-batches
 as the fullest, so 1.37 means the others idle 27% of the loop. Padded layouts compute the
 same rows on every chip: 1.0.
+
+--context C: each line also says how a packed row's causal attention work spreads over the
+C chips of a context group (`context_imbalance`, max over the C chips / mean of the
+query-key pairs each one's positions attend to, counted from the packed rows' segments and
+causality): the contiguous split the update uses today (chip c the c-th C-th of the row).
+A load-balanced layout (chunk i with chunk 2C-1-i) is issue 63's, not built yet. Padded
+layouts: 1.0 (not computed).
 """
 
 from __future__ import annotations
@@ -137,6 +144,8 @@ def run_packing(args) -> list[dict]:
     whole_s = median if whole_s is None else whole_s
     spread = (chip_spread(batch, lengths, args.chips, width, values["micro_batch_tokens"])
               if "micro_batch_tokens" in values else (1.0, 1.0))
+    context = (context_spread(batch, lengths, args.context, values["micro_batch_tokens"])
+               if "micro_batch_tokens" in values and args.context > 1 else 1.0)
     real = float(batch["prompt_mask_BxL"].sum() + batch["completion_mask_NxT"].sum())
     padded = 1 - real / (args.prompts * args.prompt_len + n * args.new_tokens)
     results.append({
@@ -146,9 +155,28 @@ def run_packing(args) -> list[dict]:
         "micro_batches": int(aux.get("packed_micro_batches", 1 if not values.get(
             "micro_batch_size") else n // values["micro_batch_size"])),
         "chips": args.chips, "chip_imbalance": spread[0],
-        "chip_imbalance_contiguous": spread[1],
+        "chip_imbalance_contiguous": spread[1], "context": args.context,
+        "context_imbalance": context,
         "loss": float(aux["loss"]), **common.machine(jax.devices(), start_load)})
   return results
+
+
+def context_spread(batch, completion_N, context: int, budget: int) -> float:
+  """max / mean over the `context` chips of a context group of the causal query-key pairs
+  their positions attend to, summed over the packed rows of one device holding every
+  rollout (first fit, as the update packs): a position j of a sequence attends to j + 1
+  keys, and chip c holds positions [c S / C, (c + 1) S / C) of each row."""
+  generations = len(completion_N) // len(batch["prompt_mask_BxL"])
+  seq_N = (np.repeat(batch["prompt_mask_BxL"].sum(axis=1), generations)
+           + completion_N).astype(np.int32)
+  bins = packing.max_micro_batches(len(seq_N), int(seq_N.max()), budget)
+  bin_N, offset_N, _ = jax.device_get(packing.first_fit(jnp.asarray(seq_N), budget, bins))
+  work_C = np.zeros(context)
+  share = -(-budget // context)
+  for length, offset in zip(seq_N, offset_N):
+    positions = offset + np.arange(length)  # the sequence's slots in its packed row
+    np.add.at(work_C, positions // share, np.arange(1, length + 1))
+  return float(work_C.max() / work_C.mean())
 
 
 def chip_spread(batch, completion_N, chips: int, width: int, budget: int):
@@ -189,6 +217,9 @@ def add_parsers(sub) -> None:
                  "new_tokens), e.g. 1,2")
   p.add_argument("--micro_batch_size", type=common.at_least(0), default=0,
                  help="also the padded update in micro-batches of this many rollouts")
+  p.add_argument("--context", type=common.at_least(1), default=1,
+                 help="also the causal attention work's spread over this many context chips "
+                 "of a packed row (context_imbalance)")
   p.add_argument("--remat", choices=tuple(model_lib.REMAT_POLICIES), default="none")
   p.add_argument("--reps", type=common.at_least(1), default=3)
   p.add_argument("--seed", type=int, default=0)
