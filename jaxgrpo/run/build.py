@@ -179,7 +179,7 @@ def attention(c, mesh, model_cfg=None) -> str:
 
 def loss_config(c, mesh, model_cfg=None) -> grpo.LossConfig:
   """The GRPO loss settings of a run config, on `mesh`."""
-  g = c.grpo
+  g, kind = c.grpo, kind_of(c)
   return grpo.LossConfig(
       num_generations=g.num_generations_per_prompt, beta=g.beta, kl_type=g.kl_type,
       epsilon=g.epsilon, epsilon_high=g.epsilon_high, loss_agg=g.loss_agg,
@@ -191,8 +191,8 @@ def loss_config(c, mesh, model_cfg=None) -> grpo.LossConfig:
       lora_rank=c.model.lora_rank,
       lora_scale=c.model.lora_alpha / c.model.lora_rank if c.model.lora_rank else 0.0,
       lora_targets=lora.parse_targets(c.model.lora_targets) if c.model.lora_rank else (),
-      trained_mask=kind_of(c).episodes,
-      importance_weight_cap=g.importance_weight_cap if kind_of(c).partial else 0.0,
+      trained_mask=kind.episodes,
+      importance_weight_cap=g.importance_weight_cap if kind.partial else 0.0,
       router_aux_loss_coef=g.router_aux_loss_coef, mesh=mesh)
 
 

@@ -53,6 +53,12 @@ PENDING, LIVE, DONE = 0, 1, 2
 POOL_BATCHES = 3
 
 
+def rounds_at_cap(gen) -> int:
+  """R: the rounds (so, a step running at least one, the steps) a rollout at the length
+  cap takes; max_staleness >= R - 1 is the bound at which no group need be dropped."""
+  return -(-gen.max_new_tokens // gen.max_tokens_per_step)
+
+
 def _min_all(x: int) -> int:
   return int(distributed.gather_rows(np.array([x]))[0].min())
 
@@ -89,7 +95,7 @@ class PartialRollouts(Source):
     self.max_staleness = g.max_staleness
     # Versions a member may wait for a row and still finish in time (R rounds span up to
     # R - 1 versions: a step runs at least one round); negative: below the bound.
-    self.slack = g.max_staleness - (-(-gen.max_new_tokens // gen.max_tokens_per_step) - 1)
+    self.slack = g.max_staleness - (rounds_at_cap(gen) - 1)
     self.g = g.num_generations_per_prompt
     self.b_global = g.num_prompts_per_step
     self.b = batches.local_batch_size
@@ -267,12 +273,17 @@ class PartialRollouts(Source):
     started = np.arange(self.t)[None, None] < a["length_SxG"][..., None]
     return np.where(started, a["version_SxGxT"], version).min(axis=(1, 2))
 
+  def _free_rows(self, s: int) -> None:
+    """The sampler rows decoding group slot s's members, freed."""
+    holder = self.a["holder_N"]
+    holder[np.isin(holder, s * self.g + np.arange(self.g))] = -1
+
   def _requeue(self, slots) -> None:
     """Groups back to pending whole (their members' rows freed), keeping their group ids:
     their prompts are sampled afresh, first in line."""
     a = self.a
     for s in slots:
-      a["holder_N"][np.isin(a["holder_N"], s * self.g + np.arange(self.g))] = -1
+      self._free_rows(s)
       a["status_SxG"][s] = PENDING
       a["length_SxG"][s], a["stopped_SxG"][s] = 0, False
 
@@ -299,7 +310,7 @@ class PartialRollouts(Source):
       self._requeue(stale)
       return len(stale), 0
     for s in stale:
-      a["holder_N"][np.isin(a["holder_N"], s * self.g + np.arange(self.g))] = -1
+      self._free_rows(s)
       a["group_id_S"][s] = -1
     return 0, len(stale) * self.g
 
@@ -389,7 +400,7 @@ def _check_partial(c, num_devices: int) -> None:
   # A step runs at least one round, so a rollout at the length cap spans up to this many
   # steps: below that bound no group that draws one can be admitted, and such groups are
   # dropped, a bias against long answers that no error would show.
-  rounds = -(-gen.max_new_tokens // budget)
+  rounds = rounds_at_cap(gen)
   if g.max_staleness < rounds - 1:
     warnings.warn(
         f"grpo.max_staleness={g.max_staleness} with {key}={budget}: a rollout of "
